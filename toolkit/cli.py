@@ -1,0 +1,139 @@
+"""The `toolkit` command. Each handler is a few lines calling a library function.
+
+Nothing heavy is imported at module level: `toolkit --help` must not pay for torch or deepspeed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from toolkit import __version__
+
+OFFLOADS = ("none", "cpu", "nvme")
+PRECISIONS = ("bf16", "fp16", "fp32", "auto")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _cmd_gen_config(args: argparse.Namespace) -> int:
+    from toolkit import ds_config as dc
+
+    if args.all:
+        out_dir = Path(args.output or "ds_configs")
+        if out_dir.exists() and not out_dir.is_dir():
+            raise dc.ConfigError(f"{out_dir} is not a directory")
+        for name in dc.PRESETS:
+            path = out_dir / f"{name}.json"
+            dc.write_config(dc.preset(name), path, force=args.force)
+            print(f"wrote {path}")
+        return 0
+    if args.stage is None:
+        raise dc.ConfigError("give --stage {0,1,2,3} or --all")
+    cfg = dc.gen_config(
+        args.stage,
+        offload_optimizer=args.offload_optimizer,
+        offload_param=args.offload_param,
+        nvme_path=args.nvme_path,
+        precision=args.precision,
+        micro_batch=args.micro_batch,
+        grad_accum=args.grad_accum,
+        world_size=args.world_size,
+    )
+    if args.output:
+        dc.write_config(cfg, Path(args.output), force=args.force)
+        print(f"wrote {args.output}")
+    else:
+        sys.stdout.write(dc.dumps(cfg))
+    return 0
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from toolkit.checks import run_check
+
+    return run_check(args)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from toolkit.report import run_report
+
+    return run_report(args)
+
+
+def _cmd_env(args: argparse.Namespace) -> int:
+    from toolkit.envcheck import run_env
+
+    return run_env(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="toolkit", description="DeepSpeed ZeRO training toolkit")
+    parser.add_argument("--version", action="version", version=f"toolkit {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    g = sub.add_parser("gen-config", help="write a DeepSpeed ZeRO config",
+                       description="Generate a DeepSpeed config. Values the training config owns are \"auto\".")
+    g.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage")
+    g.add_argument("--offload-optimizer", choices=OFFLOADS, default="none", help="optimizer state offload")
+    g.add_argument("--offload-param", choices=OFFLOADS, default="none", help="parameter offload (stage 3 only)")
+    g.add_argument("--nvme-path", default="/local_nvme", help="NVMe directory for nvme offload")
+    g.add_argument("--precision", choices=PRECISIONS, default="auto", help="auto: from the training config")
+    g.add_argument("--micro-batch", type=_positive_int, help="fix train_micro_batch_size_per_gpu")
+    g.add_argument("--grad-accum", type=_positive_int, help="fix gradient_accumulation_steps")
+    g.add_argument("--world-size", type=_positive_int, help="with both above, fixes train_batch_size")
+    g.add_argument("-o", "--output", help="file to write (a directory with --all); stdout if omitted")
+    g.add_argument("--force", action="store_true", help="overwrite existing files")
+    g.add_argument("--all", action="store_true", help="write the standard preset set (default dir ds_configs/)")
+    g.set_defaults(func=_cmd_gen_config)
+
+    c = sub.add_parser("check", help="validate a DeepSpeed config before launch",
+                       description="Static rules plus DeepSpeed's own validation. Exit 0: will run; 1: will not; 2: usage.")
+    c.add_argument("file", help="DeepSpeed JSON/HJSON config")
+    c.add_argument("--world-size", type=_positive_int, default=1, help="data-parallel world size of the launch")
+    c.add_argument("--optimizer", default=None,
+                   help="client optimizer the training code passes (e.g. torch.adamw, bnb.adamw8bit, DeepSpeedCPUAdam); "
+                        "omit when the config's optimizer section is used")
+    c.add_argument("--path", choices=("trainer", "raw"), default="trainer", help="which training path reads it")
+    c.add_argument("--micro-batch", type=_positive_int, default=None, help="micro batch the training config gives")
+    c.add_argument("--grad-accum", type=_positive_int, default=None, help="accumulation the training config gives")
+    c.add_argument("--json", action="store_true", help="print findings as a JSON list")
+    c.set_defaults(func=_cmd_check)
+
+    r = sub.add_parser("report", help="tables and a memory plot from a run directory")
+    r.add_argument("run_dir", help="run directory written by toolkit/train.py")
+    r.add_argument("-o", "--output", default=None, help="where to write report.md and memory.png (default: RUN_DIR)")
+    r.set_defaults(func=_cmd_report)
+
+    e = sub.add_parser("env", help="pre-flight checks: versions, GPUs, op builds, NCCL, hosts")
+    e.add_argument("--hostfile", default=None, help="check that every host answers ssh in batch mode")
+    e.add_argument("--ssh-timeout", type=float, default=5.0, help="seconds per host")
+    e.add_argument("--no-build", action="store_true", help="skip the DeepSpeed op build checks")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=_cmd_env)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    from toolkit.ds_config import ConfigError
+
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,178 @@
+"""Typed training config: dataclass defaults + YAML + `key=value` overrides (omegaconf stays inside).
+
+Unknown keys and values of the wrong type are errors that name the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from toolkit.ds_config import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    """A preset (tiny, gpt2-124m, qwen2-0.5b, llama-1b, bert-large; random init, no download) or a local HF model directory."""
+    task: str = "causal_lm"
+    """causal_lm (SFT: prompt tokens masked with -100) or seq_cls (sequence classification)."""
+    num_labels: int = 2
+    """Classes for seq_cls."""
+    attn_implementation: str = "sdpa"
+    """eager, sdpa, or flash_attention_2 (when flash-attn is installed)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward; turns use_cache off."""
+    tokenizer: str | None = None
+    """Local tokenizer directory for text data; defaults to the model directory."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"
+    """synthetic (embedded, learnable) or a local .jsonl / .parquet / .txt file."""
+    num_samples: int = 256
+    """Synthetic samples to generate."""
+    seq_len: int = 64
+    """Maximum tokens per sample (synthetic samples have exactly this length)."""
+    prompt_field: str = "prompt"
+    """jsonl/parquet column holding the prompt (masked from the loss)."""
+    response_field: str = "response"
+    """jsonl/parquet column holding the response (trained on)."""
+    text_field: str = "text"
+    """Column with plain text (no masking) when prompt/response columns are absent."""
+    label_field: str = "label"
+    """Column with the class for seq_cls."""
+    packing: bool = False
+    """Concatenate samples into seq_len blocks (causal_lm only)."""
+    shuffle: bool = True
+    """Shuffle with the run seed; the same order on both paths."""
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    """Module names LoRA wraps (peft's target_modules)."""
+
+
+@dataclass
+class TrainConfig:
+    path: str = "trainer"
+    """trainer (HF Trainer) or raw (deepspeed.initialize loop)."""
+    ds_config: str = "ds_configs/zero2.json"
+    """DeepSpeed JSON; "auto" values are filled from this config."""
+    precision: str = "bf16"
+    """bf16, fp16 or fp32. On CPU bf16 falls back to fp32 unless precision_strict."""
+    micro_batch_size: int = 4
+    grad_accum: int = 1
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    warmup_steps: int = 2
+    max_steps: int = 20
+    """Optimizer steps; 0 means one epoch."""
+    seed: int = 1234
+    log_every: int = 1
+    save_every: int = 0
+    """DeepSpeed checkpoint every N steps (0: only at the end)."""
+    resume: str | None = None
+    """latest, or a checkpoint tag, to continue from run_dir/checkpoints."""
+    export: bool = True
+    """Write an HF directory (safetensors) or a LoRA adapter at the end."""
+    run_dir: str = "runs/default"
+    stop_after: int = 0
+    """Stop (with a checkpoint) after this many steps, keeping the schedule of max_steps: for resume tests."""
+
+
+@dataclass
+class MemoryConfig:
+    every: int = 10
+    """Snapshot every N optimizer steps (0: phases only)."""
+    spread_warn_gib: float = 2.0
+    """Warn when max-min of allocated across ranks passes this."""
+
+
+@dataclass
+class EvalConfig:
+    generate: bool = False
+    """Generate from eval prompts at the end of training."""
+    num_prompts: int = 3
+    max_new_tokens: int = 16
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        t = self.train
+        checks = [
+            (t.path in ("trainer", "raw"), f"train.path must be trainer or raw, got {t.path!r}"),
+            (t.precision in ("bf16", "fp16", "fp32"), f"train.precision must be bf16, fp16 or fp32, got {t.precision!r}"),
+            (t.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
+            (t.grad_accum >= 1, "train.grad_accum must be >= 1"),
+            (t.max_steps >= 0, "train.max_steps must be >= 0"),
+            (t.lr > 0, "train.lr must be > 0"),
+            (len(t.betas) == 2, "train.betas must have two values"),
+            (self.model.task in ("causal_lm", "seq_cls"), f"model.task must be causal_lm or seq_cls, got {self.model.task!r}"),
+            (self.model.attn_implementation in ("eager", "sdpa", "flash_attention_2"),
+             f"model.attn_implementation must be eager, sdpa or flash_attention_2, got {self.model.attn_implementation!r}"),
+            (self.data.seq_len >= 8, "data.seq_len must be >= 8"),
+            (self.data.num_samples >= 1, "data.num_samples must be >= 1"),
+            (not (self.data.packing and self.model.task != "causal_lm"), "data.packing needs model.task=causal_lm"),
+            (self.lora.r >= 1, "lora.r must be >= 1"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(msg)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults < YAML file < `section.key=value` overrides, validated against the dataclasses."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    schema = OmegaConf.structured(Config)
+    try:
+        merged = schema
+        if path is not None:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"{p}: no such config file")
+            merged = OmegaConf.merge(merged, OmegaConf.load(p))
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"overrides must look like section.key=value, got {bad[0]!r}")
+        if overrides:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        obj = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        msg = str(e).splitlines()[0]
+        raise ConfigError(f"config key {key}: {msg}" if key else f"config: {msg}") from None
+    assert isinstance(obj, Config)
+    return obj
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    path.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))

@@ -1,0 +1,320 @@
+"""DeepSpeed JSON as plain dicts: presets (`toolkit gen-config`), loading, and "auto" resolution.
+
+Pure dict code: no torch, no deepspeed import, so the CLI stays fast and tests stay trivial.
+
+Ownership (DESIGN.md "one home per knob"): the training config owns batch sizes, precision,
+clipping and optimizer hyper-parameters, so presets carry "auto" for them; the JSON owns stage,
+offload, buckets, overlap and gather-on-save.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+Offload = Literal["none", "cpu", "nvme"]
+Precision = Literal["bf16", "fp16", "fp32", "auto"]
+AUTO = "auto"
+
+# name -> (stage, optimizer offload, parameter offload): the standard set `gen-config --all` writes.
+PRESETS: dict[str, tuple[int, Offload, Offload]] = {
+    "zero0": (0, "none", "none"),
+    "zero1": (1, "none", "none"),
+    "zero2": (2, "none", "none"),
+    "zero3": (3, "none", "none"),
+    "zero2_offload": (2, "cpu", "none"),
+    "zero3_offload": (3, "cpu", "cpu"),
+    "zero3_offload_nvme": (3, "nvme", "nvme"),
+}
+DEFAULT_NVME_PATH = "/local_nvme"
+
+
+class ConfigError(ValueError):
+    """A config the toolkit refuses; the message says what to change."""
+
+
+def _offload_block(device: Offload, nvme_path: str, *, param: bool) -> dict[str, Any]:
+    if device == "cpu":
+        return {"device": "cpu", "pin_memory": True}
+    block: dict[str, Any] = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": True}
+    # DeepSpeed's documented defaults for NVMe buffers (ZeRO-Infinity tutorial).
+    block |= {"buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000} if param else {"buffer_count": 4}
+    return block
+
+
+def gen_config(
+    stage: int,
+    offload_optimizer: Offload = "none",
+    offload_param: Offload = "none",
+    nvme_path: str = DEFAULT_NVME_PATH,
+    precision: Precision = "auto",
+    micro_batch: int | None = None,
+    grad_accum: int | None = None,
+    world_size: int | None = None,
+) -> dict[str, Any]:
+    """Build a DeepSpeed config dict. Batch numbers stay "auto" unless given."""
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"stage must be 0, 1, 2 or 3, got {stage}")
+    if offload_param != "none" and stage != 3:
+        raise ConfigError("parameter offload needs stage 3 (DeepSpeed ignores offload_param below it)")
+    if offload_optimizer != "none" and stage == 0:
+        raise ConfigError("optimizer offload needs ZeRO stage 1, 2 or 3")
+    for name, value in (("micro_batch", micro_batch), ("grad_accum", grad_accum), ("world_size", world_size)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{name} must be >= 1, got {value}")
+
+    cfg: dict[str, Any] = {
+        "train_batch_size": AUTO,
+        "train_micro_batch_size_per_gpu": micro_batch if micro_batch is not None else AUTO,
+        "gradient_accumulation_steps": grad_accum if grad_accum is not None else AUTO,
+        "gradient_clipping": AUTO,
+    }
+    if micro_batch is not None and grad_accum is not None and world_size is not None:
+        cfg["train_batch_size"] = micro_batch * grad_accum * world_size
+
+    if precision == "auto":
+        cfg["bf16"] = {"enabled": AUTO}
+        cfg["fp16"] = {"enabled": AUTO, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                       "hysteresis": 2, "min_loss_scale": 1}
+    elif precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif precision == "fp16":
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                       "hysteresis": 2, "min_loss_scale": 1}
+    elif precision != "fp32":
+        raise ConfigError(f"precision must be bf16, fp16, fp32 or auto, got {precision!r}")
+
+    # A config optimizer (not a client torch one) so that offload gets DeepSpeedCPUAdam.
+    cfg["optimizer"] = {"type": "AdamW",
+                        "params": {"lr": AUTO, "betas": AUTO, "eps": AUTO, "weight_decay": AUTO}}
+
+    zero: dict[str, Any] = {"stage": stage}
+    if stage >= 1:
+        zero |= {"overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": AUTO}
+    if stage == 2:
+        zero |= {"allgather_partitions": True, "allgather_bucket_size": 200_000_000, "reduce_scatter": True}
+    if stage == 3:
+        zero |= {
+            "stage3_prefetch_bucket_size": AUTO,
+            "stage3_param_persistence_threshold": AUTO,
+            "stage3_max_live_parameters": 1_000_000_000,
+            "stage3_max_reuse_distance": 1_000_000_000,
+            "sub_group_size": 1_000_000_000,
+            # Without this, save_model under ZeRO-3 writes empty tensors.
+            "stage3_gather_16bit_weights_on_model_save": True,
+        }
+    if offload_optimizer != "none":
+        zero["offload_optimizer"] = _offload_block(offload_optimizer, nvme_path, param=False)
+    if offload_param != "none":
+        zero["offload_param"] = _offload_block(offload_param, nvme_path, param=True)
+    cfg["zero_optimization"] = zero
+    if "nvme" in (offload_optimizer, offload_param):
+        cfg["aio"] = {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 1,
+                      "single_submit": False, "overlap_events": True}
+    cfg["steps_per_print"] = 1_000_000_000  # the toolkit prints its own progress
+    cfg["wall_clock_breakdown"] = False
+    return cfg
+
+
+def preset(name: str) -> dict[str, Any]:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    stage, opt, par = PRESETS[name]
+    return gen_config(stage, opt, par)
+
+
+def dumps(cfg: dict[str, Any]) -> str:
+    return json.dumps(cfg, indent=2) + "\n"
+
+
+def write_config(cfg: dict[str, Any], path: Path, force: bool = False) -> None:
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory; give a file path")
+    if path.exists() and not force:
+        raise ConfigError(f"{path} exists; pass --force to overwrite")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dumps(cfg))
+
+
+def load_ds_config(path: str | Path) -> dict[str, Any]:
+    """Load a DeepSpeed config the way DeepSpeed does: hjson, duplicate keys rejected.
+
+    Errors are ConfigError with one line (file, line and column for syntax errors).
+    """
+    import hjson  # deepspeed's own dependency and parser
+
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"{p}: no such file")
+    if p.is_dir():
+        raise ConfigError(f"{p}: is a directory, expected a DeepSpeed JSON file")
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: cannot read: {e}") from None
+
+    def no_dups(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for k, v in pairs:
+            if k in seen:
+                raise ConfigError(f"{p}: duplicate key {k!r}")
+            seen[k] = v
+        return seen
+
+    try:
+        data = hjson.loads(text, object_pairs_hook=no_dups)
+    except hjson.HjsonDecodeError as e:
+        raise ConfigError(f"{p}:{e.lineno}:{e.colno}: syntax error: {e.msg}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: top level must be an object, got {type(data).__name__}")
+    return _plain(data)
+
+
+def _plain(obj: Any) -> Any:
+    """hjson returns OrderedDicts; make plain containers so comparisons and json.dumps behave."""
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def iter_leaves(cfg: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(cfg, dict):
+        for k, v in cfg.items():
+            yield from iter_leaves(v, f"{prefix}.{k}" if prefix else k)
+    else:
+        yield prefix, cfg
+
+
+@dataclass(frozen=True)
+class AutoValues:
+    """What the training side knows; fills every "auto" in a DeepSpeed dict."""
+
+    micro_batch: int
+    grad_accum: int
+    world_size: int
+    precision: Literal["bf16", "fp16", "fp32"]
+    grad_clip: float
+    lr: float
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    hidden_size: int | None = None
+    warmup_steps: int = 0
+    total_steps: int | None = None
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.micro_batch * self.grad_accum * self.world_size
+
+
+def _auto_table(v: AutoValues) -> dict[str, Any]:
+    """dotted key -> value, with the HF Trainer / Accelerate conventions for the bucket sizes."""
+    table: dict[str, Any] = {
+        "train_batch_size": v.train_batch_size,
+        "train_micro_batch_size_per_gpu": v.micro_batch,
+        "gradient_accumulation_steps": v.grad_accum,
+        "gradient_clipping": v.grad_clip,
+        "bf16.enabled": v.precision == "bf16",
+        "fp16.enabled": v.precision == "fp16",
+        "optimizer.params.lr": v.lr,
+        "optimizer.params.betas": list(v.betas),
+        "optimizer.params.eps": v.eps,
+        "optimizer.params.weight_decay": v.weight_decay,
+        "scheduler.params.warmup_min_lr": 0.0,
+        "scheduler.params.warmup_max_lr": v.lr,
+        "scheduler.params.warmup_num_steps": v.warmup_steps,
+    }
+    if v.total_steps is not None:
+        table["scheduler.params.total_num_steps"] = v.total_steps
+    if v.hidden_size is not None:
+        h = v.hidden_size
+        table |= {
+            "zero_optimization.reduce_bucket_size": h * h,
+            "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * h * h),
+            "zero_optimization.stage3_param_persistence_threshold": 10 * h,
+        }
+    return table
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b or (a == b and type(a) is type(b))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return abs(float(a) - float(b)) <= 1e-12 * max(1.0, abs(float(a)), abs(float(b)))
+    return a == b
+
+
+def _get(cfg: dict[str, Any], dotted: str) -> tuple[bool, Any]:
+    node: Any = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def _set(cfg: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    node = cfg
+    for part in parents:
+        node = node[part]
+    node[last] = value
+
+
+def resolve(ds: dict[str, Any], values: AutoValues) -> dict[str, Any]:
+    """Return a copy of `ds` with no "auto" left.
+
+    Raw DeepSpeed drops nested "auto" silently and crashes on top-level "auto", so the raw loop must
+    resolve exactly as the HF Trainer does. Explicit values that disagree with the training config
+    are collected and reported together (like Accelerate's DeepSpeed glue), not one at a time.
+    """
+    out = copy.deepcopy(ds)
+    table = _auto_table(values)
+    mismatches: list[str] = []
+    for key, want in table.items():
+        present, have = _get(out, key)
+        if not present:
+            continue
+        if have == AUTO:
+            _set(out, key, want)
+        elif key.startswith("bf16") or key.startswith("fp16"):
+            # precision enabled flags: an explicit True that the training config contradicts
+            if bool(have) != bool(want):
+                mismatches.append(f"{key}={have!r} but the training config says precision={values.precision}")
+        elif key.startswith("scheduler.") or key.startswith("zero_optimization."):
+            continue  # explicit values here are the JSON's to own
+        elif not _same(have, want):
+            mismatches.append(f"{key}={have!r} but the training config gives {want!r}")
+    leftover = [k for k, v in iter_leaves(out) if v == AUTO]
+    if leftover:
+        # "auto" on a key no one knows how to fill: say so instead of letting DeepSpeed drop it.
+        mismatches += [f"{k}='auto' has no value the toolkit can fill; set it explicitly" for k in leftover]
+    if mismatches:
+        raise ConfigError("DeepSpeed config disagrees with the training config:\n  " + "\n  ".join(mismatches))
+    return out
+
+
+def precision_of(ds: dict[str, Any]) -> str | None:
+    """The precision an explicit config pins, or None when it leaves it to the training config."""
+    _, bf = _get(ds, "bf16.enabled")
+    _, fp = _get(ds, "fp16.enabled")
+    if bf is True:
+        return "bf16"
+    if fp is True:
+        return "fp16"
+    if bf == AUTO or fp == AUTO:
+        return None
+    return "fp32"
+
+
+def zero_stage(ds: dict[str, Any]) -> int:
+    _, stage = _get(ds, "zero_optimization.stage")
+    return int(stage) if isinstance(stage, (int, float)) and not isinstance(stage, bool) else 0
