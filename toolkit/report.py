@@ -19,7 +19,7 @@ PHASE_ORDER = ("model_loaded", "engine_ready", "first_step", "step", "final", "o
 GPU_KEYS = ("allocated_gib", "reserved_gib", "peak_allocated_gib", "peak_reserved_gib", "nvml_used_gib")
 MEMORY_REQUIRED = ("phase", "step")
 NUMERIC_MEMORY = (*GPU_KEYS, "host_rss_gib", "alloc_retries", "oom_count")
-METRIC_KEYS = ("loss", "lr", "tokens_per_s", "samples_per_s", "grad_norm", "elapsed_s")
+METRIC_KEYS = ("loss", "lr", "tokens_per_s", "samples_per_s", "step_time_s", "grad_norm", "elapsed_s")
 
 
 @dataclass
@@ -294,6 +294,7 @@ def throughput_summary(data: RunData) -> tuple[str, list[str]]:
     rows.append(["steps logged", f"{len(m)} (steps {m[0]['step']}..{m[-1]['step']})"])
     rows.append(["median tokens/s (excl. first step)", _fmt(med("tokens_per_s"), 1)])
     rows.append(["median samples/s (excl. first step)", _fmt(med("samples_per_s"), 2)])
+    rows.append(["median step time s (excl. first step)", _fmt(med("step_time_s"), 3)])
     rows.append(
         ["first loss", "-" if first_loss is None else f"{first_loss['loss']:.4f} (step {first_loss['step']})"]
     )
