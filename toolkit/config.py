@@ -66,8 +66,8 @@ class TrainConfig:
     """trainer (HF Trainer) or raw (deepspeed.initialize loop)."""
     ds_config: str = "ds_configs/zero2.json"
     """DeepSpeed JSON; "auto" values are filled from this config."""
-    precision: str = "bf16"
-    """bf16, fp16 or fp32. On CPU bf16 falls back to fp32 unless precision_strict."""
+    precision: str = "auto"
+    """bf16, fp16, fp32, or auto: the DeepSpeed JSON's if it pins one, else bf16 on GPUs that support it, fp32 on CPU."""
     micro_batch_size: int = 4
     grad_accum: int = 1
     lr: float = 1e-3
@@ -87,6 +87,8 @@ class TrainConfig:
     export: bool = True
     """Write an HF directory (safetensors) or a LoRA adapter at the end."""
     run_dir: str = "runs/default"
+    save_probe: bool = False
+    """Save the final engine's logits on two samples (probe.pt) to verify the export against."""
     stop_after: int = 0
     """Stop (with a checkpoint) after this many steps, keeping the schedule of max_steps: for resume tests."""
 
@@ -123,7 +125,8 @@ class Config:
         t = self.train
         checks = [
             (t.path in ("trainer", "raw"), f"train.path must be trainer or raw, got {t.path!r}"),
-            (t.precision in ("bf16", "fp16", "fp32"), f"train.precision must be bf16, fp16 or fp32, got {t.precision!r}"),
+            (t.precision in ("auto", "bf16", "fp16", "fp32"),
+             f"train.precision must be auto, bf16, fp16 or fp32, got {t.precision!r}"),
             (t.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
             (t.grad_accum >= 1, "train.grad_accum must be >= 1"),
             (t.max_steps >= 0, "train.max_steps must be >= 0"),

@@ -1,0 +1,76 @@
+"""Run-directory snapshot and the final export (HF safetensors directory or a LoRA adapter).
+
+Saving is a collective under ZeRO-3 (weights are gathered from every rank), so every rank calls
+`export_model`; only rank 0 writes. The export lands in `<dir>.tmp` and is renamed when complete,
+so a crash never leaves a half-written directory that looks like a result.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from toolkit import dist
+from toolkit.config import Config, save_config
+
+PACKAGES = ("torch", "deepspeed", "transformers", "peft", "datasets", "accelerate")
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for pkg in PACKAGES:
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def write_run_files(run_dir: Path, cfg: Config, ds: dict[str, Any], extra: dict[str, Any]) -> None:
+    """Rank 0: exactly what ran: the resolved training config, DeepSpeed dict and versions."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    (run_dir / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
+    (run_dir / "versions.json").write_text(json.dumps(versions() | extra, indent=2) + "\n")
+
+
+def write_status(run_dir: Path, status: str, **fields: Any) -> None:
+    if dist.rank() == 0:
+        (run_dir / "status.json").write_text(json.dumps({"status": status, **fields}, indent=2) + "\n")
+
+
+def gathered_state_dict(engine: Any) -> dict[str, Any] | None:
+    """Full weights on rank 0 (None elsewhere). Collective under ZeRO-3.
+
+    ZeRO-3 parameters are empty placeholders on every rank; `module.state_dict()` would save
+    zero-size tensors. DeepSpeed's consolidated 16-bit gather returns real tensors (fp32 when
+    training in fp32, despite the name).
+    """
+    if engine.zero_optimization_partition_weights():
+        return engine._zero3_consolidated_16bit_state_dict()
+    return engine.module.state_dict() if dist.rank() == 0 else None
+
+
+def export_model(engine: Any, out_dir: Path, tokenizer: Any | None = None) -> Path | None:
+    """Write an HF directory (safetensors) or, for a PEFT model, the adapter directory. All ranks call."""
+    state = gathered_state_dict(engine)
+    if dist.rank() == 0:
+        assert state is not None
+        empty = [k for k, v in state.items() if v.numel() == 0]
+        if empty:
+            raise RuntimeError(f"refusing to export empty tensors (e.g. {empty[0]}): gather failed")
+        tmp = out_dir.with_name(out_dir.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        module = engine.module
+        # PeftModel.save_pretrained keeps only the adapter weights of the full state dict.
+        module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        tmp.rename(out_dir)
+    dist.barrier()
+    return out_dir

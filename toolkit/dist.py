@@ -1,0 +1,88 @@
+"""Process-group helpers. `prepare_env` must run before deepspeed is first imported."""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+
+def prepare_env() -> list[str]:
+    """Pick the accelerator and fix environment traps before `import deepspeed`; returns notes to print.
+
+    DeepSpeed reads DS_ACCELERATOR once, at its first import, so this must come first.
+    """
+    import torch
+
+    notes: list[str] = []
+    if not torch.cuda.is_available() and "DS_ACCELERATOR" not in os.environ:
+        os.environ["DS_ACCELERATOR"] = "cpu"
+        notes.append("no CUDA device: running on CPU (DS_ACCELERATOR=cpu, gloo)")
+    try:
+        from toolkit.cuda_arch import sanitize_cuda_arch_list
+    except ImportError:  # pragma: no cover - module ships with the toolkit
+        return notes
+    msg = sanitize_cuda_arch_list(os.environ)
+    if msg:
+        notes.append(msg)
+    return notes
+
+
+def on_cpu() -> bool:
+    return os.environ.get("DS_ACCELERATOR") == "cpu"
+
+
+def init_distributed() -> None:
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo" if on_cpu() else "nccl")
+    if not on_cpu():
+        import torch
+
+        torch.cuda.set_device(local_rank())
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def device() -> Any:
+    import torch
+
+    return torch.device("cpu") if on_cpu() else torch.device("cuda", local_rank())
+
+
+def seed_all(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Sum floats across ranks (no-op on one process)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device())
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,303 @@
+"""The two training paths behind toolkit/train.py: HF Trainer and a raw deepspeed.initialize loop.
+
+Shared by both: the resolved DeepSpeed dict, the model (built after the DeepSpeed config is alive,
+so ZeRO-3 partitions it at construction), the batch order, the token-count loss normalization,
+the warmup+cosine schedule (transformers' own function), metrics, memory snapshots and export.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from toolkit import dist
+from toolkit.checkpoint import export_model, write_run_files, write_status
+from toolkit.data import (
+    IGNORE_INDEX,
+    Collator,
+    EpochOrder,
+    ListDataset,
+    ShardedBatches,
+    build_rows,
+    even_rows,
+)
+from toolkit.memory import MemoryCallback, MemoryMonitor
+from toolkit.metrics import MetricsLogger, TokenCounter
+from toolkit.model import build_model, build_tokenizer, check_first_loss, is_preset
+
+if TYPE_CHECKING:
+    from toolkit.train import Plan
+
+
+class CountingCollator(Collator):
+    """The collator plus a token counter for tokens/s (the same object serves both paths)."""
+
+    def __init__(self, pad_id: int, task: str, counter: TokenCounter) -> None:
+        super().__init__(pad_id=pad_id, task=task)
+        self.counter = counter
+
+    def __call__(self, batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        out = super().__call__(batch)
+        self.counter.add(out)
+        return out
+
+
+def run(p: Plan) -> int:
+    cfg = p.cfg
+    rank = dist.rank()
+    if rank == 0:
+        write_run_files(p.run_dir, cfg, p.ds, {"world_size": p.world_size, "precision": p.precision,
+                                               "path": cfg.train.path})
+        write_status(p.run_dir, "running")
+    dist.barrier()
+    mem = MemoryMonitor(p.run_dir, rank, p.world_size, dist.local_rank(), every=cfg.memory.every,
+                        spread_warn_gib=cfg.memory.spread_warn_gib)
+    tokenizer = build_tokenizer(cfg)
+    keep_alive = _deepspeed_config_alive(p)  # must exist before the model under ZeRO-3
+    model = build_model(cfg, p.model_config)
+    mem.phase_boundary("model_loaded", 0)
+
+    pad_id = tokenizer.pad_token_id if tokenizer is not None else p.model_config.pad_token_id or 0
+    rows = build_rows(cfg, p.model_config.vocab_size, pad_id, tokenizer)
+    rows = even_rows(rows, cfg.train.micro_batch_size * cfg.train.grad_accum, p.world_size)
+    counter = TokenCounter()
+    collator = CountingCollator(pad_id, cfg.model.task, counter)
+    order = EpochOrder(len(rows), cfg.train.seed, cfg.data.shuffle)
+    state = {"phase": "engine_ready", "step": 0}
+    try:
+        with mem.oom_guard(lambda: (state["phase"], state["step"])):
+            if cfg.train.path == "trainer":
+                engine, step, stopped = _run_trainer(p, keep_alive, model, ListDataset(rows), collator, order,
+                                                     counter, mem, state)
+            else:
+                engine, step, stopped = _run_raw(p, model, ListDataset(rows), collator, order, counter, mem, state)
+            state["phase"] = "final"
+            _finish(p, engine, tokenizer, rows, stopped)
+            if cfg.train.path == "raw":  # the Trainer path's final snapshot comes from MemoryCallback
+                mem.phase_boundary("final", step)
+    except BaseException as e:
+        write_status(p.run_dir, "failed", error=f"{type(e).__name__}: {e}"[:2000])
+        raise
+    write_status(p.run_dir, "stopped" if stopped else "completed", steps=step)
+    return 0
+
+
+def _deepspeed_config_alive(p: Plan) -> Any:
+    """Trainer path: TrainingArguments owns an HfTrainerDeepSpeedConfig; raw path: HfDeepSpeedConfig.
+
+    transformers consults a weak reference to it when building a model, so the object must stay
+    referenced until the engine exists; otherwise ZeRO-3 silently builds the full model per rank.
+    """
+    if p.cfg.train.path == "trainer":
+        return _training_args(p)
+    from transformers.integrations import HfDeepSpeedConfig
+
+    return HfDeepSpeedConfig(p.ds)
+
+
+def _training_args(p: Plan) -> Any:
+    from transformers import TrainingArguments
+
+    t = p.cfg.train
+    save_steps = t.save_every or t.stop_after or 0
+    return TrainingArguments(
+        output_dir=str(p.run_dir / "checkpoints"),
+        per_device_train_batch_size=t.micro_batch_size,
+        gradient_accumulation_steps=t.grad_accum,
+        learning_rate=t.lr, weight_decay=t.weight_decay, adam_beta1=t.betas[0], adam_beta2=t.betas[1],
+        adam_epsilon=t.eps, max_grad_norm=t.grad_clip,
+        lr_scheduler_type="cosine", warmup_steps=t.warmup_steps, max_steps=p.total_steps,
+        logging_steps=t.log_every, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        bf16=p.precision == "bf16", fp16=p.precision == "fp16",
+        seed=t.seed, data_seed=t.seed, report_to=[], disable_tqdm=True, dataloader_drop_last=True,
+        remove_unused_columns=False, deepspeed=p.ds, use_cpu=dist.on_cpu(),
+    )
+
+
+def _first_step(p: Plan, step: int, loss: float, mem: MemoryMonitor) -> None:
+    mem.phase_boundary("first_step", step)
+    first_loss_check(p, loss)
+
+
+def first_loss_check(p: Plan, loss: float) -> None:
+    msg = check_first_loss(loss, p.model_config.vocab_size, p.cfg.model.task, not is_preset(p.cfg.model.name))
+    if msg:
+        raise RuntimeError(msg)
+
+
+# ----------------------------------------------------------------------------- HF Trainer path
+
+
+def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator: CountingCollator,
+                 order: EpochOrder, counter: TokenCounter, mem: MemoryMonitor,
+                 state: dict[str, Any]) -> tuple[Any, int, bool]:
+    from transformers import PrinterCallback, Trainer, TrainerCallback
+    from transformers.trainer_utils import get_last_checkpoint
+
+    t = p.cfg.train
+
+    class ToolkitTrainer(Trainer):
+        def _get_train_sampler(self, train_dataset: Any = None) -> EpochOrder:
+            return order  # the raw loop deals the same order to the same ranks
+
+    metrics = MetricsLogger(p.run_dir, p.total_steps, counter)
+
+    class Hooks(TrainerCallback):
+        def on_train_begin(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
+            state["phase"] = "train"
+            metrics.start(st.global_step)
+
+        def on_step_end(self, args: Any, st: Any, control: Any, **kw: Any) -> Any:
+            state["step"] = st.global_step
+            if t.stop_after and st.global_step >= t.stop_after:
+                control.should_save = True
+                control.should_training_stop = True
+            return control
+
+        def on_log(self, args: Any, st: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
+            if not logs or "loss" not in logs:
+                return
+            metrics.log(st.global_step, float(logs["loss"]), float(logs.get("learning_rate", 0.0)),
+                        logs.get("grad_norm"))
+            if st.global_step == 1:  # memory's first_step snapshot comes from MemoryCallback
+                first_loss_check(p, float(logs["loss"]))
+
+    trainer = ToolkitTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
+                             callbacks=[Hooks(), MemoryCallback(mem)])
+    trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl replace its dict prints
+    resume = None
+    if t.resume:
+        ckpt_root = Path(args.output_dir)
+        resume = get_last_checkpoint(str(ckpt_root)) if t.resume == "latest" else str(ckpt_root / t.resume)
+        if not resume or not Path(resume).is_dir():
+            raise FileNotFoundError(f"train.resume={t.resume}: no checkpoint under {ckpt_root}")
+    trainer.train(resume_from_checkpoint=resume)
+    metrics.close()
+    step = trainer.state.global_step
+    stopped = bool(t.stop_after and step >= t.stop_after and step < p.total_steps)
+    return trainer.model_wrapped, step, stopped
+
+
+# ----------------------------------------------------------------------------- raw loop
+
+
+def _lr_schedule(p: Plan) -> Any:
+    from transformers import get_cosine_schedule_with_warmup
+
+    total, warmup = p.total_steps, p.cfg.train.warmup_steps
+    return lambda optimizer: get_cosine_schedule_with_warmup(optimizer, warmup, total)
+
+
+def _micro_batches(loader: torch.utils.data.DataLoader, sampler: ShardedBatches, epoch: int) -> Iterator[Any]:
+    while True:
+        sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: CountingCollator, order: EpochOrder,
+             counter: TokenCounter, mem: MemoryMonitor, state: dict[str, Any]) -> tuple[Any, int, bool]:
+    import deepspeed
+
+    t = p.cfg.train
+    world, rank = p.world_size, dist.rank()
+    params = [q for q in model.parameters() if q.requires_grad]
+    engine, _, _, scheduler = deepspeed.initialize(model=model, model_parameters=params, config=p.ds,
+                                                   lr_scheduler=_lr_schedule(p))
+    ckpt_dir = p.run_dir / "checkpoints"
+    step = 0
+    if t.resume:
+        path, client = engine.load_checkpoint(str(ckpt_dir), tag=None if t.resume == "latest" else t.resume)
+        if path is None:
+            raise FileNotFoundError(f"train.resume={t.resume}: no DeepSpeed checkpoint under {ckpt_dir}")
+        step = int(client["step"])
+    mem.phase_boundary("engine_ready", step)
+
+    sampler = ShardedBatches(order, t.micro_batch_size, rank, world)
+    per_epoch = len(sampler)  # micro-batches per rank per epoch, a multiple of grad_accum
+    consumed = step * t.grad_accum
+    sampler.skip = consumed % per_epoch
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collator)
+    stream = _micro_batches(loader, sampler, consumed // per_epoch)
+    causal = p.cfg.model.task == "causal_lm"
+    device = dist.device()
+    metrics = MetricsLogger(p.run_dir, p.total_steps, counter)
+    metrics.start(step)
+    state["phase"] = "train"
+    total = p.total_steps
+    last = min(total, t.stop_after) if t.stop_after else total
+    engine.train()
+    while step < last:
+        batches = [next(stream) for _ in range(t.grad_accum)]
+        n_items = _label_count(batches) if causal else None
+        acc = torch.zeros((), device=device)
+        for b in batches:
+            b = {k: v.to(device) for k, v in b.items()}
+            if causal:
+                # Token-level mean over the whole accumulation window and all ranks, the same
+                # normalization the HF Trainer uses (model returns sum/n_items; DeepSpeed then
+                # averages over ranks, hence x world; no extra 1/grad_accum).
+                loss = engine(**b, num_items_in_batch=n_items).loss * world
+                engine.backward(loss, scale_wrt_gas=False)
+                acc += loss.detach()
+            else:
+                loss = engine(**b).loss
+                engine.backward(loss)
+                acc += loss.detach() / t.grad_accum
+            engine.step()
+        step += 1
+        state["step"] = step
+        loss_val = dist.all_reduce_sum([float(acc)])[0] / world
+        grad_norm = engine.get_global_grad_norm()
+        if step % t.log_every == 0 or step == last:
+            metrics.log(step, loss_val, scheduler.get_last_lr()[0],
+                        None if grad_norm is None else float(grad_norm))
+        if step == 1:
+            _first_step(p, step, loss_val, mem)
+        else:
+            mem.maybe_step(step)
+        if (t.save_every and step % t.save_every == 0) or (t.stop_after and step == last and step < total):
+            engine.save_checkpoint(str(ckpt_dir), tag=f"global_step{step}", client_state={"step": step})
+    metrics.close()
+    return engine, step, step < total
+
+
+def _label_count(batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """Predicted tokens in the accumulation window on all ranks (labels shift by one)."""
+    local = sum(int((b["labels"][..., 1:] != IGNORE_INDEX).sum()) for b in batches)
+    total = dist.all_reduce_sum([float(local)])[0]
+    return torch.tensor(total, device=dist.device())
+
+
+# ----------------------------------------------------------------------------- end of run
+
+
+def _finish(p: Plan, engine: Any, tokenizer: Any, rows: list[dict[str, Any]], stopped: bool) -> None:
+    cfg = p.cfg
+    if cfg.train.save_probe:
+        _save_probe(p, engine, rows)
+    if stopped or not cfg.train.export:
+        return
+    out = p.run_dir / ("adapter" if cfg.lora.enabled else "export")
+    t0 = time.perf_counter()
+    export_model(engine, out, tokenizer)
+    if dist.rank() == 0:
+        print(f"exported {out} in {time.perf_counter() - t0:.1f}s", flush=True)
+
+
+@torch.no_grad()
+def _save_probe(p: Plan, engine: Any, rows: list[dict[str, Any]]) -> None:
+    """Logits of the trained engine on two fixed samples, to compare with the exported weights."""
+    collate = Collator(pad_id=p.model_config.pad_token_id or 0, task=p.cfg.model.task)
+    batch = collate(rows[:2])
+    engine.eval()
+    out = engine(input_ids=batch["input_ids"].to(dist.device()), attention_mask=batch["attention_mask"].to(dist.device()))
+    if dist.rank() == 0:
+        torch.save({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+                    "logits": out.logits.float().cpu()}, p.run_dir / "probe.pt")
+    engine.train()
+

@@ -1,0 +1,75 @@
+"""Throughput and loss: a rank-0 progress bar and run_dir/metrics.jsonl, the same for both paths."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from toolkit import dist
+
+
+@dataclass
+class TokenCounter:
+    """Counts the real (non-pad) tokens and samples the collator hands out on this rank."""
+
+    tokens: int = 0
+    samples: int = 0
+
+    def add(self, batch: dict[str, Any]) -> None:
+        self.tokens += int(batch["attention_mask"].sum())
+        self.samples += int(batch["attention_mask"].shape[0])
+
+
+@dataclass
+class MetricsLogger:
+    run_dir: Path
+    total_steps: int
+    counter: TokenCounter
+    is_main: bool = field(default_factory=lambda: dist.rank() == 0)
+
+    def __post_init__(self) -> None:
+        self._t0 = self._last_t = time.perf_counter()
+        self._last_tokens = self._last_samples = 0
+        self._last_step = 0
+        self._bar = None
+        if self.is_main:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.total_steps, desc="train", dynamic_ncols=True, mininterval=0.5)
+
+    def start(self, step: int) -> None:
+        """Resume-aware start: step counts and clock from here."""
+        self._last_step = step
+        self._last_t = time.perf_counter()
+        self._last_tokens, self._last_samples = self.counter.tokens, self.counter.samples
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.refresh()
+
+    def log(self, step: int, loss: float, lr: float, grad_norm: float | None) -> dict[str, Any] | None:
+        """Collective (all ranks call): sums token counts across ranks, rank 0 writes the line."""
+        now = time.perf_counter()
+        tokens, samples = dist.all_reduce_sum([float(self.counter.tokens - self._last_tokens),
+                                               float(self.counter.samples - self._last_samples)])
+        dt = max(now - self._last_t, 1e-9)
+        rec = {"step": step, "loss": loss, "lr": lr,
+               "grad_norm": None if grad_norm is None else float(grad_norm),
+               "tokens_per_s": tokens / dt, "samples_per_s": samples / dt,
+               "step_time_s": dt / max(step - self._last_step, 1), "elapsed_s": now - self._t0}
+        self._last_t, self._last_step = now, step
+        self._last_tokens, self._last_samples = self.counter.tokens, self.counter.samples
+        if not self.is_main:
+            return None
+        with (self.run_dir / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}", lr=f"{lr:.2e}")
+            self._bar.update(step - self._bar.n)
+        return rec
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

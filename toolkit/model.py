@@ -1,0 +1,151 @@
+"""Models: named presets built from a config (random init, no download) or a local HF directory.
+
+Under ZeRO-3 the caller must keep an HfDeepSpeedConfig (or the TrainingArguments that own one)
+alive BEFORE calling `build_model`: transformers then constructs the model inside zero.Init, so
+no rank ever holds the full model. `check_init` guards the second half of that rule: weights must
+be really initialized, not left as whatever memory zero.Init handed out.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from toolkit.config import Config
+from toolkit.ds_config import ConfigError
+
+# Shapes of the seed workloads (../shared/anchors.md) plus a tiny model for CPU tests.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(model_type="llama", vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                 tie_word_embeddings=False),
+    "gpt2-124m": dict(model_type="gpt2", vocab_size=50304, n_embd=768, n_layer=12, n_head=12, n_positions=1024),
+    "qwen2-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                       num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                       max_position_embeddings=32768, rope_theta=1_000_000.0, tie_word_embeddings=True),
+    "llama-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                     max_position_embeddings=8192, rope_theta=500_000.0, tie_word_embeddings=True),
+    "bert-large": dict(model_type="bert", vocab_size=30522, hidden_size=1024, intermediate_size=4096,
+                       num_hidden_layers=24, num_attention_heads=16, max_position_embeddings=512),
+    "tiny-bert": dict(model_type="bert", vocab_size=1000, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512),
+}
+SPECIAL_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def is_preset(name: str) -> bool:
+    return name in PRESETS
+
+
+def model_config(cfg: Config) -> Any:
+    """The HF config of the model, without building it: sizes for "auto", seq-length checks."""
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    name = cfg.model.name
+    if is_preset(name):
+        spec = dict(PRESETS[name])
+        mc = CONFIG_MAPPING[spec.pop("model_type")](**spec, **SPECIAL_IDS)
+    else:
+        path = Path(name)
+        if not path.is_dir():
+            raise ConfigError(f"model.name: {name!r} is neither a preset ({', '.join(PRESETS)}) "
+                              "nor a local model directory")
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model.name: {path} has no config.json; is it a Hugging Face model directory?")
+        mc = AutoConfig.from_pretrained(path, local_files_only=True)
+    if cfg.model.task == "seq_cls":
+        mc.num_labels = cfg.model.num_labels
+    mc.use_cache = not cfg.model.gradient_checkpointing
+    limit = getattr(mc, "max_position_embeddings", None) or getattr(mc, "n_positions", None)
+    if limit is not None and cfg.data.seq_len > limit:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} is above the model's maximum of {limit} positions")
+    return mc
+
+
+def hidden_size(mc: Any) -> int:
+    return int(getattr(mc, "hidden_size", None) or mc.n_embd)
+
+
+def build_tokenizer(cfg: Config) -> Any | None:
+    src = cfg.model.tokenizer or (None if is_preset(cfg.model.name) else cfg.model.name)
+    if src is None:
+        return None
+    from transformers import AutoTokenizer
+
+    if not Path(src).is_dir():
+        raise ConfigError(f"model.tokenizer: {src} is not a local directory")
+    tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def build_model(cfg: Config, mc: Any) -> Any:
+    """Build (random init from a preset, or from_pretrained from a directory), then LoRA/checkpointing."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    auto = AutoModelForSequenceClassification if cfg.model.task == "seq_cls" else AutoModelForCausalLM
+    kwargs = dict(attn_implementation=cfg.model.attn_implementation, dtype=torch.float32)
+    if is_preset(cfg.model.name):
+        model = _random_init(auto, mc, cfg.train.seed, kwargs)
+    else:
+        model = auto.from_pretrained(cfg.model.name, config=mc, local_files_only=True, **kwargs)
+    if cfg.model.gradient_checkpointing:
+        model.config.use_cache = False
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.lora.enabled:
+        model = apply_lora(cfg, model)
+    return model
+
+
+def _random_init(auto: Any, mc: Any, seed: int, kwargs: dict[str, Any]) -> Any:
+    """Random init that gives the same weights at every ZeRO stage, on every rank.
+
+    Under ZeRO-3 transformers builds inside zero.Init with torch's init functions disabled, then
+    rank 0 runs the model's `_init_weights` module by module on gathered parameters. A plain build
+    instead draws torch's default init in the constructors first, so the random stream (and the
+    weights) would differ between stages. Building without init and then running the same
+    `initialize_weights` walk makes both consume one stream in one order: ZeRO-0..3 start equal.
+    """
+    import torch
+    from transformers.initialization import guard_torch_init_functions, no_init_weights
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    torch.manual_seed(seed)
+    if is_deepspeed_zero3_enabled():
+        return auto.from_config(mc, **kwargs)  # zero.Init + initialize_weights_zero3 on rank 0
+    with no_init_weights():
+        model = auto.from_config(mc, **kwargs)
+    torch.manual_seed(seed)
+    with torch.no_grad(), guard_torch_init_functions():
+        model.initialize_weights()
+    model.tie_weights()
+    return model
+
+
+def apply_lora(cfg: Config, model: Any) -> Any:
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    missing = [t for t in cfg.lora.target_modules if t not in names]
+    if missing:
+        raise ConfigError(f"lora.target_modules: {missing} not found in the model; "
+                          f"linear layers include e.g. {sorted(n for n in names if 'proj' in n or 'dense' in n)[:8]}")
+    task = TaskType.SEQ_CLS if cfg.model.task == "seq_cls" else TaskType.CAUSAL_LM
+    lcfg = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                      target_modules=list(cfg.lora.target_modules), task_type=task)
+    return get_peft_model(model, lcfg)
+
+
+def check_first_loss(loss: float, vocab_size: int, task: str, pretrained: bool) -> str | None:
+    """A random-init LM starts near ln(vocab). Far above it means uninitialized weights (ZeRO-3 trap)."""
+    if pretrained or task != "causal_lm" or not math.isfinite(loss):
+        return None if math.isfinite(loss) else f"first loss is {loss}: weights or data are broken"
+    expected = math.log(vocab_size)
+    if loss > 1.5 * expected:
+        return (f"first loss {loss:.2f} is far above ln(vocab)={expected:.2f}: the model looks uninitialized "
+                "(under ZeRO-3 a model built inside zero.Init must have its weights initialized)")
+    return None
