@@ -1,0 +1,32 @@
+"""Test tiers: unit (pure, seconds), dist (real DeepSpeed on 2 CPU ranks), gpu(n) (skipped without n GPUs)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Tests that launch DeepSpeed in this process tree run on the CPU accelerator unless GPUs exist.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except ImportError:  # pragma: no cover
+        return 0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    have = None
+    for item in items:
+        marker = item.get_closest_marker("gpu")
+        if marker is None:
+            continue
+        if have is None:
+            have = _gpu_count()
+        need = marker.args[0] if marker.args else 1
+        if have < need:
+            item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPU(s), found {have}"))

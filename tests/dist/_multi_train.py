@@ -1,0 +1,46 @@
+"""Run several trainings in one `deepspeed` launch (2 CPU ranks), one after another.
+
+Each run is a full `toolkit.train.main(argv)`; sharing the launch saves ~30 s of process start and
+imports per run, which keeps the distributed suite inside CI's budget. Usage (the launcher inserts
+--local_rank first):  deepspeed --num_gpus 2 tests/dist/_multi_train.py RUNS.json
+RUNS.json: [{"name": str, "argv": [...]}, ...]; results go to each run's own run_dir.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path[0] = str(Path(__file__).resolve().parents[2])  # repo root, as toolkit/train.py does
+
+
+def reset_accelerate() -> None:
+    # Accelerate keeps one process-wide state (incl. the DeepSpeed plugin) across Trainer instances;
+    # a new run with another ZeRO config needs it cleared. The process group itself is kept.
+    try:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+    except ImportError:
+        pass
+
+
+def main() -> int:
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    runs = json.loads(Path(args[0]).read_text())
+    from toolkit import train
+
+    failed = 0
+    for run in runs:
+        reset_accelerate()
+        print(f"=== run {run['name']}", flush=True)
+        try:
+            rc = train.main(run["argv"])
+        except Exception as e:  # record and go on: the test reads status.json per run
+            print(f"=== run {run['name']} raised {type(e).__name__}: {e}", flush=True)
+            rc = 1
+        failed += rc != 0
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

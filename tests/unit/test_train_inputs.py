@@ -1,0 +1,64 @@
+"""Bad input to toolkit/train.py: one clear line before any process-group work, non-zero exit,
+and no run directory passed off as a result."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def train(tmp: Path, *overrides: str, ds: str = "ds_configs/zero2.json") -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "toolkit/train.py", "--ds", ds, f"train.run_dir={tmp / 'run'}", *overrides]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(200)
+def test_missing_model_directory(tmp_path: Path) -> None:
+    proc = train(tmp_path, f"model.name={tmp_path / 'nope'}")
+    assert_one_line_error(proc, "model.name", "local model directory")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(200)
+def test_ds_config_that_check_rejects(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "optimizer": {"type": "Lamb"},
+                               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}))
+    proc = train(tmp_path, ds=str(bad))
+    assert_one_line_error(proc, "will not run", "optimizer")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(200)
+def test_data_file_with_wrong_columns(tmp_path: Path) -> None:
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+    proc = train(tmp_path, f"data.source={data}")
+    assert_one_line_error(proc, "data.source", "question", "prompt")
+
+
+@pytest.mark.timeout(200)
+def test_sequence_length_above_model_maximum(tmp_path: Path) -> None:
+    proc = train(tmp_path, "data.seq_len=4096")
+    assert_one_line_error(proc, "data.seq_len=4096", "512")
+
+
+@pytest.mark.timeout(200)
+def test_unknown_config_key_and_bad_type(tmp_path: Path) -> None:
+    assert_one_line_error(train(tmp_path, "train.lr=fast"), "train.lr")
+    assert_one_line_error(train(tmp_path, "train.bogus=1"), "train.bogus")
