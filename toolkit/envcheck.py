@@ -1,0 +1,355 @@
+"""`toolkit env`: pre-flight checks before a (multi-node) DeepSpeed launch.
+
+Versions, GPUs, whether DeepSpeed's optimizer ops build, TORCH_CUDA_ARCH_LIST entries DeepSpeed
+cannot parse, NCCL_* variables (and an NCCL_SOCKET_IFNAME naming no interface here), and with
+--hostfile whether every host answers ssh in batch mode. Exit 1 only for hard failures: a hostfile
+that does not parse or a host that does not answer; everything else is a warning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from toolkit.cuda_arch import ENV_VAR as ARCH_VAR
+from toolkit.cuda_arch import sanitize_cuda_arch_list, unparseable_arch_entries
+from toolkit.ds_config import ConfigError
+
+PACKAGES = ("torch", "deepspeed", "transformers", "peft", "datasets", "accelerate")
+
+
+def _pkg_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def collect_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    versions |= {name: _pkg_version(name) for name in PACKAGES}
+    try:
+        import torch
+
+        versions["torch"] = torch.__version__
+        versions["cuda"] = torch.version.cuda
+    except ImportError:
+        versions["cuda"] = None
+    return versions
+
+
+def collect_gpus() -> tuple[list[dict[str, Any]], list[str]]:
+    """GPUs torch can use (name, total memory); NVML as a fallback to explain a CPU-only torch."""
+    warnings: list[str] = []
+    gpus: list[dict[str, Any]] = []
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            for i in range(torch.cuda.device_count()):
+                props = torch.cuda.get_device_properties(i)
+                gpus.append(
+                    {
+                        "index": i,
+                        "name": props.name,
+                        "total_gib": round(props.total_memory / 2**30, 2),
+                        "capability": f"{props.major}.{props.minor}",
+                    }
+                )
+            return gpus, warnings
+    except ImportError:
+        warnings.append("torch is not installed")
+        return gpus, warnings
+    with contextlib.suppress(Exception):  # no driver / no pynvml: simply no GPUs
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            n = pynvml.nvmlDeviceGetCount()
+            for i in range(n):
+                h = pynvml.nvmlDeviceGetHandleByIndex(i)
+                name = pynvml.nvmlDeviceGetName(h)
+                mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+                gpus.append(
+                    {"index": i, "name": str(name), "total_gib": round(mem.total / 2**30, 2), "torch": False}
+                )
+        finally:
+            pynvml.nvmlShutdown()
+        if gpus:
+            warnings.append(
+                f"NVML sees {len(gpus)} GPU(s) but torch.cuda does not: CPU-only torch build or driver mismatch"
+            )
+    return gpus, warnings
+
+
+def check_cuda_arch(environ: Mapping[str, str]) -> dict[str, Any]:
+    value = environ.get(ARCH_VAR)
+    result: dict[str, Any] = {"value": value, "unparseable": [], "fix": None}
+    if value is None:
+        return result
+    bad = unparseable_arch_entries(value)
+    if bad:
+        trial = dict(environ)
+        sanitize_cuda_arch_list(trial)
+        new = trial.get(ARCH_VAR)
+        result["unparseable"] = bad
+        result["fix"] = (
+            f"export {ARCH_VAR}={shlex.quote(new)}" if new else f"unset {ARCH_VAR}"
+        ) + " (toolkit/train.py applies this itself; other DeepSpeed programs need it done)"
+    return result
+
+
+def interface_names() -> list[str]:
+    try:
+        import psutil
+
+        return sorted(psutil.net_if_addrs())
+    except ImportError:
+        return sorted(name for _, name in socket.if_nameindex())
+
+
+def check_nccl(environ: Mapping[str, str], interfaces: list[str]) -> tuple[dict[str, str], list[str]]:
+    """NCCL_* variables, and a warning for NCCL_SOCKET_IFNAME entries that match no interface.
+
+    NCCL's syntax: comma-separated prefixes (`eth` matches eth0), `=name` for an exact name,
+    a leading `^` to exclude. An entry matching nothing makes NCCL fail at init with
+    "no socket interface found", usually after the job has been queued and loaded its model.
+    """
+    nccl = {k: v for k, v in sorted(environ.items()) if k.startswith("NCCL_")}
+    warnings: list[str] = []
+    for key in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        spec = environ.get(key, "").strip()
+        if not spec or spec.startswith("^"):
+            continue
+        exact = spec.startswith("=")
+        entries = [e.strip() for e in spec.lstrip("=").split(",") if e.strip()]
+        for entry in entries:
+            hit = entry in interfaces if exact else any(i.startswith(entry) for i in interfaces)
+            if not hit:
+                warnings.append(
+                    f"{key}={spec}: no interface {'named' if exact else 'starting with'} {entry!r} on "
+                    f"{socket.gethostname()} (have {', '.join(interfaces) or 'none'})"
+                )
+    return nccl, warnings
+
+
+def check_ops(build: bool, cuda: bool) -> dict[str, dict[str, Any]]:
+    """is_compatible() for CPUAdam and FusedAdam, and a real JIT load (cached after the first)."""
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    results: dict[str, dict[str, Any]] = {}
+    for op, cls in (("cpu_adam", "CPUAdamBuilder"), ("fused_adam", "FusedAdamBuilder")):
+        info: dict[str, Any] = {"compatible": None, "built": None, "seconds": None, "error": None}
+        results[op] = info
+        try:
+            builder = accel.create_op_builder(cls)
+        except Exception as e:  # the builder module itself may fail to import
+            info["error"] = f"{type(e).__name__}: {e}"
+            continue
+        if builder is None:
+            info["error"] = f"accelerator {accel.device_name()} has no {cls}"
+            continue
+        try:
+            info["compatible"] = bool(builder.is_compatible(verbose=False))
+        except Exception as e:
+            info["compatible"] = False
+            info["error"] = f"{type(e).__name__}: {e}"
+        want = build and info["compatible"] and (op == "cpu_adam" or cuda)
+        if not want:
+            info["skipped"] = (
+                "--no-build" if not build else ("no CUDA" if op == "fused_adam" else "not compatible")
+            )
+            continue
+        start = time.perf_counter()
+        try:
+            builder.load(verbose=False)
+            info["built"] = True
+        except Exception as e:  # report, do not crash: this is a diagnostic
+            info["built"] = False
+            info["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        info["seconds"] = round(time.perf_counter() - start, 2)
+    return results
+
+
+def _ssh_one(host: str, timeout_s: float) -> dict[str, Any]:
+    cmd = [
+        "ssh",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        f"ConnectTimeout={max(1, math.ceil(timeout_s))}",
+        host,
+        "true",
+    ]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout_s + 5, stdin=subprocess.DEVNULL
+        )
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "detail": f"no answer within {timeout_s:g} s", "seconds": round(timeout_s, 2)}
+    seconds = round(time.perf_counter() - start, 2)
+    if proc.returncode == 0:
+        return {"ok": True, "detail": "ssh ok", "seconds": seconds}
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    detail = lines[-1] if lines else f"ssh exit {proc.returncode}"
+    return {"ok": False, "detail": detail, "seconds": seconds}
+
+
+def check_hosts(hosts: list[str], timeout_s: float) -> dict[str, dict[str, Any]]:
+    """`ssh -o BatchMode=yes host true` for every host at once (what pdsh and DeepSpeed need)."""
+    with ThreadPoolExecutor(max_workers=max(1, min(32, len(hosts)))) as pool:
+        answers = list(pool.map(lambda h: _ssh_one(h, timeout_s), hosts))
+    return dict(zip(hosts, answers, strict=True))
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """DeepSpeed logs and ninja print on fd 1; keep stdout clean for --json."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def collect(args: argparse.Namespace) -> dict[str, Any]:
+    report: dict[str, Any] = {"warnings": [], "errors": []}
+    warn, err = report["warnings"].append, report["errors"].append
+
+    report["cuda_arch"] = check_cuda_arch(os.environ)
+    if report["cuda_arch"]["unparseable"]:
+        bad = ", ".join(report["cuda_arch"]["unparseable"])
+        warn(
+            f"{ARCH_VAR}={report['cuda_arch']['value']}: DeepSpeed cannot parse {bad}; {report['cuda_arch']['fix']}"
+        )
+    # Build the ops the way train.py will run them: with the list sanitized.
+    sanitize_cuda_arch_list(os.environ)
+
+    report["versions"] = collect_versions()
+    for name in ("torch", "deepspeed"):
+        if report["versions"].get(name) is None:
+            err(f"{name} is not installed")
+    report["gpus"], gpu_warnings = collect_gpus()
+    report["warnings"].extend(gpu_warnings)
+    cuda = any(g.get("torch", True) for g in report["gpus"])
+
+    report["ops"] = {}
+    if report["versions"].get("deepspeed"):
+        try:
+            import deepspeed.accelerator as dsa
+
+            report["accelerator"] = dsa.get_accelerator().device_name()
+            report["ops"] = check_ops(build=not args.no_build, cuda=cuda)
+        except Exception as e:
+            warn(f"DeepSpeed op checks failed: {type(e).__name__}: {e}")
+    for op, info in report["ops"].items():
+        if info.get("built") is False or (info.get("compatible") is False and op == "cpu_adam"):
+            warn(
+                f"{op} cannot be built: {info.get('error') or 'not compatible'} (optimizer offload needs cpu_adam)"
+            )
+
+    report["nccl"], nccl_warnings = check_nccl(os.environ, interface_names())
+    report["warnings"].extend(nccl_warnings)
+
+    report["hosts"] = None
+    if args.hostfile:
+        from toolkit.hostfile import parse_hostfile
+
+        try:
+            hosts = list(parse_hostfile(args.hostfile))
+        except ConfigError as e:
+            err(str(e))
+            return report
+        report["hostfile"] = args.hostfile
+        if shutil.which("ssh") is None:
+            warn(
+                "ssh is not installed: cannot check the hosts (pdsh and DeepSpeed's multi-node runners need it)"
+            )
+            report["hosts"] = {h: {"ok": None, "detail": "ssh not installed"} for h in hosts}
+        else:
+            report["hosts"] = check_hosts(hosts, args.ssh_timeout)
+            for host, answer in report["hosts"].items():
+                if not answer["ok"]:
+                    err(f"host {host} did not answer ssh in batch mode: {answer['detail']}")
+        if len(hosts) > 1 and shutil.which("pdsh") is None:
+            warn(
+                "pdsh is not installed: DeepSpeed's default multi-node launcher needs it "
+                "(install pdsh, or use --launcher openmpi/slurm, or --no-ssh per node)"
+            )
+    return report
+
+
+def format_text(report: dict[str, Any]) -> str:
+    lines: list[str] = []
+    v = report.get("versions", {})
+    for name in ("python", *PACKAGES, "cuda"):
+        if name in v:
+            missing = "none (CPU build)" if name == "cuda" else "not installed"
+            lines.append(f"{name:<14}{v[name] or missing}")
+    if "accelerator" in report:
+        lines.append(f"{'accelerator':<14}{report['accelerator']}")
+    gpus = report.get("gpus") or []
+    lines.append(f"{'GPUs':<14}{len(gpus) or 'none'}")
+    lines += [f"  [{g['index']}] {g['name']}  {g['total_gib']:.1f} GiB" for g in gpus]
+    for op, info in (report.get("ops") or {}).items():
+        if info.get("built"):
+            state = f"built ({info['seconds']} s)"
+        elif info.get("built") is False:
+            state = f"BUILD FAILED: {info.get('error')}"
+        else:
+            state = f"not built ({info.get('skipped') or info.get('error')})"
+        compat = {True: "compatible", False: "NOT compatible", None: "unknown"}[info.get("compatible")]
+        lines.append(f"{'op ' + op:<14}{compat}, {state}")
+    arch = report.get("cuda_arch") or {}
+    if arch.get("value") is not None:
+        bad = arch.get("unparseable")
+        lines.append(
+            f"{ARCH_VAR}={arch['value']}"
+            + (f"  unparseable: {', '.join(bad)}; {arch['fix']}" if bad else "  ok")
+        )
+    nccl = report.get("nccl") or {}
+    lines.append(f"{'NCCL_*':<14}" + (" ".join(f"{k}={val}" for k, val in nccl.items()) or "none set"))
+    if report.get("hosts") is not None:
+        lines.append(f"hosts ({report.get('hostfile')}):")
+        for host, a in report["hosts"].items():
+            status = {True: "ok", False: "FAIL", None: "unchecked"}[a["ok"]]
+            lines.append(f"  {host:<30}{status:<10}{a['detail']}")
+    lines += [f"warning: {w}" for w in report["warnings"]]
+    lines += [f"error: {e}" for e in report["errors"]]
+    lines.append("result: " + ("FAIL" if report["errors"] else "ok"))
+    return "\n".join(lines)
+
+
+def run_env(args: argparse.Namespace) -> int:
+    if args.ssh_timeout <= 0:
+        raise ConfigError(f"--ssh-timeout must be > 0, got {args.ssh_timeout}")
+    if args.json:
+        with _stdout_to_stderr():
+            report = collect(args)
+        report["ok"] = not report["errors"]
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        report = collect(args)
+        print(format_text(report))
+    return 1 if report["errors"] else 0
