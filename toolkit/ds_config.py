@@ -26,7 +26,9 @@ PRESETS: dict[str, tuple[int, Offload, Offload]] = {
     "zero1": (1, "none", "none"),
     "zero2": (2, "none", "none"),
     "zero3": (3, "none", "none"),
+    "zero1_offload": (1, "cpu", "none"),
     "zero2_offload": (2, "cpu", "none"),
+    "zero3_offload_optimizer": (3, "cpu", "none"),
     "zero3_offload": (3, "cpu", "cpu"),
     "zero3_offload_nvme": (3, "nvme", "nvme"),
 }
