@@ -2,7 +2,7 @@
 
 Goes through toolkit.dist.prepare_env first, so a TORCH_CUDA_ARCH_LIST that DeepSpeed's builder
 cannot parse (e.g. 9.0a on Hopper images) is fixed the way toolkit/train.py fixes it.
-    python bench/prebuild_ops.py
+    python bench/prebuild_ops.py [fused_adam] [cpu_adam]
 """
 
 import sys
@@ -18,7 +18,10 @@ for note in prepare_env():
 
 from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder  # noqa: E402
 
+wanted = sys.argv[1:] or ["fused_adam", "cpu_adam"]
 for builder in (FusedAdamBuilder(), CPUAdamBuilder()):
+    if builder.name not in wanted:
+        continue
     t0 = time.perf_counter()
     if builder.is_compatible():
         builder.load()

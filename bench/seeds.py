@@ -62,6 +62,11 @@ SUITES: dict[str, dict[str, tuple[str, list[str]]]] = {
         f"{path}-{stage}": (stage, [*LLAMA, f"train.path={path}"])
         for stage in ("zero2", "zero3", "zero3_offload") for path in ("raw", "trainer")
     },
+    "smoke": {
+        f"{path}-{stage}": (stage, ["model.name=tiny", "train.max_steps=3", "memory.every=1", "train.precision=bf16",
+                                    f"train.path={path}"])
+        for stage in ("zero3", "zero2_offload") for path in ("raw", "trainer")
+    },
     "overhead": {
         f"every{n}-{i}": ("zero2", [*GPT2, f"memory.every={n}"]) for i in range(2) for n in (0, 1)
     },
