@@ -1,10 +1,9 @@
 """The seed workloads (../shared/anchors.md) through the toolkit and through plain HF Trainer.
 
-    # toolkit variants (one launch, runs one after another; memory from the per-rank files)
-    deepspeed --num_gpus 1 bench/seeds.py toolkit --suite qwen --out OUT
-    # the same workloads through plain HF Trainer (no toolkit), for the side-by-side table
-    python bench/seeds.py hf --suite qwen --out OUT
-    # tables
+    # every variant of a suite, each in its own process (GPU memory of one run never leaks into the
+    # next one's peak); toolkit variants go through the real deepspeed launcher
+    python bench/seeds.py suite --runner toolkit --suite qwen --out OUT [--gpus 1] [--include localhost:0]
+    python bench/seeds.py suite --runner hf --suite qwen --out OUT      # plain HF Trainer, no toolkit
     python bench/seeds.py table OUT/*.json > bench/results/seeds.md
 
 Suites: bert (BERT-large seq-cls, batch 4, seq 512, fp32 eager and bf16+sdpa), qwen (Qwen2-0.5B-shape
@@ -89,6 +88,29 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     return {"per_rank": mem, "losses": [m["loss"] for m in metrics], "samples_per_s": statistics.median(m["samples_per_s"] for m in later),
             "tokens_per_s": statistics.median(m["tokens_per_s"] for m in later),
             "final_loss": metrics[-1]["loss"], "steps": len(metrics)}
+
+
+def run_suite(runner: str, suite: str, out: Path, gpus: int, include: str | None, port: int) -> None:
+    import os
+    import subprocess
+
+    variants = HF_VARIANTS[suite] if runner == "hf" else SUITES[suite]
+    results = {}
+    for name in variants:
+        one = [str(Path(__file__).resolve()), runner, "--suite", suite, "--only", name, "--out", str(out / "one"),
+               "--extra", *EXTRA]
+        if runner == "toolkit":
+            where = ["--include", include] if include else ["--num_gpus", str(gpus)]
+            cmd = ["deepspeed", *where, "--master_port", str(port), *one]
+        else:
+            cmd = [sys.executable, *one]
+        print("+", " ".join(cmd), flush=True)
+        rc = subprocess.run(cmd, env=os.environ | {"PYTHONUNBUFFERED": "1"}).returncode
+        f = out / "one" / f"{runner}-{suite}.json"
+        results[name] = json.loads(f.read_text())["results"][name] if rc == 0 and f.exists() else {"rc": rc}
+        f.unlink(missing_ok=True)
+    (out / f"{runner}-{suite}.json").write_text(json.dumps({"runner": runner, "suite": suite,
+                                                           "results": results}, indent=2))
 
 
 def run_toolkit(suite: str, out: Path, only: list[str]) -> None:
@@ -262,11 +284,17 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--only", nargs="*", default=[])
     p.add_argument("--extra", nargs="*", default=[], help="overrides appended to every run (CPU smoke tests)")
+    p.add_argument("--runner", choices=("toolkit", "hf"), default="toolkit")
+    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--include", default=None, help="deepspeed --include, e.g. localhost:1")
+    p.add_argument("--port", type=int, default=29500)
     a = p.parse_args(argv[1:])
     EXTRA.extend(a.extra)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    if mode == "toolkit":
+    if mode == "suite":
+        run_suite(a.runner, a.suite, out, a.gpus, a.include, a.port)
+    elif mode == "toolkit":
         run_toolkit(a.suite, out, a.only)
     else:
         from toolkit.dist import prepare_env

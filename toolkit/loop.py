@@ -169,6 +169,11 @@ def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator:
     trainer = ToolkitTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
                              callbacks=[Hooks(), MemoryCallback(mem)])
     trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl replace its dict prints
+    if p.cfg.model.task == "seq_cls":
+        # The Trainer sees **kwargs on forward and assumes the model normalizes by num_items_in_batch,
+        # then multiplies the (plain mean) classification loss by the world size: loss and gradients
+        # come out world_size x too large. Declaring the truth restores mean / grad_accum.
+        trainer.model_accepts_loss_kwargs = False
     resume = None
     if t.resume:
         ckpt_root = Path(args.output_dir)
@@ -280,7 +285,14 @@ def _finish(p: Plan, engine: Any, tokenizer: Any, rows: list[dict[str, Any]], st
     cfg = p.cfg
     if cfg.train.save_probe:
         _save_probe(p, engine, rows)
-    if stopped or not cfg.train.export:
+    if stopped:
+        return
+    if cfg.eval.generate:
+        from toolkit.generate import run_eval_generation
+
+        # Every rank calls it: under ZeRO-3 each forward is a collective, like the export below.
+        run_eval_generation(p, engine, tokenizer, rows)
+    if not cfg.train.export:
         return
     out = p.run_dir / ("adapter" if cfg.lora.enabled else "export")
     t0 = time.perf_counter()

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(900)
 def test_llama_1b_both_paths_two_gpus(tmp_path: Path) -> None:
     out = Path(os.environ.get("TOOLKIT_BENCH_OUT", tmp_path))
-    cmd = ["deepspeed", "--num_gpus", "2", "bench/seeds.py", "toolkit", "--suite", "llama-2gpu", "--out", str(out)]
+    cmd = [sys.executable, "bench/seeds.py", "suite", "--runner", "toolkit", "--suite", "llama-2gpu", "--gpus", "2",
+           "--out", str(out)]
     subprocess.run(cmd, cwd=ROOT, check=True, timeout=850)
     res = json.loads((out / "toolkit-llama-2gpu.json").read_text())["results"]
     assert all(r["rc"] == 0 for r in res.values()), res

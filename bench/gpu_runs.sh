@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The GPU benchmark commands, as run on a 2x H200 machine (device tool) from the repo root.
+#   bash bench/gpu_runs.sh seeds  OUT   # 1-GPU seed tables: toolkit on GPU 0, plain HF Trainer on GPU 1, in parallel
+#   bash bench/gpu_runs.sh twogpu OUT   # 2-GPU: ~1B preset ZeRO-2/3/offload both paths (tests/gpu) + snapshot overhead
+set -uo pipefail
+mode=$1 out=$2
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python bench/prebuild_ops.py > "$out/prebuild.log" 2>&1
+case $mode in
+  seeds)
+    ( for s in qwen bert qwen-zero; do
+        CUDA_VISIBLE_DEVICES=1 python bench/seeds.py suite --runner hf --suite $s --out "$out"
+      done ) > "$out/hf.log" 2>&1 &
+    for s in qwen bert qwen-zero; do
+      python bench/seeds.py suite --runner toolkit --suite $s --include localhost:0 --port 29510 --out "$out"
+    done > "$out/toolkit.log" 2>&1
+    wait ;;
+  twogpu)
+    TOOLKIT_BENCH_OUT="$out" python -m pytest -q tests/gpu -p no:cacheprovider > "$out/gputest.log" 2>&1
+    python bench/seeds.py suite --runner toolkit --suite overhead --gpus 2 --port 29520 --out "$out" > "$out/overhead.log" 2>&1 ;;
+esac
+python bench/seeds.py table "$out"/*.json > "$out/tables.md"
+tail -5 "$out"/*.log
+cat "$out/tables.md"
