@@ -104,12 +104,36 @@ class MemoryConfig:
 @dataclass
 class EvalConfig:
     generate: bool = False
-    """Generate from eval prompts at the end of training."""
+    """Generate from eval prompts at the end of training (run_dir/generations.jsonl); ZeRO-3 safe."""
     num_prompts: int = 3
+    """Prompts taken from the first training samples (causal_lm: the tokens whose labels are -100)."""
     max_new_tokens: int = 16
+    """New tokens per prompt at most; a prompt stops earlier at EOS."""
     do_sample: bool = False
+    """Sample (temperature, top_p) instead of greedy decoding."""
     temperature: float = 1.0
+    """Sampling temperature (do_sample only)."""
     top_p: float = 1.0
+    """Nucleus sampling mass (do_sample only)."""
+    seed: int = 0
+    """Sampling seed: prompt i draws from seed + i, so results do not depend on the world size."""
+    eos_token_id: int | None = None
+    """Stop token override; default: the tokenizer's EOS, else the model config's."""
+    unsafe_no_sync: bool = False
+    """Debug only: turn synced_gpus off even under ZeRO-3 with >1 rank. Deadlocks when ranks finish at
+    different steps (NCCL hangs; gloo may abort with a collective mismatch); exists so a test can
+    show that the protection matters."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.num_prompts >= 0, "eval.num_prompts must be >= 0"),
+            (self.max_new_tokens >= 1, "eval.max_new_tokens must be >= 1"),
+            (self.temperature > 0, "eval.temperature must be > 0"),
+            (0 < self.top_p <= 1, "eval.top_p must be in (0, 1]"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(msg)
 
 
 @dataclass
