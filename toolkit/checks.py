@@ -263,6 +263,16 @@ def rule_optimizer(c: Ctx) -> list[Finding]:
         return out
     force = c.raw.get("zero_force_ds_cpu_optimizer", True) is not False
     key = "zero_optimization.offload_optimizer"
+    if c.path == "trainer" and force:
+        # HF Trainer goes through Accelerate, which swaps a client torch/bnb Adam, AdamW, Adagrad or
+        # Lion (and the Trainer's own default AdamW) for DeepSpeed's CPU version under offload
+        # (accelerate.utils.deepspeed.map_pytorch_optim_to_deepspeed): those run. Anything else is
+        # silently replaced by DeepSpeedCPUAdam, its fallback.
+        name = (c.optimizer or "torch.adamw").rsplit(".", 1)[-1].lower()
+        if not any(k in name for k in ("adam", "adagrad", "lion")):
+            out.append(_warn(key, f"under offload Accelerate replaces client optimizer {c.optimizer} with "
+                                  "DeepSpeedCPUAdam; use Adam/AdamW/Adagrad/Lion or an optimizer section"))
+        return out
     if c.optimizer:
         name = c.optimizer.rsplit(".", 1)[-1].lower()
         if name in _CPU_CLIENT_OPTIMIZERS:
