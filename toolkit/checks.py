@@ -270,8 +270,13 @@ def rule_optimizer(c: Ctx) -> list[Finding]:
         # silently replaced by DeepSpeedCPUAdam, its fallback.
         name = (c.optimizer or "torch.adamw").rsplit(".", 1)[-1].lower()
         if not any(k in name for k in ("adam", "adagrad", "lion")):
-            out.append(_warn(key, f"under offload Accelerate replaces client optimizer {c.optimizer} with "
-                                  "DeepSpeedCPUAdam; use Adam/AdamW/Adagrad/Lion or an optimizer section"))
+            out.append(
+                _warn(
+                    key,
+                    f"under offload Accelerate replaces client optimizer {c.optimizer} with "
+                    "DeepSpeedCPUAdam; use Adam/AdamW/Adagrad/Lion or an optimizer section",
+                )
+            )
         return out
     if c.optimizer:
         name = c.optimizer.rsplit(".", 1)[-1].lower()

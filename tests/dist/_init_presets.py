@@ -31,13 +31,26 @@ HIDDEN = 32
 
 def run_one(path: Path, world: int) -> float:
     ds = dc.load_ds_config(path)
-    cfg = dc.resolve(ds, dc.AutoValues(micro_batch=2, grad_accum=1, world_size=world, precision="fp32",
-                                       grad_clip=1.0, lr=1e-3, hidden_size=HIDDEN))
+    cfg = dc.resolve(
+        ds,
+        dc.AutoValues(
+            micro_batch=2,
+            grad_accum=1,
+            world_size=world,
+            precision="fp32",
+            grad_clip=1.0,
+            lr=1e-3,
+            hidden_size=HIDDEN,
+        ),
+    )
     torch.manual_seed(0)
-    init = deepspeed.zero.Init(config_dict_or_path=cfg) if dc.zero_stage(cfg) == 3 else contextlib.nullcontext()
+    init = (
+        deepspeed.zero.Init(config_dict_or_path=cfg) if dc.zero_stage(cfg) == 3 else contextlib.nullcontext()
+    )
     with init:
-        model = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
-                              nn.Linear(HIDDEN, 1))
+        model = nn.Sequential(
+            nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 1)
+        )
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     x = torch.randn(2, HIDDEN)
     loss = engine(x).pow(2).mean()
@@ -55,7 +68,9 @@ def main() -> int:
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     p.add_argument("--presets-dir", required=True)
     p.add_argument("--only", nargs="*", default=None, help="preset names to run (default: all)")
-    p.add_argument("--preset-timeout", type=float, default=300.0, help="seconds per preset before a stack dump")
+    p.add_argument(
+        "--preset-timeout", type=float, default=300.0, help="seconds per preset before a stack dump"
+    )
     args = p.parse_args()
     deepspeed.init_distributed()
     world = torch.distributed.get_world_size()
