@@ -115,7 +115,7 @@ def gen_config(
         zero["offload_param"] = _offload_block(offload_param, nvme_path, param=True)
     cfg["zero_optimization"] = zero
     if "nvme" in (offload_optimizer, offload_param):
-        cfg["aio"] = {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 1,
+        cfg["aio"] = {"block_size": 1_048_576, "queue_depth": 8, "intra_op_parallelism": 1,
                       "single_submit": False, "overlap_events": True}
     cfg["steps_per_print"] = 1_000_000_000  # the toolkit prints its own progress
     cfg["wall_clock_breakdown"] = False
@@ -231,6 +231,8 @@ def _auto_table(v: AutoValues) -> dict[str, Any]:
         "scheduler.params.warmup_min_lr": 0.0,
         "scheduler.params.warmup_max_lr": v.lr,
         "scheduler.params.warmup_num_steps": v.warmup_steps,
+        # Accelerate's configs leave this "auto"; the toolkit always gathers, never saves empty tensors.
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save": True,
     }
     if v.total_steps is not None:
         table["scheduler.params.total_num_steps"] = v.total_steps
