@@ -29,8 +29,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                      max_position_embeddings=8192, rope_theta=500_000.0, tie_word_embeddings=True),
     "bert-large": dict(model_type="bert", vocab_size=30522, hidden_size=1024, intermediate_size=4096,
                        num_hidden_layers=24, num_attention_heads=16, max_position_embeddings=512),
+    # No dropout: a test model must be deterministic so both paths can be compared step by step.
     "tiny-bert": dict(model_type="bert", vocab_size=1000, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512),
+                      num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512,
+                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0),
 }
 SPECIAL_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
