@@ -17,6 +17,7 @@ from torch.utils.data import Dataset, Sampler
 
 from toolkit.config import Config
 from toolkit.ds_config import ConfigError
+from toolkit.jsonl import read_objects
 
 IGNORE_INDEX = -100  # positions the loss skips (prompt tokens, padding): HF's convention
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
@@ -107,22 +108,12 @@ def check_data_file(cfg: Config) -> None:
 
 
 def _columns(p: Path) -> set[str]:
-    import json
-
     if p.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         return set(pq.read_schema(p).names)
-    with p.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"data.source: {p}:{lineno}: not JSON lines ({e.msg})") from None
-                if not isinstance(row, dict):
-                    raise ConfigError(f"data.source: {p}:{lineno}: each line must be a JSON object")
-                return set(row)
+    for _, row in read_objects(p, "data.source"):
+        return set(row)  # the first object names the columns
     raise ConfigError(f"data.source: {p} is empty")
 
 

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from toolkit import dist
 from toolkit.config import EvalConfig
 from toolkit.ds_config import ConfigError
+from toolkit.jsonl import read_objects
 
 if TYPE_CHECKING:
     from toolkit.train import Plan
@@ -339,16 +340,8 @@ def load_prompts(path: Path, tokenizer: Any | None) -> list[list[int]]:
     if not path.is_file():
         raise ConfigError(f"--prompts: {path} is not a file")
     prompts: list[list[int]] = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
+    for lineno, row in read_objects(path, "--prompts"):
         where = f"--prompts: {path}:{lineno}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{where}: not JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise ConfigError(f"{where}: each line must be a JSON object")
         if "input_ids" in row:
             ids = row["input_ids"]
             if not (
