@@ -214,23 +214,19 @@ class EpochOrder(Sampler[int]):
 class ShardedBatches(Sampler[list[int]]):
     """Accelerate's batch dealing (batch i -> rank i % world), for the raw loop."""
 
-    def __init__(self, order: EpochOrder, micro_batch: int, rank: int, world: int, skip: int = 0) -> None:
+    def __init__(self, order: EpochOrder, micro_batch: int, rank: int, world: int) -> None:
         self.order, self.micro, self.rank, self.world = order, micro_batch, rank, world
-        self.skip = skip  # micro-batches of this rank already consumed this epoch (resume)
+        self.skip = 0  # set on resume: micro-batches of this rank already consumed this epoch
 
     def set_epoch(self, epoch: int) -> None:
         self.order.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[list[int]]:
         idx = self.order.order(self.order.epoch)
-        batches = [idx[i:i + self.mb] for i in range(0, len(idx) - self.mb + 1, self.mb)]
+        batches = [idx[i:i + self.micro] for i in range(0, len(idx) - self.micro + 1, self.micro)]
         mine = batches[self.rank::self.world][: len(self)]
-        skip, self.skip = self.skip, 0
+        skip, self.skip = self.skip, 0  # only the first (resumed) epoch starts part-way
         return iter(mine[skip:])
-
-    @property
-    def mb(self) -> int:
-        return self.micro
 
     def __len__(self) -> int:
         return self.order.n // (self.micro * self.world)

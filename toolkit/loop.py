@@ -76,7 +76,7 @@ def run(p: Plan) -> int:
             else:
                 engine, step, stopped = _run_raw(p, model, ListDataset(rows), collator, order, counter, mem, state)
             state["phase"] = "final"
-            _finish(p, engine, tokenizer, rows, stopped)
+            _finish(p, engine, tokenizer, rows, pad_id, stopped)
             if cfg.train.path == "raw":  # the Trainer path's final snapshot comes from MemoryCallback
                 mem.phase_boundary("final", step)
     except BaseException as e:
@@ -281,10 +281,10 @@ def _label_count(batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
 # ----------------------------------------------------------------------------- end of run
 
 
-def _finish(p: Plan, engine: Any, tokenizer: Any, rows: list[dict[str, Any]], stopped: bool) -> None:
+def _finish(p: Plan, engine: Any, tokenizer: Any, rows: list[dict[str, Any]], pad_id: int, stopped: bool) -> None:
     cfg = p.cfg
     if cfg.train.save_probe:
-        _save_probe(p, engine, rows)
+        _save_probe(p, engine, rows, pad_id)
     if stopped:
         return
     if cfg.eval.generate:
@@ -302,9 +302,9 @@ def _finish(p: Plan, engine: Any, tokenizer: Any, rows: list[dict[str, Any]], st
 
 
 @torch.no_grad()
-def _save_probe(p: Plan, engine: Any, rows: list[dict[str, Any]]) -> None:
+def _save_probe(p: Plan, engine: Any, rows: list[dict[str, Any]], pad_id: int) -> None:
     """Logits of the trained engine on two fixed samples, to compare with the exported weights."""
-    collate = Collator(pad_id=p.model_config.pad_token_id or 0, task=p.cfg.model.task)
+    collate = Collator(pad_id=pad_id, task=p.cfg.model.task)
     batch = collate(rows[:2])
     engine.eval()
     out = engine(input_ids=batch["input_ids"].to(dist.device()), attention_mask=batch["attention_mask"].to(dist.device()))
