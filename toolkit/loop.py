@@ -54,6 +54,9 @@ def run(p: Plan) -> int:
                                                "path": cfg.train.path})
         write_status(p.run_dir, "running")
     dist.barrier()
+    # Python/NumPy/torch RNGs: dropout and PEFT's LoRA init draw from them. The HF Trainer seeds on
+    # its own; the raw loop relied on this call, which was missing.
+    dist.seed_all(cfg.train.seed)
     mem = MemoryMonitor(p.run_dir, rank, p.world_size, dist.local_rank(), every=cfg.memory.every,
                         spread_warn_gib=cfg.memory.spread_warn_gib)
     tokenizer = build_tokenizer(cfg)
