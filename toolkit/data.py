@@ -243,6 +243,12 @@ def build_rows(cfg: Config, vocab_size: int, pad_id: int, tokenizer: Any) -> lis
     return load_file_rows(cfg, tokenizer)
 
 
+def steps_per_epoch(n_samples: int, cfg: Config, world: int) -> int:
+    """Optimizer steps in one pass over n_samples (what train.max_steps=0 means)."""
+    per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * world
+    return max(1, n_samples // per_step)
+
+
 def even_rows(rows: list[dict[str, Any]], micro_batch: int, world: int) -> list[dict[str, Any]]:
     """Trim to whole rounds of micro_batch x world so every rank gets the same number of batches.
 

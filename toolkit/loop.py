@@ -24,6 +24,7 @@ from toolkit.data import (
     ShardedBatches,
     build_rows,
     even_rows,
+    steps_per_epoch,
 )
 from toolkit.memory import MemoryCallback, MemoryMonitor
 from toolkit.metrics import MetricsLogger, TokenCounter
@@ -60,13 +61,15 @@ def run(p: Plan) -> int:
     mem = MemoryMonitor(p.run_dir, rank, p.world_size, dist.local_rank(), every=cfg.memory.every,
                         spread_warn_gib=cfg.memory.spread_warn_gib)
     tokenizer = build_tokenizer(cfg)
-    keep_alive = _deepspeed_config_alive(p)  # must exist before the model under ZeRO-3
-    model = build_model(cfg, p.model_config)
-    mem.phase_boundary("model_loaded", 0)
-
     pad_id = tokenizer.pad_token_id if tokenizer is not None else p.model_config.pad_token_id or 0
     rows = build_rows(cfg, p.model_config.vocab_size, pad_id, tokenizer)
     rows = even_rows(rows, cfg.train.micro_batch_size * cfg.train.grad_accum, p.world_size)
+    if cfg.train.max_steps == 0:  # one epoch of the data actually loaded
+        p.total_steps = steps_per_epoch(len(rows), cfg, p.world_size)
+
+    keep_alive = _deepspeed_config_alive(p)  # must exist before the model under ZeRO-3
+    model = build_model(cfg, p.model_config)
+    mem.phase_boundary("model_loaded", 0)
     counter = TokenCounter()
     collator = CountingCollator(pad_id, cfg.model.task, counter)
     order = EpochOrder(len(rows), cfg.train.seed, cfg.data.shuffle)

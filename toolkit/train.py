@@ -35,7 +35,7 @@ class Plan:
     run_dir: Path
     world_size: int
     precision: str
-    total_steps: int
+    total_steps: int | None  # None until a data file is tokenized (max_steps=0, one epoch)
     warnings: list[str]
 
 
@@ -61,7 +61,7 @@ def _precision(cfg: Config, ds: dict[str, Any]) -> str:
 
 def plan(cfg: Config) -> Plan:
     """All input validation that can run before init_process_group: one clear error, no hang."""
-    from toolkit.data import check_data_file
+    from toolkit.data import check_data_file, steps_per_epoch
     from toolkit.model import hidden_size, model_config
 
     world = dist.world_size()
@@ -71,18 +71,16 @@ def plan(cfg: Config) -> Plan:
     check_data_file(cfg)
     precision = _precision(cfg, ds_raw)
     t = cfg.train
-    total = t.max_steps if t.max_steps > 0 else _steps_per_epoch(cfg, world)
+    # max_steps=0 means one epoch: known here for synthetic data, after tokenizing for a file
+    # (loop.run fills it then; a DeepSpeed scheduler "auto" needing it is reported as unfillable).
+    synthetic = cfg.data.source == "synthetic"
+    total = t.max_steps or (steps_per_epoch(cfg.data.num_samples, cfg, world) if synthetic else None)
     values = AutoValues(micro_batch=t.micro_batch_size, grad_accum=t.grad_accum, world_size=world,
                         precision=precision, grad_clip=t.grad_clip, lr=t.lr, betas=(t.betas[0], t.betas[1]),
                         eps=t.eps, weight_decay=t.weight_decay, hidden_size=hidden_size(mc),
                         warmup_steps=t.warmup_steps, total_steps=total)
     ds = resolve(ds_raw, values)
     return Plan(cfg, ds, mc, Path(t.run_dir), world, precision, total, warnings)
-
-
-def _steps_per_epoch(cfg: Config, world: int) -> int:
-    per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * world
-    return max(1, cfg.data.num_samples // per_step)
 
 
 def _run_checks(ds: dict[str, Any], cfg: Config, world: int) -> list[str]:

@@ -84,6 +84,8 @@ def _runs(tmp: Path) -> list[dict]:
             f.write(json.dumps({"prompt": q, "response": "the cat sat on the mat " * (1 + i % 2)}) + "\n")
     add("raw-file", "zero2", "train.path=raw", f"data.source={data}", f"model.tokenizer={tok}",
         "train.micro_batch_size=2", "train.export=false")
+    add("raw-file-epoch", "zero2", "train.path=raw", f"data.source={data}", f"model.tokenizer={tok}",
+        "train.micro_batch_size=2", "train.max_steps=0", "train.export=false")
     add("trainer-file-packed", "zero2", "train.path=trainer", f"data.source={data}", f"model.tokenizer={tok}",
         "data.packing=true", "data.seq_len=16", "train.micro_batch_size=2", "train.export=false")
     add("raw-zero3-gc", "zero3", "train.path=raw", "model.gradient_checkpointing=true",
@@ -228,6 +230,8 @@ def test_file_data_packing_and_checkpointing_runs(runs: Path) -> None:
         assert json.loads((runs / name / "status.json").read_text())["status"] == "completed", name
     # checkpointing recomputes the same math
     assert_close(losses(runs / "raw-zero3-gc"), losses(runs / "raw-zero3"), 1e-4)
+    # max_steps=0 is one epoch of the rows actually loaded: 64 samples / (micro 2 x 2 ranks)
+    assert [m["step"] for m in metrics(runs / "raw-file-epoch")] == list(range(1, 17))
     # the SFT file data is learnable too
     file_losses = losses(runs / "raw-file")
     assert file_losses[-1] < file_losses[0]
