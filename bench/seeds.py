@@ -211,6 +211,11 @@ def run_hf(suite: str, out: Path, only: list[str]) -> None:
         ds = None
         if "ds" in v:
             ds = dc.preset(v["ds"])
+            # HF Trainer fills only its own "auto" keys; these two are the toolkit's rule (24 h^2).
+            # A plain HF user writes DeepSpeed's documented 1e9 there, so the baseline does too.
+            for key in ("stage3_max_live_parameters", "stage3_max_reuse_distance"):
+                if key in ds["zero_optimization"]:
+                    ds["zero_optimization"][key] = 1_000_000_000
         args = TrainingArguments(
             output_dir=str(out / f"hf-{suite}-{name}"), per_device_train_batch_size=cfg.train.micro_batch_size,
             gradient_accumulation_steps=cfg.train.grad_accum, max_steps=cfg.train.max_steps,
