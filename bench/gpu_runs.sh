@@ -2,6 +2,7 @@
 # The GPU benchmark commands, as run on a 2x H200 machine (device tool) from the repo root.
 #   bash bench/gpu_runs.sh seeds  OUT   # 1-GPU seed tables: toolkit on GPU 0, plain HF Trainer on GPU 1, in parallel
 #   bash bench/gpu_runs.sh twogpu OUT   # 2-GPU: ~1B preset ZeRO-2/3/offload both paths (tests/gpu) + snapshot overhead
+#   bash bench/gpu_runs.sh anatomy OUT  # 2-GPU: live tensors at the peak (llama-1b ZeRO-2/3) + BERT/Qwen ZeRO-2/3/offload
 set -uo pipefail
 mode=$1 out=$2
 mkdir -p "$out"
@@ -19,6 +20,13 @@ case $mode in
   twogpu)
     TOOLKIT_BENCH_OUT="$out" python -m pytest -q tests/gpu -p no:cacheprovider > "$out/gputest.log" 2>&1
     python bench/seeds.py suite --runner toolkit --suite overhead --gpus 2 --port 29520 --out "$out" > "$out/overhead.log" 2>&1 ;;
+  anatomy)  # what is alive at the per-rank peak, llama-1b ZeRO-2 vs ZeRO-3 (3 steps), then other models
+    for ds in zero2 zero3; do
+      deepspeed --num_gpus 2 --master_port 29530 bench/peak_anatomy.py "$out/anatomy-$ds.json" --ds ds_configs/$ds.json \
+        model.name=llama-1b data.seq_len=512 data.num_samples=48 train.micro_batch_size=4 train.max_steps=3 \
+        train.precision=bf16 train.export=false train.path=raw memory.every=1 train.run_dir="$out/run-anatomy-$ds"
+    done > "$out/anatomy.log" 2>&1
+    python bench/seeds.py suite --runner toolkit --suite zero-2gpu --gpus 2 --port 29540 --out "$out" > "$out/zero2gpu.log" 2>&1 ;;
 esac
 python bench/seeds.py table "$out"/*.json > "$out/tables.md"
 tail -5 "$out"/*.log

@@ -209,6 +209,9 @@ class AutoValues:
     hidden_size: int | None = None
     warmup_steps: int = 0
     total_steps: int | None = None
+    adapter_autocast: bool = False
+    """bf16 as torch autocast (DeepSpeed "torch_autocast") instead of DeepSpeed's bf16 mode: see
+    `adapter_autocast` below."""
 
     @property
     def train_batch_size(self) -> int:
@@ -222,7 +225,7 @@ def _auto_table(v: AutoValues) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": v.micro_batch,
         "gradient_accumulation_steps": v.grad_accum,
         "gradient_clipping": v.grad_clip,
-        "bf16.enabled": v.precision == "bf16",
+        "bf16.enabled": v.precision == "bf16" and not v.adapter_autocast,
         "fp16.enabled": v.precision == "fp16",
         "optimizer.params.lr": v.lr,
         "optimizer.params.betas": list(v.betas),
@@ -303,6 +306,8 @@ def resolve(ds: dict[str, Any], values: AutoValues) -> dict[str, Any]:
             continue  # explicit values here are the JSON's to own
         elif not _same(have, want):
             mismatches.append(f"{key}={have!r} but the training config gives {want!r}")
+    if values.adapter_autocast:
+        out.setdefault("torch_autocast", {"enabled": True, "dtype": "bfloat16"})
     leftover = [k for k, v in iter_leaves(out) if v == AUTO]
     if leftover:
         # "auto" on a key no one knows how to fill: say so instead of letting DeepSpeed drop it.
@@ -310,6 +315,22 @@ def resolve(ds: dict[str, Any], values: AutoValues) -> dict[str, Any]:
     if mismatches:
         raise ConfigError("DeepSpeed config disagrees with the training config:\n  " + "\n  ".join(mismatches))
     return out
+
+
+def adapter_autocast(ds: dict[str, Any], precision: str, lora: bool) -> bool:
+    """Train LoRA under bf16 the way PEFT and the HF Trainer do: fp32 adapters, bf16 frozen base,
+    matmuls under torch autocast (DeepSpeed's "torch_autocast"), no second copy of the adapters.
+
+    DeepSpeed's own bf16 mode casts the adapters to bf16 and keeps fp32 masters beside them, so
+    trainable parameters cost 2 bytes more each than in plain HF and a LoRA run peaked above plain
+    HF Trainer (bench/results/seeds_tables.md). Only where the JSON leaves bf16 to the toolkit
+    ("auto") and below ZeRO-3: under ZeRO-3 transformers builds the model inside zero.Init, which
+    takes its dtype from the bf16 flag and would hold the frozen base in fp32.
+    """
+    _, bf16 = _get(ds, "bf16.enabled")
+    _, stage = _get(ds, "zero_optimization.stage")
+    return (lora and precision == "bf16" and bf16 == AUTO and "torch_autocast" not in ds
+            and not (isinstance(stage, int) and stage >= 3))
 
 
 def precision_of(ds: dict[str, Any]) -> str | None:

@@ -52,7 +52,7 @@ def run(p: Plan) -> int:
     rank = dist.rank()
     if rank == 0:
         write_run_files(p.run_dir, cfg, p.ds, {"world_size": p.world_size, "precision": p.precision,
-                                               "path": cfg.train.path})
+                                               "adapter_autocast": p.adapter_autocast, "path": cfg.train.path})
         write_status(p.run_dir, "running")
     dist.barrier()
     # Python/NumPy/torch RNGs: dropout and PEFT's LoRA init draw from them. The HF Trainer seeds on
@@ -68,7 +68,7 @@ def run(p: Plan) -> int:
         p.total_steps = steps_per_epoch(len(rows), cfg, p.world_size)
 
     keep_alive = _deepspeed_config_alive(p)  # must exist before the model under ZeRO-3
-    model = build_model(cfg, p.model_config)
+    model = build_model(cfg, p.model_config, frozen_bf16=p.adapter_autocast)
     mem.phase_boundary("model_loaded", 0)
     counter = TokenCounter()
     collator = CountingCollator(pad_id, cfg.model.task, counter)
@@ -118,7 +118,8 @@ def _training_args(p: Plan) -> Any:
         adam_epsilon=t.eps, max_grad_norm=t.grad_clip,
         lr_scheduler_type="cosine", warmup_steps=t.warmup_steps, max_steps=p.total_steps,
         logging_steps=t.log_every, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
-        bf16=p.precision == "bf16", fp16=p.precision == "fp16",
+        # under adapter autocast DeepSpeed's engine autocasts; Trainer bf16 would re-enable bf16 mode
+        bf16=p.precision == "bf16" and not p.adapter_autocast, fp16=p.precision == "fp16",
         seed=t.seed, data_seed=t.seed, report_to=[], disable_tqdm=True, dataloader_drop_last=True,
         remove_unused_columns=False, deepspeed=p.ds, use_cpu=dist.on_cpu(),
     )

@@ -84,8 +84,12 @@ def build_tokenizer(cfg: Config) -> Any | None:
     return tok
 
 
-def build_model(cfg: Config, mc: Any) -> Any:
-    """Build (random init from a preset, or from_pretrained from a directory), then LoRA/checkpointing."""
+def build_model(cfg: Config, mc: Any, frozen_bf16: bool = False) -> Any:
+    """Build (random init from a preset, or from_pretrained from a directory), then LoRA/checkpointing.
+
+    frozen_bf16 (LoRA under adapter autocast, see ds_config.adapter_autocast): every parameter that
+    does not train becomes bf16, the adapters stay fp32. Buffers keep their dtype (rotary inv_freq).
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -100,6 +104,10 @@ def build_model(cfg: Config, mc: Any) -> Any:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora.enabled:
         model = apply_lora(cfg, model)
+    if frozen_bf16:
+        for param in model.parameters():
+            if not param.requires_grad:
+                param.data = param.data.to(torch.bfloat16)
     return model
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from toolkit import dist
 from toolkit.config import Config, load_config
-from toolkit.ds_config import AutoValues, ConfigError, load_ds_config, precision_of, resolve
+from toolkit.ds_config import AutoValues, ConfigError, adapter_autocast, load_ds_config, precision_of, resolve
 
 
 @dataclass
@@ -37,6 +37,7 @@ class Plan:
     precision: str
     total_steps: int | None  # None until a data file is tokenized (max_steps=0, one epoch)
     warnings: list[str]
+    adapter_autocast: bool = False  # LoRA under bf16: fp32 adapters, bf16 frozen base, torch autocast
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -70,6 +71,7 @@ def plan(cfg: Config) -> Plan:
     mc = model_config(cfg)
     check_data_file(cfg)
     precision = _precision(cfg, ds_raw)
+    autocast = adapter_autocast(ds_raw, precision, cfg.lora.enabled)
     t = cfg.train
     # max_steps=0 means one epoch: known here for synthetic data, after tokenizing for a file
     # (loop.run fills it then; a DeepSpeed scheduler "auto" needing it is reported as unfillable).
@@ -78,9 +80,9 @@ def plan(cfg: Config) -> Plan:
     values = AutoValues(micro_batch=t.micro_batch_size, grad_accum=t.grad_accum, world_size=world,
                         precision=precision, grad_clip=t.grad_clip, lr=t.lr, betas=(t.betas[0], t.betas[1]),
                         eps=t.eps, weight_decay=t.weight_decay, hidden_size=hidden_size(mc),
-                        warmup_steps=t.warmup_steps, total_steps=total)
+                        warmup_steps=t.warmup_steps, total_steps=total, adapter_autocast=autocast)
     ds = resolve(ds_raw, values)
-    return Plan(cfg, ds, mc, Path(t.run_dir), world, precision, total, warnings)
+    return Plan(cfg, ds, mc, Path(t.run_dir), world, precision, total, warnings, autocast)
 
 
 def _run_checks(ds: dict[str, Any], cfg: Config, world: int) -> list[str]:

@@ -73,6 +73,8 @@ def _runs(tmp: Path) -> list[dict]:
         add(f"{path}-resume", "zero2", f"train.path={path}", "train.resume=latest", "train.export=false")
         # LoRA under ZeRO-3: the adapter must reproduce the engine's logits
         add(f"{path}-lora", "zero3", f"train.path={path}", "lora.enabled=true", "train.save_probe=true")
+        # LoRA under bf16 below ZeRO-3: fp32 adapters, bf16 base, DeepSpeed torch_autocast
+        add(f"{path}-lora-bf16", "zero2", f"train.path={path}", "lora.enabled=true", "train.precision=bf16")
         # sequence classification
         add(f"{path}-cls", "zero2", f"train.path={path}", "model.name=tiny-bert", "model.task=seq_cls",
             "train.export=false")
@@ -88,6 +90,12 @@ def _runs(tmp: Path) -> list[dict]:
         "train.micro_batch_size=2", "train.max_steps=0", "train.export=false")
     add("trainer-file-packed", "zero2", "train.path=trainer", f"data.source={data}", f"model.tokenizer={tok}",
         "data.packing=true", "data.seq_len=16", "train.micro_batch_size=2", "train.export=false")
+    add("raw-lora-bf16-zero0", "zero0", "train.path=raw", "lora.enabled=true", "train.precision=bf16",
+        "train.export=false")
+    add("raw-lora-bf16-offload", "zero2_offload", "train.path=raw", "lora.enabled=true", "train.precision=bf16",
+        "train.export=false")
+    add("raw-lora-bf16-zero3", "zero3", "train.path=raw", "lora.enabled=true", "train.precision=bf16",
+        "train.export=false")
     add("raw-zero3-gc", "zero3", "train.path=raw", "model.gradient_checkpointing=true",
         "model.attn_implementation=eager", "train.export=false")
     return runs
@@ -222,6 +230,27 @@ def test_lora_adapter_reloads_with_the_engines_logits(runs: Path, path: str) -> 
     assert (d / "adapter" / "adapter_config.json").is_file()
     assert not (d / "export").exists()
     _reload_logits("adapter", d)
+
+
+@pytest.mark.timeout(60)
+def test_lora_bf16_keeps_fp32_adapters_under_autocast(runs: Path) -> None:
+    from safetensors import safe_open
+
+    for name in ("raw-lora-bf16", "trainer-lora-bf16", "raw-lora-bf16-zero0", "raw-lora-bf16-offload"):
+        ds = json.loads((runs / name / "ds_config.json").read_text())
+        assert ds["bf16"]["enabled"] is False and ds["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}, name
+        assert json.loads((runs / name / "versions.json").read_text())["adapter_autocast"] is True
+        assert json.loads((runs / name / "status.json").read_text())["status"] == "completed", name
+    for path in PATHS:
+        with safe_open(str(runs / f"{path}-lora-bf16" / "adapter" / "adapter_model.safetensors"), "pt") as f:
+            assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {"F32"}
+    # both paths compute the same thing; bf16 stays near the fp32 LoRA run (same seed, same adapters)
+    bf16 = losses(runs / "raw-lora-bf16")
+    assert_close(bf16, losses(runs / "trainer-lora-bf16"), 1e-3)
+    assert_close(bf16, losses(runs / "raw-lora"), 2e-2)
+    # ZeRO-3 keeps DeepSpeed's bf16 mode: zero.Init would otherwise build the frozen base in fp32
+    ds3 = json.loads((runs / "raw-lora-bf16-zero3" / "ds_config.json").read_text())
+    assert ds3["bf16"]["enabled"] is True and "torch_autocast" not in ds3
 
 
 @pytest.mark.timeout(60)

@@ -1,0 +1,54 @@
+"""LoRA under bf16: fp32 adapters and a bf16 frozen base under DeepSpeed's torch_autocast (stages 0-2),
+DeepSpeed's bf16 mode everywhere else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from toolkit import ds_config as dc
+from toolkit.config import load_config
+from toolkit.model import build_model, model_config
+
+
+def _values(autocast: bool) -> dc.AutoValues:
+    return dc.AutoValues(micro_batch=2, grad_accum=1, world_size=2, precision="bf16", grad_clip=1.0, lr=1e-4,
+                         hidden_size=64, adapter_autocast=autocast)
+
+
+@pytest.mark.parametrize("preset", ["zero0", "zero1", "zero2", "zero2_offload"])
+def test_lora_bf16_below_zero3_resolves_to_torch_autocast(preset: str) -> None:
+    ds = dc.preset(preset)
+    assert dc.adapter_autocast(ds, "bf16", lora=True)
+    out = dc.resolve(ds, _values(True))
+    assert out["bf16"]["enabled"] is False
+    assert out["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize(("preset", "precision", "lora"), [
+    ("zero3", "bf16", True),  # zero.Init would hold the frozen base in fp32
+    ("zero3_offload", "bf16", True),
+    ("zero2", "fp16", True),  # fp16 keeps DeepSpeed's loss scaling
+    ("zero2", "fp32", True),
+    ("zero2", "bf16", False),  # full fine-tuning: DeepSpeed bf16 with fp32 masters
+])
+def test_other_combinations_keep_deepspeed_precision(preset: str, precision: str, lora: bool) -> None:
+    assert not dc.adapter_autocast(dc.preset(preset), precision, lora)
+
+
+def test_an_explicit_bf16_flag_in_the_json_is_the_users() -> None:
+    ds = dc.preset("zero2")
+    ds["bf16"]["enabled"] = True
+    assert not dc.adapter_autocast(ds, "bf16", lora=True)
+    ds = dc.preset("zero2") | {"torch_autocast": {"enabled": True, "dtype": "float16"}}
+    assert not dc.adapter_autocast(ds, "bf16", lora=True)
+    assert dc.resolve(ds, _values(False))["torch_autocast"]["dtype"] == "float16"  # left as written
+
+
+def test_frozen_base_becomes_bf16_and_adapters_stay_fp32() -> None:
+    cfg = load_config(None, ["model.name=tiny", "lora.enabled=true"])
+    model = build_model(cfg, model_config(cfg), frozen_bf16=True)
+    dtypes = {(p.requires_grad, p.dtype) for p in model.parameters()}
+    assert dtypes == {(True, torch.float32), (False, torch.bfloat16)}
+    buffers = {n.rsplit(".", 1)[-1]: b.dtype for n, b in model.named_buffers()}
+    assert buffers["inv_freq"] == torch.float32  # rotary frequencies are not cast
