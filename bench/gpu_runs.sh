@@ -2,6 +2,7 @@
 # The GPU benchmark commands, as run on a 2x H200 machine (device tool) from the repo root.
 #   bash bench/gpu_runs.sh seeds  OUT   # 1-GPU seed tables: toolkit on GPU 0, plain HF Trainer on GPU 1, in parallel
 #   bash bench/gpu_runs.sh twogpu OUT   # 2-GPU: ~1B preset ZeRO-2/3/offload both paths (tests/gpu) + snapshot overhead
+#   bash bench/gpu_runs.sh all    OUT   # 1-GPU: only the Qwen "all together" variant, toolkit and HF, in parallel
 #   bash bench/gpu_runs.sh anatomy OUT  # 2-GPU: live tensors at the peak (llama-1b ZeRO-2/3) + BERT/Qwen ZeRO-2/3/offload
 set -uo pipefail
 mode=$1 out=$2
@@ -16,6 +17,11 @@ case $mode in
     for s in qwen bert qwen-zero; do
       python bench/seeds.py suite --runner toolkit --suite $s --include localhost:0 --port 29510 --out "$out"
     done > "$out/toolkit.log" 2>&1
+    wait ;;
+  all)  # the Qwen "all together" variant only: toolkit on GPU 0, plain HF Trainer on GPU 1, in parallel
+    CUDA_VISIBLE_DEVICES=1 python bench/seeds.py suite --runner hf --suite qwen --only all --out "$out" > "$out/hf.log" 2>&1 &
+    python bench/seeds.py suite --runner toolkit --suite qwen --only all --include localhost:0 --port 29510 \
+      --out "$out" > "$out/toolkit.log" 2>&1
     wait ;;
   twogpu)
     TOOLKIT_BENCH_OUT="$out" python -m pytest -q tests/gpu -p no:cacheprovider > "$out/gputest.log" 2>&1

@@ -100,13 +100,16 @@ def summarize(run_dir: Path) -> dict[str, Any]:
             "final_loss": metrics[-1]["loss"], "steps": len(metrics)}
 
 
-def run_suite(runner: str, suite: str, out: Path, gpus: int, include: str | None, port: int) -> None:
+def run_suite(runner: str, suite: str, out: Path, gpus: int, include: str | None, port: int,
+              only: list[str]) -> None:
     import os
     import subprocess
 
     variants = HF_VARIANTS[suite] if runner == "hf" else SUITES[suite]
     results = {}
     for name in variants:
+        if only and name not in only:
+            continue
         one = [str(Path(__file__).resolve()), runner, "--suite", suite, "--only", name, "--out", str(out / "one"),
                "--extra", *EXTRA]
         if runner == "toolkit":
@@ -308,7 +311,7 @@ def main() -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if mode == "suite":
-        run_suite(a.runner, a.suite, out, a.gpus, a.include, a.port)
+        run_suite(a.runner, a.suite, out, a.gpus, a.include, a.port, a.only)
     elif mode == "toolkit":
         run_toolkit(a.suite, out, a.only)
     else:
