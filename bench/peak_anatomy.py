@@ -74,9 +74,8 @@ def main() -> int:
         torch.cuda.memory._record_memory_history(max_entries=3_000_000, stacks="python")
     rc = train.main(args)
     if torch.cuda.is_available() and dist.rank() == 0:
-        result = analyze(torch.cuda.memory._snapshot()) | {"args": args, "rc": rc,
-                                                          "max_memory_allocated_gib":
-                                                          torch.cuda.max_memory_allocated() / 2**30}
+        # (torch.cuda.max_memory_allocated is no use here: the toolkit resets it at every snapshot)
+        result = analyze(torch.cuda.memory._snapshot()) | {"args": args, "rc": rc}
         out.write_text(json.dumps(result, indent=2))
         print(json.dumps(result, indent=2), flush=True)
     return rc

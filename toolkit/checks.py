@@ -395,6 +395,16 @@ def rule_precision(c: Ctx) -> list[Finding]:
                 'or set both to "auto" and let the training config choose',
             )
         ]
+    autocast = isinstance(c.raw.get("torch_autocast"), dict) and c.raw["torch_autocast"].get("enabled") is True
+    mode = next((k for k, v in on.items() if v), None)
+    if autocast and mode:
+        return [
+            _warn(
+                "torch_autocast.enabled",
+                f"torch_autocast together with {mode}.enabled: DeepSpeed casts the whole model to {mode} "
+                "and autocasts as well; pick one (torch_autocast keeps fp32 weights, e.g. LoRA adapters)",
+            )
+        ]
     return []
 
 

@@ -307,7 +307,9 @@ def resolve(ds: dict[str, Any], values: AutoValues) -> dict[str, Any]:
         elif not _same(have, want):
             mismatches.append(f"{key}={have!r} but the training config gives {want!r}")
     if values.adapter_autocast:
-        out.setdefault("torch_autocast", {"enabled": True, "dtype": "bfloat16"})
+        # An empty lower_precision_safe_modules keeps gradient reduction in fp32: DeepSpeed's default
+        # marks every nn.Linear, PEFT's lora_A/lora_B included, to all-reduce its grads in bf16.
+        out.setdefault("torch_autocast", {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []})
     leftover = [k for k, v in iter_leaves(out) if v == AUTO]
     if leftover:
         # "auto" on a key no one knows how to fill: say so instead of letting DeepSpeed drop it.
@@ -319,18 +321,18 @@ def resolve(ds: dict[str, Any], values: AutoValues) -> dict[str, Any]:
 
 def adapter_autocast(ds: dict[str, Any], precision: str, lora: bool) -> bool:
     """Train LoRA under bf16 the way PEFT and the HF Trainer do: fp32 adapters, bf16 frozen base,
-    matmuls under torch autocast (DeepSpeed's "torch_autocast"), no second copy of the adapters.
+    matmuls under torch autocast (DeepSpeed's "torch_autocast"), fp32 gradient reduction.
 
-    DeepSpeed's own bf16 mode casts the adapters to bf16 and keeps fp32 masters beside them, so
-    trainable parameters cost 2 bytes more each than in plain HF and a LoRA run peaked above plain
-    HF Trainer (bench/results/seeds_tables.md). Only where the JSON leaves bf16 to the toolkit
+    DeepSpeed's own bf16 mode casts the adapters to bf16 and keeps fp32 masters beside them; at
+    ZeRO-0 that second copy put the seeds' "all together" LoRA run above plain HF Trainer
+    (bench/results/seeds_tables.md). The numerics then match PEFT's too: norms and softmax run in
+    fp32 under autocast (which costs some activation memory with eager attention). Only where the
+    JSON leaves bf16 to the toolkit
     ("auto") and below ZeRO-3: under ZeRO-3 transformers builds the model inside zero.Init, which
     takes its dtype from the bf16 flag and would hold the frozen base in fp32.
     """
     _, bf16 = _get(ds, "bf16.enabled")
-    _, stage = _get(ds, "zero_optimization.stage")
-    return (lora and precision == "bf16" and bf16 == AUTO and "torch_autocast" not in ds
-            and not (isinstance(stage, int) and stage >= 3))
+    return lora and precision == "bf16" and bf16 == AUTO and "torch_autocast" not in ds and zero_stage(ds) < 3
 
 
 def precision_of(ds: dict[str, Any]) -> str | None:
@@ -347,5 +349,8 @@ def precision_of(ds: dict[str, Any]) -> str | None:
 
 
 def zero_stage(ds: dict[str, Any]) -> int:
+    """The stage as DeepSpeed reads it: 3, 3.0 and "3" are all stage 3 (its pydantic model coerces)."""
     _, stage = _get(ds, "zero_optimization.stage")
+    if isinstance(stage, str) and stage.strip().isdigit():
+        return int(stage)
     return int(stage) if isinstance(stage, (int, float)) and not isinstance(stage, bool) else 0

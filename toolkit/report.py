@@ -131,6 +131,8 @@ def read_header(run_dir: Path, world_size_files: int, skipped: list[str]) -> dic
                 h["precision"] = "bf16"
             elif (ds.get("fp16") or {}).get("enabled") is True:
                 h["precision"] = "fp16"
+            elif (ds.get("torch_autocast") or {}).get("enabled") is True:
+                h["precision"] = f"torch autocast {ds['torch_autocast'].get('dtype', 'bfloat16')}"
             else:
                 h["precision"] = "fp32"
             tbs, mbs = ds.get("train_batch_size"), ds.get("train_micro_batch_size_per_gpu")

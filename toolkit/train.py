@@ -16,6 +16,7 @@ if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import argparse
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +74,8 @@ def plan(cfg: Config) -> Plan:
     precision = _precision(cfg, ds_raw)
     autocast = adapter_autocast(ds_raw, precision, cfg.lora.enabled)
     t = cfg.train
+    if t.resume:
+        _check_resume_mode(Path(t.run_dir), autocast)
     # max_steps=0 means one epoch: known here for synthetic data, after tokenizing for a file
     # (loop.run fills it then; a DeepSpeed scheduler "auto" needing it is reported as unfillable).
     synthetic = cfg.data.source == "synthetic"
@@ -83,6 +86,20 @@ def plan(cfg: Config) -> Plan:
                         warmup_steps=t.warmup_steps, total_steps=total, adapter_autocast=autocast)
     ds = resolve(ds_raw, values)
     return Plan(cfg, ds, mc, Path(t.run_dir), world, precision, total, warnings, autocast)
+
+
+def _check_resume_mode(run_dir: Path, autocast: bool) -> None:
+    """Checkpoints written under one LoRA precision mode do not load under the other (another
+    optimizer wrapper, other file names), so stop before training and say how to get the old one back."""
+    try:
+        before = bool(json.loads((run_dir / "versions.json").read_text()).get("adapter_autocast", False))
+    except (OSError, ValueError, AttributeError):
+        return  # no record (or an unreadable one): nothing to compare with
+    if before != autocast:
+        how = ('set "bf16": {"enabled": true} in the DeepSpeed JSON' if not before else
+               'leave bf16.enabled "auto" and add no torch_autocast block, below ZeRO-3')
+        raise ConfigError(f"train.resume: the checkpoints in {run_dir} were written with adapter_autocast={before} "
+                          f"(versions.json) and this run would use {autocast}; to resume them, {how}")
 
 
 def _run_checks(ds: dict[str, Any], cfg: Config, world: int) -> list[str]:

@@ -238,7 +238,7 @@ def test_lora_bf16_keeps_fp32_adapters_under_autocast(runs: Path) -> None:
 
     for name in ("raw-lora-bf16", "trainer-lora-bf16", "raw-lora-bf16-zero0", "raw-lora-bf16-offload"):
         ds = json.loads((runs / name / "ds_config.json").read_text())
-        assert ds["bf16"]["enabled"] is False and ds["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}, name
+        assert ds["bf16"]["enabled"] is False and ds["torch_autocast"]["enabled"] is True, name
         assert json.loads((runs / name / "versions.json").read_text())["adapter_autocast"] is True
         assert json.loads((runs / name / "status.json").read_text())["status"] == "completed", name
     for path in PATHS:
@@ -248,6 +248,9 @@ def test_lora_bf16_keeps_fp32_adapters_under_autocast(runs: Path) -> None:
     bf16 = losses(runs / "raw-lora-bf16")
     assert_close(bf16, losses(runs / "trainer-lora-bf16"), 1e-3)
     assert_close(bf16, losses(runs / "raw-lora"), 2e-2)
+    from toolkit.report import read_header
+
+    assert read_header(runs / "raw-lora-bf16", 2, [])["precision"] == "torch autocast bfloat16"
     # ZeRO-3 keeps DeepSpeed's bf16 mode: zero.Init would otherwise build the frozen base in fp32
     ds3 = json.loads((runs / "raw-lora-bf16-zero3" / "ds_config.json").read_text())
     assert ds3["bf16"]["enabled"] is True and "torch_autocast" not in ds3

@@ -117,6 +117,17 @@ def test_fp16_bf16_auto_is_fine() -> None:
     assert errors(check_config(dc.preset("zero1"))) == []
 
 
+def test_torch_autocast_beside_bf16_mode_warns_and_alone_is_clean() -> None:
+    both = dc.preset("zero2") | {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
+    both["bf16"]["enabled"] = True
+    found = [f for f in check_config(both) if f.key == "torch_autocast.enabled"]
+    assert [f.level for f in found] == ["warning"] and "pick one" in found[0].message
+    alone = dc.preset("zero2") | {"torch_autocast": {"enabled": True, "dtype": "bfloat16",
+                                                     "lower_precision_safe_modules": []}}
+    alone["bf16"]["enabled"] = False
+    assert check_config(alone) == []
+
+
 def test_batch_arithmetic_uses_real_world_size() -> None:
     assert check("bad_batch_world2.json", world_size=1) == []  # 4 == 2 * 2 * 1
     found = by_key(check("bad_batch_world2.json", world_size=2))

@@ -3,6 +3,9 @@ DeepSpeed's bf16 mode everywhere else."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -22,7 +25,8 @@ def test_lora_bf16_below_zero3_resolves_to_torch_autocast(preset: str) -> None:
     assert dc.adapter_autocast(ds, "bf16", lora=True)
     out = dc.resolve(ds, _values(True))
     assert out["bf16"]["enabled"] is False
-    assert out["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
+    # lower_precision_safe_modules=[]: no nn.Linear (lora_A/B included) reduces its gradient in bf16
+    assert out["torch_autocast"] == {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
 
 
 @pytest.mark.parametrize(("preset", "precision", "lora"), [
@@ -34,6 +38,14 @@ def test_lora_bf16_below_zero3_resolves_to_torch_autocast(preset: str) -> None:
 ])
 def test_other_combinations_keep_deepspeed_precision(preset: str, precision: str, lora: bool) -> None:
     assert not dc.adapter_autocast(dc.preset(preset), precision, lora)
+
+
+@pytest.mark.parametrize("stage", [3, 3.0, "3"])
+def test_zero3_however_written_keeps_deepspeed_bf16(stage: object) -> None:
+    ds = dc.preset("zero2")
+    ds["zero_optimization"]["stage"] = stage
+    assert dc.zero_stage(ds) == 3
+    assert not dc.adapter_autocast(ds, "bf16", lora=True)
 
 
 def test_an_explicit_bf16_flag_in_the_json_is_the_users() -> None:
@@ -52,3 +64,22 @@ def test_frozen_base_becomes_bf16_and_adapters_stay_fp32() -> None:
     assert dtypes == {(True, torch.float32), (False, torch.bfloat16)}
     buffers = {n.rsplit(".", 1)[-1]: b.dtype for n, b in model.named_buffers()}
     assert buffers["inv_freq"] == torch.float32  # rotary frequencies are not cast
+
+
+@pytest.mark.parametrize(("before", "bf16_json", "autocast_now"), [(False, "auto", True), (True, True, False)])
+def test_resume_across_precision_modes_is_refused_with_the_fix(
+        tmp_path: Path, before: bool, bf16_json: object, autocast_now: bool) -> None:
+    from toolkit.train import plan
+
+    ds = dc.preset("zero2")
+    ds["bf16"]["enabled"] = bf16_json
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "versions.json").write_text(json.dumps({"adapter_autocast": before}))
+    cfg = load_config(None, ["model.name=tiny", "lora.enabled=true", "train.precision=bf16", "train.resume=latest",
+                             f"train.ds_config={tmp_path / 'ds.json'}", f"train.run_dir={run}"])
+    with pytest.raises(dc.ConfigError, match=f"adapter_autocast={before}.*would use {autocast_now}"):
+        plan(cfg)
+    (run / "versions.json").write_text(json.dumps({"adapter_autocast": autocast_now}))
+    assert plan(cfg).adapter_autocast is autocast_now  # the same mode resumes
