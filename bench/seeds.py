@@ -70,7 +70,6 @@ SUITES: dict[str, dict[str, tuple[str, list[str]]]] = {
         f"{model}-{stage}": (stage, [*base, "train.max_steps=10", "train.precision=bf16", "memory.every=1"])
         for model, base in (("bert", BERT), ("qwen", QWEN)) for stage in ("zero2", "zero3", "zero3_offload")
     },
-    "qwen-2gpu": {},  # the Qwen half of zero-2gpu (tests/gpu), filled below
     "smoke": {
         f"{path}-{stage}": (stage, ["model.name=tiny", "train.max_steps=3", "memory.every=1", "train.precision=bf16",
                                     f"train.path={path}"])
@@ -80,6 +79,7 @@ SUITES: dict[str, dict[str, tuple[str, list[str]]]] = {
         f"every{n}-{i}": ("zero2", [*GPT2, f"memory.every={n}"]) for i in range(2) for n in (0, 1)
     },
 }
+# the Qwen half of zero-2gpu, for tests/gpu
 SUITES["qwen-2gpu"] = {k: v for k, v in SUITES["zero-2gpu"].items() if k.startswith("qwen-")}
 
 EXTRA: list[str] = []

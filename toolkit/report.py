@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from toolkit import ds_config as dc
+
 PHASE_ORDER = ("model_loaded", "engine_ready", "first_step", "step", "final", "oom")
 GPU_KEYS = ("allocated_gib", "reserved_gib", "peak_allocated_gib", "peak_reserved_gib", "nvml_used_gib")
 MEMORY_REQUIRED = ("phase", "step")
@@ -123,18 +125,13 @@ def read_header(run_dir: Path, world_size_files: int, skipped: list[str]) -> dic
         try:
             ds = json.loads(ds_path.read_text())
             zero = ds.get("zero_optimization") or {}
-            h["zero stage"] = zero.get("stage", 0)
+            h["zero stage"] = dc.zero_stage(ds)
             for key in ("offload_optimizer", "offload_param"):
                 dev = (zero.get(key) or {}).get("device", "none")
                 h[key.replace("_", " ")] = dev
-            if (ds.get("bf16") or {}).get("enabled") is True:
-                h["precision"] = "bf16"
-            elif (ds.get("fp16") or {}).get("enabled") is True:
-                h["precision"] = "fp16"
-            elif (ds.get("torch_autocast") or {}).get("enabled") is True:
+            h["precision"] = dc.precision_of(ds) or "fp32"  # resolved: no "auto" left
+            if h["precision"] == "fp32" and (ds.get("torch_autocast") or {}).get("enabled") is True:
                 h["precision"] = f"torch autocast {ds['torch_autocast'].get('dtype', 'bfloat16')}"
-            else:
-                h["precision"] = "fp32"
             tbs, mbs = ds.get("train_batch_size"), ds.get("train_micro_batch_size_per_gpu")
             gas = ds.get("gradient_accumulation_steps", 1)
             if all(isinstance(v, int) and v > 0 for v in (tbs, mbs, gas)):

@@ -147,26 +147,19 @@ def test_empty_dir_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "nothing to report" in capsys.readouterr().err
 
 
+def _report_cli(run_dir: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "toolkit", "report", run_dir], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+
+
 def test_cli_subprocess(tmp_path: Path) -> None:
     run = make_run(tmp_path)
     # Copied from another machine: relative cwd, no absolute paths involved.
-    res = subprocess.run(
-        [sys.executable, "-m", "toolkit", "report", "run"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    res = _report_cli("run", tmp_path)
     assert res.returncode == 0, res.stderr
     assert "truncated last line" in res.stdout
     assert (run / "report.md").exists() and (run / "memory.png").exists()
-    bad = subprocess.run(
-        [sys.executable, "-m", "toolkit", "report", "missing"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    bad = _report_cli("missing", tmp_path)
     assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1
 
 
