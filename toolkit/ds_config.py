@@ -98,7 +98,7 @@ def gen_config(
     if stage >= 1:
         zero |= {"overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": AUTO}
     if stage == 2:
-        zero |= {"allgather_partitions": True, "allgather_bucket_size": 200_000_000, "reduce_scatter": True}
+        zero |= {"allgather_partitions": True, "allgather_bucket_size": AUTO, "reduce_scatter": True}
     if stage == 3:
         zero |= {
             "stage3_prefetch_bucket_size": AUTO,
@@ -209,6 +209,9 @@ class AutoValues:
     hidden_size: int | None = None
     warmup_steps: int = 0
     total_steps: int | None = None
+    zero_sizes: Literal["speed", "memory"] = "speed"
+    """How "auto" bucket/prefetch/live-parameter sizes resolve: SPEED_SIZES, or the memory-lean
+    rules from the hidden size (needs hidden_size)."""
     adapter_autocast: bool = False
     """bf16 as torch autocast (DeepSpeed "torch_autocast") instead of DeepSpeed's bf16 mode: see
     `adapter_autocast` below."""
@@ -216,6 +219,21 @@ class AutoValues:
     @property
     def train_batch_size(self) -> int:
         return self.micro_batch * self.grad_accum * self.world_size
+
+
+# DeepSpeed's own defaults (deepspeed/runtime/zero/config.py), written out so the raw loop and the
+# Trainer run the same numbers. Measured on 2x H200 (bench/results/speed.md): the lean h^2 rules
+# cost llama-1b ZeRO-3 35% of its tokens/s and GPT-2 ZeRO-2 a quarter (about 200 small reductions a
+# step at h=768), for about 2 GiB per rank; so speed is the default and the lean rules are
+# `train.zero_sizes=memory`.
+SPEED_SIZES: dict[str, int] = {
+    "zero_optimization.reduce_bucket_size": 500_000_000,
+    "zero_optimization.allgather_bucket_size": 500_000_000,
+    "zero_optimization.stage3_prefetch_bucket_size": 50_000_000,
+    "zero_optimization.stage3_param_persistence_threshold": 100_000,
+    "zero_optimization.stage3_max_live_parameters": 1_000_000_000,
+    "zero_optimization.stage3_max_reuse_distance": 1_000_000_000,
+}
 
 
 def _auto_table(v: AutoValues) -> dict[str, Any]:
@@ -239,10 +257,14 @@ def _auto_table(v: AutoValues) -> dict[str, Any]:
     }
     if v.total_steps is not None:
         table["scheduler.params.total_num_steps"] = v.total_steps
-    if v.hidden_size is not None:
+    if v.zero_sizes == "speed":
+        table |= SPEED_SIZES
+    elif v.hidden_size is not None:
         h = v.hidden_size
         table |= {
+            # The HF/Accelerate "auto" convention: h^2, 0.9 h^2, 10 h.
             "zero_optimization.reduce_bucket_size": h * h,
+            "zero_optimization.allgather_bucket_size": h * h,
             "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * h * h),
             "zero_optimization.stage3_param_persistence_threshold": 10 * h,
             # The toolkit's own rule (HF has none): about two transformer layers (~12 h^2 each).

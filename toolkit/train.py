@@ -83,7 +83,8 @@ def plan(cfg: Config) -> Plan:
     values = AutoValues(micro_batch=t.micro_batch_size, grad_accum=t.grad_accum, world_size=world,
                         precision=precision, grad_clip=t.grad_clip, lr=t.lr, betas=(t.betas[0], t.betas[1]),
                         eps=t.eps, weight_decay=t.weight_decay, hidden_size=hidden_size(mc),
-                        warmup_steps=t.warmup_steps, total_steps=total, adapter_autocast=autocast)
+                        warmup_steps=t.warmup_steps, total_steps=total, adapter_autocast=autocast,
+                        zero_sizes=t.zero_sizes)
     ds = resolve(ds_raw, values)
     return Plan(cfg, ds, mc, Path(t.run_dir), world, precision, total, warnings, autocast)
 

@@ -83,3 +83,17 @@ def test_resume_across_precision_modes_is_refused_with_the_fix(
         plan(cfg)
     (run / "versions.json").write_text(json.dumps({"adapter_autocast": autocast_now}))
     assert plan(cfg).adapter_autocast is autocast_now  # the same mode resumes
+
+
+def test_zero_sizes_speed_is_deepspeed_defaults_memory_is_hidden_size_rules() -> None:
+    ds = dc.preset("zero3")
+    fast = dc.resolve(ds, _values(False))["zero_optimization"]
+    assert fast["stage3_prefetch_bucket_size"] == 50_000_000
+    assert fast["stage3_max_live_parameters"] == fast["stage3_max_reuse_distance"] == 1_000_000_000
+    assert fast["reduce_bucket_size"] == 500_000_000
+    import dataclasses
+
+    lean = dc.resolve(ds, dataclasses.replace(_values(False), zero_sizes="memory"))["zero_optimization"]
+    assert lean["reduce_bucket_size"] == 64 * 64 and lean["stage3_max_live_parameters"] == 24 * 64 * 64
+    z2 = dc.resolve(dc.preset("zero2"), _values(False))["zero_optimization"]
+    assert z2["allgather_bucket_size"] == 500_000_000
