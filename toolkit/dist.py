@@ -81,6 +81,15 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def all_reduce_tensor(t: Any) -> Any:
+    """Sum a tensor across ranks in place and return it; on NCCL the host does not wait for it."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
 def barrier() -> None:
     import torch.distributed as dist
 

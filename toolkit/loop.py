@@ -34,19 +34,6 @@ if TYPE_CHECKING:
     from toolkit.train import Plan
 
 
-class CountingCollator(Collator):
-    """The collator plus a token counter for tokens/s (the same object serves both paths)."""
-
-    def __init__(self, pad_id: int, task: str, counter: TokenCounter) -> None:
-        super().__init__(pad_id=pad_id, task=task)
-        self.counter = counter
-
-    def __call__(self, batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        out = super().__call__(batch)
-        self.counter.add(out)
-        return out
-
-
 def run(p: Plan) -> int:
     cfg = p.cfg
     rank = dist.rank()
@@ -71,7 +58,7 @@ def run(p: Plan) -> int:
     model = build_model(cfg, p.model_config, frozen_bf16=p.adapter_autocast)
     mem.phase_boundary("model_loaded", 0)
     counter = TokenCounter()
-    collator = CountingCollator(pad_id, cfg.model.task, counter)
+    collator = Collator(pad_id=pad_id, task=cfg.model.task)
     order = EpochOrder(len(rows), cfg.train.seed, cfg.data.shuffle)
     state = {"phase": "engine_ready", "step": 0}
     try:
@@ -122,6 +109,7 @@ def _training_args(p: Plan) -> Any:
         bf16=p.precision == "bf16" and not p.adapter_autocast, fp16=p.precision == "fp16",
         seed=t.seed, data_seed=t.seed, report_to=[], disable_tqdm=True, dataloader_drop_last=True,
         remove_unused_columns=False, deepspeed=p.ds, use_cpu=dist.on_cpu(),
+        **{f"dataloader_{k}": v for k, v in loader_kwargs().items()},
     )
 
 
@@ -139,7 +127,7 @@ def first_loss_check(p: Plan, loss: float) -> None:
 # ----------------------------------------------------------------------------- HF Trainer path
 
 
-def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator: CountingCollator,
+def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator: Collator,
                  order: EpochOrder, counter: TokenCounter, mem: MemoryMonitor,
                  state: dict[str, Any]) -> tuple[Any, int, bool]:
     from transformers import PrinterCallback, Trainer, TrainerCallback
@@ -150,6 +138,10 @@ def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator:
     class ToolkitTrainer(Trainer):
         def _get_train_sampler(self, train_dataset: Any = None) -> EpochOrder:
             return order  # the raw loop deals the same order to the same ranks
+
+        def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Any:
+            counter.add(inputs)  # on the device, no sync: collation runs in loader workers
+            return super().training_step(model, inputs, num_items_in_batch)
 
     metrics = MetricsLogger(p.run_dir, p.total_steps, counter)
 
@@ -211,7 +203,7 @@ def _micro_batches(loader: torch.utils.data.DataLoader, sampler: ShardedBatches,
         epoch += 1
 
 
-def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: CountingCollator, order: EpochOrder,
+def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: Collator, order: EpochOrder,
              counter: TokenCounter, mem: MemoryMonitor, state: dict[str, Any]) -> tuple[Any, int, bool]:
     import deepspeed
 
@@ -233,7 +225,7 @@ def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: CountingCollat
     per_epoch = len(sampler)  # micro-batches per rank per epoch, a multiple of grad_accum
     consumed = step * t.grad_accum
     sampler.skip = consumed % per_epoch
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collator)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collator, **loader_kwargs())
     stream = _micro_batches(loader, sampler, consumed // per_epoch)
     causal = p.cfg.model.task == "causal_lm"
     device = dist.device()
@@ -243,12 +235,16 @@ def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: CountingCollat
     total = p.total_steps
     last = min(total, t.stop_after) if t.stop_after else total
     engine.train()
+    # Nothing in this loop waits for the GPU except on log steps: the label count is reduced on the
+    # device, the loss accumulates there, and host values (loss, grad norm) are read only to log.
     while step < last:
         batches = [next(stream) for _ in range(t.grad_accum)]
-        n_items = _label_count(batches) if causal else None
+        for b in batches:
+            counter.add(b)  # host tensors: free
+        n_items = _label_count(batches, device) if causal else None
         acc = torch.zeros((), device=device)
         for b in batches:
-            b = {k: v.to(device) for k, v in b.items()}
+            b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
             if causal:
                 # Token-level mean over the whole accumulation window and all ranks, the same
                 # normalization the HF Trainer uses (model returns sum/n_items; DeepSpeed then
@@ -263,14 +259,14 @@ def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: CountingCollat
             engine.step()
         step += 1
         state["step"] = step
-        loss_val = dist.all_reduce_sum([float(acc)])[0] / world
-        grad_norm = engine.get_global_grad_norm()
-        if step % t.log_every == 0 or step == last:
+        if step % t.log_every == 0 or step == last or step == 1:
+            loss_val = float(dist.all_reduce_tensor(acc)) / world
+            grad_norm = engine.get_global_grad_norm()
             metrics.log(step, loss_val, scheduler.get_last_lr()[0],
                         None if grad_norm is None else float(grad_norm))
-        if step == 1:
-            _first_step(p, step, loss_val, mem)
-        else:
+            if step == 1:
+                _first_step(p, step, loss_val, mem)
+        if step > 1:
             mem.maybe_step(step)
         if (t.save_every and step % t.save_every == 0) or (t.stop_after and step == last and step < total):
             engine.save_checkpoint(str(ckpt_dir), tag=f"global_step{step}", client_state={"step": step})
@@ -278,11 +274,19 @@ def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: CountingCollat
     return engine, step, step < total
 
 
-def _label_count(batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-    """Predicted tokens in the accumulation window on all ranks (labels shift by one)."""
-    local = sum(int((b["labels"][..., 1:] != IGNORE_INDEX).sum()) for b in batches)
-    total = dist.all_reduce_sum([float(local)])[0]
-    return torch.tensor(total, device=dist.device())
+def loader_kwargs() -> dict[str, Any]:
+    """Batches prepared ahead of the step: a collating worker and pinned memory on GPUs. On CPU the
+    ranks already share the cores, and a worker per rank would only compete with them."""
+    if dist.on_cpu():
+        return {}
+    return {"num_workers": 2, "pin_memory": True, "prefetch_factor": 4, "persistent_workers": True}
+
+
+def _label_count(batches: list[dict[str, torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """Predicted tokens in the accumulation window on all ranks (labels shift by one), summed on the
+    device: the forward waits for it on the stream, the host does not."""
+    local = sum((b["labels"][..., 1:] != IGNORE_INDEX).sum() for b in batches)
+    return dist.all_reduce_tensor(torch.as_tensor(local, dtype=torch.float32).to(device, non_blocking=True))
 
 
 # ----------------------------------------------------------------------------- end of run

@@ -11,16 +11,25 @@ from typing import Any
 from toolkit import dist
 
 
-@dataclass
 class TokenCounter:
-    """Counts the real (non-pad) tokens and samples the collator hands out on this rank."""
+    """Counts the real (non-pad) tokens and the samples this rank trains on.
 
-    tokens: int = 0
-    samples: int = 0
+    The token sum stays a tensor on the batch's device: reading it (`tokens`) synchronizes, so it is
+    read on log steps only, never per micro-batch.
+    """
+
+    def __init__(self) -> None:
+        self._tokens: Any = 0
+        self.samples = 0
 
     def add(self, batch: dict[str, Any]) -> None:
-        self.tokens += int(batch["attention_mask"].sum())
-        self.samples += int(batch["attention_mask"].shape[0])
+        mask = batch["attention_mask"]
+        self._tokens = self._tokens + mask.sum()
+        self.samples += int(mask.shape[0])
+
+    @property
+    def tokens(self) -> int:
+        return int(self._tokens)
 
 
 @dataclass
@@ -52,15 +61,16 @@ class MetricsLogger:
     def log(self, step: int, loss: float, lr: float, grad_norm: float | None) -> dict[str, Any] | None:
         """Collective (all ranks call): sums token counts across ranks, rank 0 writes the line."""
         now = time.perf_counter()
-        tokens, samples = dist.all_reduce_sum([float(self.counter.tokens - self._last_tokens),
-                                               float(self.counter.samples - self._last_samples)])
+        seen_tokens, seen_samples = self.counter.tokens, self.counter.samples
+        tokens, samples = dist.all_reduce_sum([float(seen_tokens - self._last_tokens),
+                                               float(seen_samples - self._last_samples)])
         dt = max(now - self._last_t, 1e-9)
         rec = {"step": step, "loss": loss, "lr": lr,
                "grad_norm": None if grad_norm is None else float(grad_norm),
                "tokens_per_s": tokens / dt, "samples_per_s": samples / dt,
                "step_time_s": dt / max(step - self._last_step, 1), "elapsed_s": now - self._t0}
         self._last_t, self._last_step = now, step
-        self._last_tokens, self._last_samples = self.counter.tokens, self.counter.samples
+        self._last_tokens, self._last_samples = seen_tokens, seen_samples
         if not self.is_main:
             return None
         with (self.run_dir / "metrics.jsonl").open("a") as f:

@@ -1,0 +1,184 @@
+"""Baseline: the plain Hugging Face Trainer with a DeepSpeed JSON, written by hand from the HF / DeepSpeed docs.
+
+Imports nothing from `toolkit`. Same models, data and ZeRO JSON as bench/bare_loop.py (the numbers are
+repeated here so that each script stands alone):
+
+    deepspeed --num_gpus G --master_port P bench/hf_trainer.py --model llama-1b --seq 2048 --micro 4 \
+        --global-batch 64 --stage 3 --offload none --warmup 3 --steps 10 --out result.json
+
+CPU smoke test (gloo, fp32): prefix with `DS_ACCELERATOR=cpu` and use `--model tiny`.
+A TrainerCallback times each optimizer step (on_step_begin .. on_step_end); rank 0 writes the result JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from typing import Any
+
+import deepspeed
+import psutil
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from torch.utils.data import Dataset
+from transformers import (
+    CONFIG_MAPPING,
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+
+MODELS: dict[str, dict[str, Any]] = {
+    "tiny": dict(model_type="llama", vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                 tie_word_embeddings=False),
+    "gpt2-124m": dict(model_type="gpt2", vocab_size=50304, n_embd=768, n_layer=12, n_head=12, n_positions=1024),
+    "qwen2-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                       num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                       max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=True),
+    "llama-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                     max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=True),
+}
+
+
+def model_config(name: str) -> PretrainedConfig:
+    kw = dict(MODELS[name])
+    return CONFIG_MAPPING[kw.pop("model_type")](**kw, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def ds_config(args: argparse.Namespace, grad_accum: int, bf16: bool) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": args.stage, "overlap_comm": True, "contiguous_gradients": True,
+                            "reduce_bucket_size": 5e8}
+    if args.stage in (1, 2):
+        zero["allgather_bucket_size"] = 5e8
+    if args.stage == 3:
+        zero.update(stage3_prefetch_bucket_size=5e7, stage3_param_persistence_threshold=1e5,
+                    stage3_max_live_parameters=1e9, stage3_max_reuse_distance=1e9)
+    if args.offload == "optimizer":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "train_batch_size": args.global_batch,
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": bf16},
+        "optimizer": {"type": "AdamW",
+                      "params": {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}},
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+class RandomTokens(Dataset):
+    """Pre-generated random token ids at full length; labels = input_ids."""
+
+    def __init__(self, n: int, seq: int, vocab: int, seed: int) -> None:
+        self.ids = torch.randint(4, vocab, (n, seq), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class StepTimer(TrainerCallback):
+    """Wall time of each optimizer step (all its micro-batches), GPU work included; losses as logged."""
+
+    def __init__(self, cpu: bool) -> None:
+        self.cpu = cpu
+        self.t0 = 0.0
+        self.times: list[float] = []
+        self.losses: list[float] = []
+
+    def _sync(self) -> None:
+        if not self.cpu:
+            torch.cuda.synchronize()
+
+    def on_step_begin(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
+        self._sync()
+        self.t0 = time.perf_counter()
+
+    def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
+        self._sync()
+        self.times.append(time.perf_counter() - self.t0)
+
+    def on_log(self, args: TrainingArguments, state: Any, control: Any, logs: dict | None = None,
+               **kw: Any) -> None:
+        if logs and "loss" in logs:
+            self.losses.append(float(logs["loss"]))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(MODELS), required=True)
+    p.add_argument("--seq", type=int, required=True)
+    p.add_argument("--micro", type=int, required=True)
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step, all ranks")
+    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], required=True)
+    p.add_argument("--offload", choices=["none", "optimizer"], default="none")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--out", required=True)
+    p.add_argument("--local_rank", type=int, default=-1, help="appended by the launcher; LOCAL_RANK is used")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    cpu = get_accelerator().device_name() == "cpu"
+    deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cpu") if cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if not cpu:
+        torch.cuda.set_device(device)
+    grad_accum, rem = divmod(args.global_batch, args.micro * world)
+    if rem or grad_accum < 1:
+        raise SystemExit(f"--global-batch {args.global_batch} is not a multiple of micro*world={args.micro * world}")
+    total = args.warmup + args.steps
+
+    with tempfile.TemporaryDirectory() as tmp:
+        # TrainingArguments(deepspeed=...) creates the HfDeepSpeedConfig: it must exist before the model (ZeRO-3)
+        targs = TrainingArguments(
+            output_dir=tmp, per_device_train_batch_size=args.micro, gradient_accumulation_steps=grad_accum,
+            max_steps=total, bf16=not cpu, learning_rate=1e-4, deepspeed=ds_config(args, grad_accum, not cpu),
+            logging_steps=1, report_to=[], save_strategy="no", dataloader_drop_last=True, disable_tqdm=True,
+            use_cpu=cpu,
+        )
+        config = model_config(args.model)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+        data = RandomTokens(total * args.global_batch, args.seq, config.vocab_size, seed=1234)
+        timer = StepTimer(cpu)
+        trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[timer])
+        trainer.train()
+        assert trainer.is_deepspeed_enabled, "the Trainer did not use DeepSpeed"
+
+    peak = torch.cuda.max_memory_allocated() / 2**30 if not cpu else 0.0
+    stats = torch.tensor([peak, psutil.Process().memory_info().rss / 2**30], dtype=torch.float64, device=device)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        result = {
+            "variant": "hf", "model": args.model, "seq": args.seq, "stage": args.stage,
+            "offload": args.offload, "gpus": world, "micro_batch": args.micro, "grad_accum": grad_accum,
+            "tokens_per_step": args.global_batch * args.seq, "step_times_s": timer.times[args.warmup:],
+            "losses": timer.losses, "n_params": n_params, "n_layers": config.num_hidden_layers,
+            "hidden": config.hidden_size, "peak_allocated_gib": None if cpu else stats[0].item(),
+            "host_rss_gib": stats[1].item(),
+        }
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
