@@ -86,12 +86,11 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     cpu = get_accelerator().device_name() == "cpu"
-    deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cpu") if cpu else torch.device("cuda", local_rank)
+    device = torch.device("cpu") if cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if not cpu:
         torch.cuda.set_device(device)
+    deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
     grad_accum, rem = divmod(args.global_batch, args.micro * world)
     if rem or grad_accum < 1:
         raise SystemExit(f"--global-batch {args.global_batch} is not a multiple of micro*world={args.micro * world}")

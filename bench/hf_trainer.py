@@ -135,11 +135,11 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     cpu = get_accelerator().device_name() == "cpu"
-    deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu") if cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if not cpu:
         torch.cuda.set_device(device)
+    deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
     grad_accum, rem = divmod(args.global_batch, args.micro * world)
     if rem or grad_accum < 1:
         raise SystemExit(f"--global-batch {args.global_batch} is not a multiple of micro*world={args.micro * world}")
@@ -149,7 +149,7 @@ def main() -> None:
         # TrainingArguments(deepspeed=...) creates the HfDeepSpeedConfig: it must exist before the model (ZeRO-3)
         targs = TrainingArguments(
             output_dir=tmp, per_device_train_batch_size=args.micro, gradient_accumulation_steps=grad_accum,
-            max_steps=total, bf16=not cpu, learning_rate=1e-4, deepspeed=ds_config(args, grad_accum, not cpu),
+            max_steps=total, bf16=not cpu, learning_rate=1e-4, lr_scheduler_type="constant", deepspeed=ds_config(args, grad_accum, not cpu),
             logging_steps=1, report_to=[], save_strategy="no", dataloader_drop_last=True, disable_tqdm=True,
             use_cpu=cpu,
         )
@@ -161,7 +161,7 @@ def main() -> None:
         timer = StepTimer(cpu)
         trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[timer])
         trainer.train()
-        assert trainer.is_deepspeed_enabled, "the Trainer did not use DeepSpeed"
+        assert isinstance(trainer.model_wrapped, deepspeed.DeepSpeedEngine), "the Trainer did not use DeepSpeed"
 
     peak = torch.cuda.max_memory_allocated() / 2**30 if not cpu else 0.0
     stats = torch.tensor([peak, psutil.Process().memory_info().rss / 2**30], dtype=torch.float64, device=device)

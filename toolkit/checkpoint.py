@@ -17,7 +17,7 @@ from typing import Any
 from toolkit import dist
 from toolkit.config import Config, save_config
 
-PACKAGES = ("torch", "deepspeed", "transformers", "peft", "datasets", "accelerate")
+PACKAGES = ("torch", "deepspeed", "transformers", "peft", "datasets", "accelerate", "liger-kernel")
 
 
 def versions() -> dict[str, str | None]:

@@ -24,6 +24,9 @@ class ModelConfig:
     """eager, sdpa, or flash_attention_2 (when flash-attn is installed)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward; turns use_cache off."""
+    liger: bool = True
+    """Liger kernels (fused linear cross-entropy, RMSNorm, SwiGLU, RoPE) on CUDA for the families Liger
+    supports; the fused loss stays off under ZeRO-3. The run prints what was applied and why not."""
     tokenizer: str | None = None
     """Local tokenizer directory for text data; defaults to the model directory."""
 

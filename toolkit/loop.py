@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from toolkit import dist
+from toolkit import dist, kernels
 from toolkit.checkpoint import export_model, write_run_files, write_status
 from toolkit.data import (
     IGNORE_INDEX,
@@ -26,6 +26,7 @@ from toolkit.data import (
     even_rows,
     steps_per_epoch,
 )
+from toolkit.ds_config import zero_stage
 from toolkit.memory import MemoryCallback, MemoryMonitor
 from toolkit.metrics import MetricsLogger, TokenCounter
 from toolkit.model import build_model, build_tokenizer, check_first_loss, is_preset
@@ -37,9 +38,12 @@ if TYPE_CHECKING:
 def run(p: Plan) -> int:
     cfg = p.cfg
     rank = dist.rank()
+    liger = kernels.choice_for(cfg, p.model_config.model_type, zero_stage(p.ds))
     if rank == 0:
+        print(liger.describe(), flush=True)
         write_run_files(p.run_dir, cfg, p.ds, {"world_size": p.world_size, "precision": p.precision,
-                                               "adapter_autocast": p.adapter_autocast, "path": cfg.train.path})
+                                               "adapter_autocast": p.adapter_autocast, "path": cfg.train.path,
+                                               "liger": liger.kwargs, "liger_note": liger.describe()})
         write_status(p.run_dir, "running")
     dist.barrier()
     # Python/NumPy/torch RNGs: dropout and PEFT's LoRA init draw from them. The HF Trainer seeds on
@@ -56,6 +60,7 @@ def run(p: Plan) -> int:
 
     keep_alive = _deepspeed_config_alive(p)  # must exist before the model under ZeRO-3
     model = build_model(cfg, p.model_config, frozen_bf16=p.adapter_autocast)
+    kernels.apply(model, liger)
     mem.phase_boundary("model_loaded", 0)
     counter = TokenCounter()
     collator = Collator(pad_id=pad_id, task=cfg.model.task)

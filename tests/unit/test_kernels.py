@@ -1,0 +1,32 @@
+"""Which Liger kernels a run gets, decided without a GPU (the kernels themselves run in tests/gpu)."""
+
+from __future__ import annotations
+
+from toolkit.kernels import choose
+
+LIGER = frozenset({"llama", "qwen2", "mistral"})
+
+
+def test_on_by_default_for_supported_causal_lm_below_zero3() -> None:
+    c = choose(True, cuda=True, model_type="llama", task="causal_lm", stage=2, supported=LIGER)
+    assert c.kwargs == {"rope": True, "rms_norm": True, "swiglu": True, "fused_linear_cross_entropy": True}
+    assert c.describe().startswith("liger kernels on: rope, rms_norm, swiglu, fused_linear_cross_entropy")
+
+
+def test_zero3_keeps_the_fused_loss_off_and_says_why() -> None:
+    c = choose(True, cuda=True, model_type="qwen2", task="causal_lm", stage=3, supported=LIGER)
+    assert c.enabled and c.kwargs["fused_linear_cross_entropy"] is False
+    assert "fused_linear_cross_entropy off: ZeRO-3" in c.describe()
+
+
+def test_every_reason_for_off_is_named() -> None:
+    cases = {
+        "model.liger=false": dict(wanted=False, cuda=True, model_type="llama", task="causal_lm", supported=LIGER),
+        "no CUDA": dict(wanted=True, cuda=False, model_type="llama", task="causal_lm", supported=LIGER),
+        "not installed": dict(wanted=True, cuda=True, model_type="llama", task="causal_lm", supported=None),
+        "'gpt2'": dict(wanted=True, cuda=True, model_type="gpt2", task="causal_lm", supported=LIGER),
+        "seq_cls": dict(wanted=True, cuda=True, model_type="llama", task="seq_cls", supported=LIGER),
+    }
+    for needle, kw in cases.items():
+        c = choose(kw.pop("wanted"), stage=2, **kw)
+        assert not c.enabled and needle in c.describe(), (needle, c)
