@@ -1,0 +1,258 @@
+"""Side-by-side speed: a bare DeepSpeed loop, the toolkit's raw and Trainer paths, plain HF Trainer.
+
+    python bench/speed.py run --gpus 2 --out OUT [--only llama-1b-seq2048] [--variants bare,raw] [--steps 5]
+    python bench/speed.py table OUT/*.json --command "..." > bench/results/speed.md  (+ speed.json)
+
+Every variant runs in its own process through the real `deepspeed` launcher, and every variant of a
+workload trains the same global batch per optimizer step (32 sequences, whatever the GPU count); how
+it is split into micro-batch x accumulation is each variant's own choice and is recorded. The bare
+loop (bench/bare_loop.py) and plain HF Trainer (bench/hf_trainer.py) import nothing from toolkit/.
+
+Per row: tokens/s per GPU (median over the timed steps, real tokens), MFU = (6N + 12·L·H·T) FLOPs per
+token over 989e12, step time, peak allocated GiB (max over ranks), host RSS GiB (max over ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+GLOBAL_BATCH = 32
+PEAK_FLOPS = 989e12  # H100/H200 dense bf16
+
+# workload -> (toolkit preset, sequence length, the bare loop's micro-batch: what the docs show)
+WORKLOADS: dict[str, tuple[str, int, int]] = {
+    "gpt2-124m-seq1024": ("gpt2-124m", 1024, 16),
+    "qwen2-0.5b-seq2048": ("qwen2-0.5b", 2048, 4),
+    "llama-1b-seq2048": ("llama-1b", 2048, 4),
+    "tiny-seq64": ("tiny", 64, 2),  # CPU smoke test of this script only (--only tiny-seq64)
+}
+DEFAULT_WORKLOADS = ("gpt2-124m-seq1024", "qwen2-0.5b-seq2048", "llama-1b-seq2048")
+# (stage, offload) per workload: ZeRO-2, ZeRO-3, and ZeRO-3 + optimizer offload for llama-1b
+STAGES: dict[str, list[tuple[int, str]]] = {
+    "gpt2-124m-seq1024": [(2, "none"), (3, "none")],
+    "qwen2-0.5b-seq2048": [(2, "none"), (3, "none")],
+    "llama-1b-seq2048": [(2, "none"), (3, "none"), (3, "optimizer")],
+    "tiny-seq64": [(2, "none"), (3, "none")],
+}
+# The toolkit's micro-batch per workload and stage. The fused loss frees the logits (128k-152k
+# vocabularies), which is what makes micro 8 fit; GPT-2 has no Liger kernels, so it keeps the docs' 16.
+TOOLKIT_MICRO: dict[str, int] = {"gpt2-124m-seq1024": 16, "qwen2-0.5b-seq2048": 8, "llama-1b-seq2048": 8,
+                                 "tiny-seq64": 4}
+VARIANTS = ("bare", "raw", "trainer", "hf")
+
+
+def _ds_preset(stage: int, offload: str) -> str:
+    return f"ds_configs/zero{stage}" + ("_offload_optimizer" if offload == "optimizer" else "") + ".json"
+
+
+def _command(variant: str, workload: str, stage: int, offload: str, gpus: int, port: int, out: Path,
+             warmup: int, steps: int, micro: int | None, extra: list[str]) -> tuple[list[str], Path]:
+    model, seq, bare_micro = WORKLOADS[workload]
+    launch = ["deepspeed", "--num_gpus", str(gpus), "--master_port", str(port)]
+    if variant in ("bare", "hf"):
+        micro = micro or min(bare_micro, GLOBAL_BATCH // gpus)
+        script = "bench/bare_loop.py" if variant == "bare" else "bench/hf_trainer.py"
+        return [*launch, script, "--model", model, "--seq", str(seq), "--micro", str(micro), "--global-batch",
+                str(GLOBAL_BATCH), "--stage", str(stage), "--offload", offload, "--warmup", str(warmup),
+                "--steps", str(steps), "--out", str(out)], out
+    micro = micro or min(TOOLKIT_MICRO[workload], GLOBAL_BATCH // gpus)
+    run_dir = out.with_suffix("")
+    total = warmup + steps
+    return [*launch, "toolkit/train.py", "--ds", _ds_preset(stage, offload), f"model.name={model}",
+            f"data.seq_len={seq}", f"data.num_samples={GLOBAL_BATCH * total}", f"train.micro_batch_size={micro}",
+            f"train.grad_accum={GLOBAL_BATCH // (micro * gpus)}", f"train.max_steps={total}", f"train.path={variant}",
+            "train.precision=bf16", "train.export=false", "train.lr=1e-4", "train.warmup_steps=1",
+            "train.log_every=1", f"train.run_dir={run_dir}", *extra], run_dir
+
+
+def _toolkit_result(run_dir: Path, variant: str, warmup: int) -> dict[str, Any]:
+    """The toolkit's own records: metrics.jsonl (one line per step) and memory/rank*.jsonl."""
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in lines if r["step"] > warmup]
+    snaps = [json.loads(x) for f in sorted((run_dir / "memory").glob("rank*.jsonl")) for x in f.read_text().splitlines()]
+    ds = json.loads((run_dir / "ds_config.json").read_text())
+    cfg_versions = json.loads((run_dir / "versions.json").read_text())
+    peaks = [s["peak_allocated_gib"] for s in snaps if s.get("peak_allocated_gib") is not None]
+    rss = [s["host_rss_gib"] for s in snaps if s.get("host_rss_gib") is not None]
+    first, last = lines[0], lines[-1]
+    return {
+        "variant": variant, "micro_batch": ds["train_micro_batch_size_per_gpu"],
+        "grad_accum": ds["gradient_accumulation_steps"], "gpus": cfg_versions["world_size"],
+        "step_times_s": [r["step_time_s"] for r in timed],
+        "tokens_per_s_all": [r["tokens_per_s"] for r in timed],
+        # steps 2..last as one window, for the metrics on/off comparison (the same window both ways)
+        "window_tokens_per_s": (sum(b["tokens_per_s"] * (b["elapsed_s"] - a["elapsed_s"])
+                                    for a, b in itertools.pairwise(lines))
+                                / max(last["elapsed_s"] - first["elapsed_s"], 1e-9)) if len(lines) > 1 else None,
+        "losses": [r["loss"] for r in lines], "liger": cfg_versions.get("liger_note"),
+        "peak_allocated_gib": max(peaks) if peaks else None, "host_rss_gib": max(rss) if rss else None,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    # The GPU image's "9.0a" breaks DeepSpeed's op builder; the toolkit rewrites it itself, a user of the
+    # bare loop would have to (toolkit env says so). Same value for every variant: one cached FusedAdam.
+    if env.get("TORCH_CUDA_ARCH_LIST", "").endswith("a"):
+        env["TORCH_CUDA_ARCH_LIST"] = env["TORCH_CUDA_ARCH_LIST"].rstrip("a")
+    variants = args.variants.split(",")
+    port = args.port
+    for workload in args.only.split(",") if args.only else DEFAULT_WORKLOADS:
+        for stage, offload in STAGES[workload]:
+            if args.stages and str(stage) + ("o" if offload != "none" else "") not in args.stages.split(","):
+                continue
+            for variant in variants:
+                for tag, extra in _extras(variant, workload, stage, offload, args):
+                    name = f"{workload}-z{stage}{'-off' if offload != 'none' else ''}-{args.gpus}gpu-{variant}{tag}"
+                    target = out / f"{name}.json"
+                    cmd, produced = _command(variant, workload, stage, offload, args.gpus, port, target,
+                                             args.warmup, args.steps, None, extra)
+                    port += 1
+                    t0 = time.perf_counter()
+                    with (out / f"{name}.log").open("w") as log:
+                        rc = subprocess.call(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                             timeout=args.timeout)
+                    wall = time.perf_counter() - t0
+                    row: dict[str, Any] = {"workload": workload, "stage": stage, "offload": offload,
+                                           "gpus": args.gpus, "variant": variant + tag, "rc": rc,
+                                           "wall_s": round(wall, 1), "argv": " ".join(cmd)}
+                    try:
+                        got = (_toolkit_result(produced, variant, args.warmup) if variant in ("raw", "trainer")
+                               else json.loads(target.read_text()))
+                        row |= {k: v for k, v in got.items() if k not in ("variant", "gpus")}
+                    except (OSError, ValueError, KeyError, IndexError) as e:
+                        row["error"] = f"{type(e).__name__}: {e}"
+                    target.write_text(json.dumps(row, indent=1))
+                    print(f"{name}: rc={rc} {wall:.0f}s {_summary(row)}", flush=True)
+    return 0
+
+
+def _extras(variant: str, workload: str, stage: int, offload: str,
+            args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """Extra toolkit rows: metrics and snapshots every step vs (almost) off, on llama-1b ZeRO-2."""
+    rows: list[tuple[str, list[str]]] = [("", [])]
+    if variant == "raw" and args.overhead and workload == "llama-1b-seq2048" and (stage, offload) == (2, "none"):
+        rows = [("", []), ("-metrics-on", ["memory.every=1"]),
+                ("-metrics-off", ["memory.every=0", f"train.log_every={args.warmup + args.steps}"])]
+    return rows
+
+
+def _summary(row: dict[str, Any]) -> str:
+    times = row.get("step_times_s") or []
+    if not times:
+        return row.get("error", "no result")
+    return f"micro {row.get('micro_batch')} x ga {row.get('grad_accum')}: {statistics.median(times):.3f} s/step"
+
+
+# ----------------------------------------------------------------------------- table
+
+
+def _flops_per_token(model: str, seq: int) -> float:
+    """6N + 12·L·H·T, N counted on the meta device from the toolkit's preset."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.config import load_config
+    from toolkit.model import hidden_size, model_config
+
+    cfg = load_config(None, [f"model.name={model}", f"data.seq_len={seq}"])
+    mc = model_config(cfg)
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(mc)
+    n = sum(p.numel() for p in m.parameters())  # tied weights are one Parameter: counted once
+    layers = getattr(mc, "num_hidden_layers", None) or mc.n_layer
+    return 6 * n + 12 * layers * hidden_size(mc) * seq
+
+
+def table(args: argparse.Namespace) -> int:
+    rows = [json.loads(Path(f).read_text()) for f in args.files]
+    flops: dict[str, float] = {}
+    out_rows = []
+    for r in rows:
+        model, seq, _ = WORKLOADS[r["workload"]]
+        times = r.get("step_times_s") or []
+        row = {k: r.get(k) for k in ("workload", "stage", "offload", "gpus", "variant", "micro_batch",
+                                     "grad_accum", "peak_allocated_gib", "host_rss_gib", "rc", "liger")}
+        if times:
+            step = statistics.median(times)
+            tps = GLOBAL_BATCH * seq / step / r["gpus"]
+            if r["workload"] not in flops:
+                flops[r["workload"]] = _flops_per_token(model, seq)
+            row |= {"tokens_per_s_per_gpu": round(tps, 1), "mfu": round(tps * flops[r["workload"]] / PEAK_FLOPS, 4),
+                    "step_time_s": round(step, 4)}
+            if r.get("window_tokens_per_s"):
+                row["window_tokens_per_s"] = round(r["window_tokens_per_s"], 1)
+        else:
+            row |= {"tokens_per_s_per_gpu": None, "mfu": None, "step_time_s": None, "error": r.get("error")}
+        out_rows.append(row)
+    gpu = args.gpu or "unknown"
+    doc = {"command": args.command, "gpu": gpu, "date": datetime.date.today().isoformat(),
+           "global_batch": GLOBAL_BATCH, "rows": out_rows}
+    Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+    print(_markdown(doc))
+    return 0
+
+
+def _markdown(doc: dict[str, Any]) -> str:
+    by: dict[tuple[Any, ...], dict[str, dict[str, Any]]] = {}
+    for r in doc["rows"]:
+        by.setdefault((r["workload"], r["stage"], r["offload"], r["gpus"]), {})[r["variant"]] = r
+    lines = [f"Command: `{doc['command']}` ({doc['gpu']}, {doc['date']}). Global batch {doc['global_batch']} "
+             "sequences per optimizer step for every variant. Tokens/s per GPU, median of the timed steps; "
+             "ratios against the bare loop of the same row.", "",
+             "| workload | ZeRO | GPUs | variant | micro x accum | tokens/s/GPU | vs bare | MFU | peak GiB | host GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for (w, s, o, g), vs in by.items():
+        bare = vs.get("bare", {}).get("tokens_per_s_per_gpu")
+        for name, r in vs.items():
+            t = r.get("tokens_per_s_per_gpu")
+            ratio = f"{t / bare:.2f}x" if t and bare else "n/a"
+            stage = f"{s}" + (" + opt offload" if o != "none" else "")
+            tput = f"{t / 1000:.1f}k" if t else f"failed (rc {r.get('rc')})"
+            mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else ""
+            peak = f"{r['peak_allocated_gib']:.1f}" if r.get("peak_allocated_gib") else ""
+            host = f"{r['host_rss_gib']:.1f}" if r.get("host_rss_gib") else ""
+            lines.append(f"| {w} | {stage} | {g} | {name} | {r.get('micro_batch')} x {r.get('grad_accum')} | "
+                         f"{tput} | {ratio} | {mfu} | {peak} | {host} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--gpus", type=int, required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--only", default="", help="comma-separated workloads")
+    r.add_argument("--stages", default="", help="comma-separated: 2, 3, 3o (ZeRO-3 + optimizer offload)")
+    r.add_argument("--variants", default=",".join(VARIANTS))
+    r.add_argument("--warmup", type=int, default=3)
+    r.add_argument("--steps", type=int, default=5)
+    r.add_argument("--port", type=int, default=29700)
+    r.add_argument("--timeout", type=int, default=420, help="seconds per variant")
+    r.add_argument("--overhead", action="store_true", help="add metrics/snapshots on vs off rows (llama-1b ZeRO-2)")
+    t = sub.add_parser("table")
+    t.add_argument("files", nargs="+")
+    t.add_argument("--command", default="")
+    t.add_argument("--gpu", default="")
+    t.add_argument("--json", default="bench/results/speed.json")
+    a = p.parse_args(argv)
+    return run(a) if a.cmd == "run" else table(a)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
