@@ -165,6 +165,10 @@ class Collator:
 
     pad_id: int
     task: str = "causal_lm"
+    drop_full_mask: bool = False
+    """Training batches: leave attention_mask out when nothing is padded, so causal models run SDPA's
+    causal kernel without building a mask or checking it on the host (transformers calls
+    `mask.all()` on the device tensor, a sync per forward). Equivalent: every token is attended."""
 
     def __call__(self, batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         width = max(len(b["input_ids"]) for b in batch)
@@ -182,6 +186,8 @@ class Collator:
             for i, b in enumerate(batch):
                 labels[i, : len(b["labels"])] = torch.tensor(b["labels"])
             out["labels"] = labels
+            if self.drop_full_mask and all(len(b["input_ids"]) == width for b in batch):
+                del out["attention_mask"]
         return out
 
 

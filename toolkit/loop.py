@@ -63,7 +63,7 @@ def run(p: Plan) -> int:
     kernels.apply(model, liger)
     mem.phase_boundary("model_loaded", 0)
     counter = TokenCounter()
-    collator = Collator(pad_id=pad_id, task=cfg.model.task)
+    collator = Collator(pad_id=pad_id, task=cfg.model.task, drop_full_mask=True)
     order = EpochOrder(len(rows), cfg.train.seed, cfg.data.shuffle)
     state = {"phase": "engine_ready", "step": 0}
     try:
@@ -265,12 +265,11 @@ def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: Collator, orde
         step += 1
         state["step"] = step
         if step % t.log_every == 0 or step == last or step == 1:
-            loss_val = float(dist.all_reduce_tensor(acc)) / world
             grad_norm = engine.get_global_grad_norm()
-            metrics.log(step, loss_val, scheduler.get_last_lr()[0],
-                        None if grad_norm is None else float(grad_norm))
+            rec = metrics.log(step, float(acc), scheduler.get_last_lr()[0],
+                              None if grad_norm is None else float(grad_norm), loss_scale=1 / world)
             if step == 1:
-                _first_step(p, step, loss_val, mem)
+                _first_step(p, step, rec["loss"], mem)
         if step > 1:
             mem.maybe_step(step)
         if (t.save_every and step % t.save_every == 0) or (t.stop_after and step == last and step < total):

@@ -23,7 +23,11 @@ class TokenCounter:
         self.samples = 0
 
     def add(self, batch: dict[str, Any]) -> None:
-        mask = batch["attention_mask"]
+        mask = batch.get("attention_mask")
+        if mask is None:  # an unpadded batch (Collator.drop_full_mask): every position is a token
+            self._tokens = self._tokens + batch["input_ids"].numel()
+            self.samples += int(batch["input_ids"].shape[0])
+            return
         self._tokens = self._tokens + mask.sum()
         self.samples += int(mask.shape[0])
 
@@ -58,12 +62,19 @@ class MetricsLogger:
             self._bar.n = step
             self._bar.refresh()
 
-    def log(self, step: int, loss: float, lr: float, grad_norm: float | None) -> dict[str, Any] | None:
-        """Collective (all ranks call): sums token counts across ranks, rank 0 writes the line."""
+    def log(self, step: int, loss: float, lr: float, grad_norm: float | None,
+            loss_scale: float | None = None) -> dict[str, Any]:
+        """Collective (all ranks call): sums token counts across ranks, rank 0 writes the line.
+
+        With `loss_scale`, `loss` is this rank's value and the line shows sum over ranks x loss_scale,
+        reduced in the same all-reduce as the counts (one host sync per log line).
+        """
         now = time.perf_counter()
         seen_tokens, seen_samples = self.counter.tokens, self.counter.samples
-        tokens, samples = dist.all_reduce_sum([float(seen_tokens - self._last_tokens),
-                                               float(seen_samples - self._last_samples)])
+        tokens, samples, summed = dist.all_reduce_sum([float(seen_tokens - self._last_tokens),
+                                                       float(seen_samples - self._last_samples), float(loss)])
+        if loss_scale is not None:
+            loss = summed * loss_scale
         dt = max(now - self._last_t, 1e-9)
         rec = {"step": step, "loss": loss, "lr": lr,
                "grad_norm": None if grad_norm is None else float(grad_norm),
@@ -72,7 +83,7 @@ class MetricsLogger:
         self._last_t, self._last_step = now, step
         self._last_tokens, self._last_samples = seen_tokens, seen_samples
         if not self.is_main:
-            return None
+            return rec  # every rank sees the reduced line (first-loss checks decide alike everywhere)
         with (self.run_dir / "metrics.jsonl").open("a") as f:
             f.write(json.dumps(rec) + "\n")
         if self._bar is not None:
