@@ -179,14 +179,15 @@ def _flops_per_token(model: str, seq: int) -> float:
 
 
 def table(args: argparse.Namespace) -> int:
-    rows = [json.loads(Path(f).read_text()) for f in args.files]
+    rows = [json.loads(Path(f).read_text()) | {"measured_in": Path(f).parent.name} for f in args.files]
     flops: dict[str, float] = {}
     out_rows = []
     for r in rows:
         model, seq, _ = WORKLOADS[r["workload"]]
         times = r.get("step_times_s") or []
         row = {k: r.get(k) for k in ("workload", "stage", "offload", "gpus", "variant", "micro_batch",
-                                     "grad_accum", "peak_allocated_gib", "host_rss_gib", "rc", "liger")}
+                                     "grad_accum", "peak_allocated_gib", "host_rss_gib", "rc", "liger",
+                                     "measured_in")}
         if times:
             step = statistics.median(times)
             tps = GLOBAL_BATCH * seq / step / r["gpus"]
@@ -200,8 +201,9 @@ def table(args: argparse.Namespace) -> int:
             row |= {"tokens_per_s_per_gpu": None, "mfu": None, "step_time_s": None, "error": r.get("error")}
         out_rows.append(row)
     gpu = args.gpu or "unknown"
+    sources = {name: {"commit": commit, "command": cmd} for name, commit, cmd in args.source or []}
     doc = {"command": args.command, "gpu": gpu, "date": datetime.date.today().isoformat(),
-           "global_batch": GLOBAL_BATCH, "rows": out_rows}
+           "global_batch": GLOBAL_BATCH, "sources": sources, "rows": out_rows}
     Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
     print(_markdown(doc))
     return 0
@@ -214,20 +216,22 @@ def _markdown(doc: dict[str, Any]) -> str:
     lines = [f"Command: `{doc['command']}` ({doc['gpu']}, {doc['date']}). Global batch {doc['global_batch']} "
              "sequences per optimizer step for every variant. Tokens/s per GPU, median of the timed steps; "
              "ratios against the bare loop of the same row.", "",
-             "| workload | ZeRO | GPUs | variant | micro x accum | tokens/s/GPU | vs bare | MFU | peak GiB | host GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| workload | ZeRO | GPUs | variant | micro x accum | tokens/s/GPU | vs bare | MFU | peak GiB | host GiB | run |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (w, s, o, g), vs in by.items():
-        bare = vs.get("bare", {}).get("tokens_per_s_per_gpu")
+        bare_row = vs.get("bare", {})
+        bare = bare_row.get("tokens_per_s_per_gpu")
         for name, r in vs.items():
             t = r.get("tokens_per_s_per_gpu")
-            ratio = f"{t / bare:.2f}x" if t and bare else "n/a"
+            same_run = r.get("measured_in") == bare_row.get("measured_in")
+            ratio = f"{t / bare:.2f}x" if t and bare and same_run else "other run" if t and bare else "n/a"
             stage = f"{s}" + (" + opt offload" if o != "none" else "")
             tput = f"{t / 1000:.1f}k" if t else f"failed (rc {r.get('rc')})"
             mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else ""
             peak = f"{r['peak_allocated_gib']:.1f}" if r.get("peak_allocated_gib") else ""
             host = f"{r['host_rss_gib']:.1f}" if r.get("host_rss_gib") else ""
             lines.append(f"| {w} | {stage} | {g} | {name} | {r.get('micro_batch')} x {r.get('grad_accum')} | "
-                         f"{tput} | {ratio} | {mfu} | {peak} | {host} |")
+                         f"{tput} | {ratio} | {mfu} | {peak} | {host} | {r.get('measured_in', '')} |")
     return "\n".join(lines)
 
 
@@ -251,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--command", default="")
     t.add_argument("--gpu", default="")
     t.add_argument("--json", default="bench/results/speed.json")
+    t.add_argument("--source", nargs=3, action="append", metavar=("DIR", "COMMIT", "COMMAND"),
+                   help="where rows measured in DIR came from (repeatable): rows record DIR as measured_in")
     a = p.parse_args(argv)
     return run(a) if a.cmd == "run" else table(a)
 
