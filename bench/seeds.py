@@ -83,6 +83,10 @@ SUITES: dict[str, dict[str, tuple[str, list[str]]]] = {
 SUITES["qwen-2gpu"] = {k: v for k, v in SUITES["zero-2gpu"].items() if k.startswith("qwen-")}
 
 EXTRA: list[str] = []
+# The memory figures committed from these suites (seeds_tables.md, two_gpu.md, anatomy.md) were measured
+# before the speed defaults: h^2-based ZeRO sizes and no Liger kernels. Pinned, so the same command
+# still measures the same configuration; bench/speed.py measures the defaults.
+PINNED = ["train.zero_sizes=memory", "model.liger=false"]
 
 
 def summarize(run_dir: Path) -> dict[str, Any]:
@@ -137,7 +141,7 @@ def run_toolkit(suite: str, out: Path, only: list[str]) -> None:
         reset_accelerate()
         run_dir = out / f"toolkit-{suite}-{name}"
         t0 = time.perf_counter()
-        rc = train.main(["--ds", f"ds_configs/{ds}.json", *overrides, *EXTRA, f"train.run_dir={run_dir}"])
+        rc = train.main(["--ds", f"ds_configs/{ds}.json", *overrides, *PINNED, *EXTRA, f"train.run_dir={run_dir}"])
         wall = time.perf_counter() - t0
         gc.collect()
         _empty_cache()
