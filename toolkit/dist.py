@@ -95,3 +95,16 @@ def barrier() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def quiet_libraries() -> None:
+    """DeepSpeed and transformers log at INFO on every rank; keep the console to our own lines."""
+    import logging
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    import transformers
+
+    transformers.logging.set_verbosity_warning()
+    if rank() != 0:
+        transformers.logging.set_verbosity_error()

@@ -36,7 +36,7 @@ from toolkit.ds_config import ConfigError
 from toolkit.jsonl import read_objects
 
 if TYPE_CHECKING:
-    from toolkit.train import Plan
+    from toolkit.run_plan import Plan
 
 T = TypeVar("T")
 IGNORE_INDEX = -100  # same value as toolkit.data.IGNORE_INDEX; not imported to keep this import light
@@ -453,9 +453,9 @@ def main(argv: list[str] | None = None) -> int:
     if main_rank:
         for line in notes:
             print(line, file=sys.stderr, flush=True)
-    from toolkit.train import _quiet_libraries
+    from toolkit.dist import quiet_libraries
 
-    _quiet_libraries()
+    quiet_libraries()
     if ds is not None or world > 1:
         _single_process_env()
         dist.init_distributed()

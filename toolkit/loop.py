@@ -32,7 +32,7 @@ from toolkit.metrics import MetricsLogger, TokenCounter
 from toolkit.model import build_model, build_tokenizer, check_first_loss, is_preset
 
 if TYPE_CHECKING:
-    from toolkit.train import Plan
+    from toolkit.run_plan import Plan
 
 
 def run(p: Plan) -> int:

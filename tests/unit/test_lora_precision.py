@@ -69,7 +69,7 @@ def test_frozen_base_becomes_bf16_and_adapters_stay_fp32() -> None:
 @pytest.mark.parametrize(("before", "bf16_json", "autocast_now"), [(False, "auto", True), (True, True, False)])
 def test_resume_across_precision_modes_is_refused_with_the_fix(
         tmp_path: Path, before: bool, bf16_json: object, autocast_now: bool) -> None:
-    from toolkit.train import plan
+    from toolkit.run_plan import plan
 
     ds = dc.preset("zero2")
     ds["bf16"]["enabled"] = bf16_json
