@@ -7,7 +7,9 @@ so a crash never leaves a half-written directory that looks like a result.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import platform
 import shutil
 from importlib.metadata import PackageNotFoundError, version
@@ -74,3 +76,65 @@ def export_model(engine: Any, out_dir: Path, tokenizer: Any | None = None) -> Pa
         tmp.rename(out_dir)
     dist.barrier()
     return out_dir
+
+
+# ----------------------------------------------------------------------------- atomic checkpoints
+
+COMPLETE = "complete.json"  # written into a checkpoint directory once every rank's files are on disk
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write-then-rename with fsync: a reader sees the old file or the whole new one, never a part."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    with contextlib.suppress(OSError):  # the rename itself is durable once the directory is synced
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def mark_complete(ckpt: Path, step: int) -> None:
+    atomic_write(ckpt / COMPLETE, json.dumps({"step": step}) + "\n")
+
+
+def complete_checkpoints(root: Path, prefix: str) -> list[tuple[int, Path]]:
+    """(step, dir) of every complete checkpoint `<prefix><step>` under root, oldest first."""
+    found = []
+    for d in root.glob(f"{prefix}*") if root.is_dir() else []:
+        step = d.name[len(prefix):]
+        if d.is_dir() and step.isdigit() and (d / COMPLETE).is_file():
+            found.append((int(step), d))
+    return sorted(found)
+
+
+def prune(root: Path, prefix: str, keep: int) -> list[Path]:
+    """Rank 0, after a save completed: drop partial checkpoints (a save killed half-way) and all but
+    the newest `keep` complete ones (0 keeps all). Returns what was removed."""
+    complete = complete_checkpoints(root, prefix)
+    done = {d for _, d in complete}
+    partial = [d for d in root.glob(f"{prefix}*") if d.is_dir() and d not in done]
+    old = [d for _, d in complete[:-keep]] if keep > 0 else []
+    for d in partial + old:
+        shutil.rmtree(d, ignore_errors=True)
+    return partial + old
+
+
+def save_deepspeed_checkpoint(engine: Any, root: Path, step: int, keep: int) -> Path:
+    """All ranks call. DeepSpeed's own `save_checkpoint` writes `latest` on rank 0 as soon as rank 0's
+    files are written, before the other ranks finish, and without a rename (../shared/notes/faults.md
+    (c)); so `latest` is written here instead, after a barrier, atomically, with a completion marker."""
+    tag = f"global_step{step}"
+    engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
+    dist.barrier()  # every rank's shard is on disk
+    if dist.rank() == 0:
+        mark_complete(root / tag, step)
+        atomic_write(root / "latest", tag)
+        prune(root, "global_step", keep)
+    dist.barrier()
+    return root / tag

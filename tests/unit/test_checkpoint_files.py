@@ -1,0 +1,40 @@
+"""Checkpoint bookkeeping without DeepSpeed: completion markers, `latest`, pruning."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from toolkit.checkpoint import COMPLETE, atomic_write, complete_checkpoints, mark_complete, prune
+
+
+def _ckpt(root: Path, step: int, complete: bool) -> Path:
+    d = root / f"global_step{step}"
+    d.mkdir(parents=True)
+    (d / "mp_rank_00_model_states.pt").write_bytes(b"x" * 10)
+    if complete:
+        mark_complete(d, step)
+    return d
+
+
+def test_only_marked_checkpoints_count_and_prune_keeps_the_newest(tmp_path: Path) -> None:
+    for step, done in ((2, True), (4, True), (6, True), (8, False)):
+        _ckpt(tmp_path, step, done)
+    assert [s for s, _ in complete_checkpoints(tmp_path, "global_step")] == [2, 4, 6]
+    removed = prune(tmp_path, "global_step", keep=2)
+    assert sorted(d.name for d in removed) == ["global_step2", "global_step8"]  # oldest + the partial one
+    assert sorted(d.name for d in tmp_path.iterdir()) == ["global_step4", "global_step6"]
+    assert (tmp_path / "global_step6" / COMPLETE).is_file()
+
+
+def test_keep_zero_keeps_every_complete_checkpoint(tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        _ckpt(tmp_path, step, True)
+    assert prune(tmp_path, "global_step", keep=0) == []
+
+
+def test_atomic_write_replaces_whole_file_and_leaves_no_temp(tmp_path: Path) -> None:
+    p = tmp_path / "latest"
+    atomic_write(p, "global_step2")
+    atomic_write(p, "global_step4")
+    assert p.read_text() == "global_step4"
+    assert [f.name for f in tmp_path.iterdir()] == ["latest"]
