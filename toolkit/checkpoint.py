@@ -138,3 +138,43 @@ def save_deepspeed_checkpoint(engine: Any, root: Path, step: int, keep: int) -> 
         prune(root, "global_step", keep)
     dist.barrier()
     return root / tag
+
+
+# ----------------------------------------------------------------------------- one run, one record
+
+DEFAULT_RUN_DIR = "runs/default"
+RUN_MARKERS = ("status.json", "metrics.jsonl", "memory", "checkpoints")
+
+
+def holds_a_run(run_dir: Path) -> bool:
+    return any((run_dir / m).exists() for m in RUN_MARKERS)
+
+
+def claim_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, default: bool) -> str | None:
+    """Rank 0, before any rank writes: make sure this run never appends to another run's records.
+
+    Resume appends to its own run. A directory that holds another run is refused with the fixes,
+    except the default directory: the README's main job must work twice in a row, so the earlier run
+    is moved aside (runs/default -> runs/default.<its start time>) and `runs/default` stays the latest.
+    `overwrite` removes the earlier run. Returns a line to print, or raises ConfigError.
+    """
+    import time
+
+    from toolkit.ds_config import ConfigError
+
+    if resume or not holds_a_run(run_dir):
+        return None
+    if overwrite:
+        shutil.rmtree(run_dir)
+        return f"train.overwrite=true: removed the earlier run in {run_dir}"
+    if not default:
+        raise ConfigError(f"train.run_dir={run_dir} already holds a run; continue it with train.resume=latest, "
+                          "pick another train.run_dir, or replace it with train.overwrite=true")
+    started = min((run_dir / m).stat().st_mtime for m in RUN_MARKERS if (run_dir / m).exists())
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
+    aside = run_dir.with_name(f"{run_dir.name}.{stamp}")
+    n = 1
+    while aside.exists():
+        aside, n = run_dir.with_name(f"{run_dir.name}.{stamp}-{n}"), n + 1
+    run_dir.rename(aside)
+    return f"the earlier run in {run_dir} moved to {aside}"

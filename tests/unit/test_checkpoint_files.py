@@ -38,3 +38,38 @@ def test_atomic_write_replaces_whole_file_and_leaves_no_temp(tmp_path: Path) -> 
     atomic_write(p, "global_step4")
     assert p.read_text() == "global_step4"
     assert [f.name for f in tmp_path.iterdir()] == ["latest"]
+
+
+def _run(d: Path) -> Path:
+    (d / "memory").mkdir(parents=True)
+    (d / "metrics.jsonl").write_text('{"step": 1}\n')
+    return d
+
+
+def test_a_run_dir_holding_another_run_is_refused_with_the_fixes(tmp_path: Path) -> None:
+    import pytest
+
+    from toolkit.checkpoint import claim_run_dir
+    from toolkit.ds_config import ConfigError
+
+    d = _run(tmp_path / "mine")
+    with pytest.raises(ConfigError, match=r"train.resume=latest.*train.run_dir.*train.overwrite=true"):
+        claim_run_dir(d, resume=False, overwrite=False, default=False)
+    assert claim_run_dir(d, resume=True, overwrite=False, default=False) is None  # resume appends
+    assert (d / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert "removed" in (claim_run_dir(d, resume=False, overwrite=True, default=False) or "")
+    assert not d.exists()
+    assert claim_run_dir(tmp_path / "fresh", resume=False, overwrite=False, default=False) is None
+
+
+def test_the_default_run_dir_moves_the_earlier_run_aside_intact(tmp_path: Path) -> None:
+    from toolkit.checkpoint import claim_run_dir
+
+    d = _run(tmp_path / "default")
+    for _ in range(2):  # twice in a row: two earlier runs kept side by side
+        msg = claim_run_dir(d, resume=False, overwrite=False, default=True)
+        assert msg and "moved to" in msg and not d.exists()
+        _run(d)
+    aside = sorted(p for p in tmp_path.iterdir() if p.name.startswith("default."))
+    assert len(aside) == 2
+    assert all((p / "metrics.jsonl").read_text() == '{"step": 1}\n' for p in aside)
