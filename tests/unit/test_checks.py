@@ -88,7 +88,7 @@ def test_torch_adam_under_offload_warns() -> None:
         ("torch.optim.SGD", "trainer", "warning"),
         ("torch.optim.AdamW", "raw", "error"),
         ("bnb.optim.AdamW8bit", "raw", "error"),
-        ("DeepSpeedCPUAdagrad", "raw", "error"),  # not in engine's isinstance check, see checks.py
+        ("DeepSpeedCPUAdagrad", "raw", "error"),  # not in engine's isinstance check, see toolkit/checks/optimizer.py
         ("DeepSpeedCPUAdam", "raw", None),
         ("deepspeed.ops.lion.DeepSpeedCPULion", "raw", None),
         (None, "trainer", None),
