@@ -1,0 +1,54 @@
+"""The per-rank log: third-party deprecations go there only; warnings a user can act on reach the console
+too; a failure's traceback is kept."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+
+import toolkit
+from toolkit.console import is_third_party_noise, log_path, rank_log
+
+SITE = "/usr/lib/python3.11/site-packages"
+OURS = str(Path(toolkit.__file__).parent / "loop.py")
+
+
+def test_noise_rules() -> None:
+    assert is_third_party_noise(FutureWarning, f"{SITE}/torch/distributed/c10d_logger.py", "deprecated")
+    assert is_third_party_noise(DeprecationWarning, f"{SITE}/deepspeed/x.py", "deprecated")
+    assert is_third_party_noise(
+        UserWarning, f"{SITE}/accelerate/state.py", "OMP_NUM_THREADS/MKL_NUM_THREADS unset, we set it at 2"
+    )
+    assert not is_third_party_noise(UserWarning, f"{SITE}/transformers/x.py", "your labels are all -100")
+    assert not is_third_party_noise(FutureWarning, OURS, "ours to fix")
+
+
+def test_rank_log_routes_warnings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shown: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        monkeypatch.setattr(warnings, "showwarning", lambda message, *a, **k: shown.append(str(message)))
+        before = warnings.showwarning
+        with rank_log(tmp_path, 1) as path:
+            warnings.warn_explicit(
+                "all_gather_into_tensor is deprecated",
+                FutureWarning,
+                f"{SITE}/torch/distributed/c10d_logger.py",
+                83,
+            )
+            warnings.warn_explicit("labels are all -100", UserWarning, f"{SITE}/transformers/trainer.py", 1)
+        assert warnings.showwarning is before  # restored
+    assert path == log_path(tmp_path, 1) == tmp_path / "logs" / "rank1.log"
+    assert shown == ["labels are all -100"]
+    text = path.read_text()
+    assert "FutureWarning: all_gather_into_tensor is deprecated" in text
+    assert "UserWarning: labels are all -100" in text
+
+
+def test_rank_log_keeps_the_traceback(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="boom"), rank_log(tmp_path, 0):
+        raise ValueError("boom")
+    text = log_path(tmp_path, 0).read_text()
+    assert "Traceback" in text and "ValueError: boom" in text
