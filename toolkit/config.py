@@ -109,6 +109,20 @@ class MemoryConfig:
 
 
 @dataclass
+class MetricsConfig:
+    tensorboard: bool = True
+    """Write TensorBoard event files under run_dir/tb/: training scalars from rank 0, memory per rank
+    in tb/rank{N}/ (`tensorboard --logdir RUN_DIR/tb`)."""
+    peak_tflops: float = 0.0
+    """Dense bf16/fp16 peak TFLOPS of one GPU, for MFU; 0: look the GPU up by name (A100, H100, H200, ...).
+    MFU is left out where the peak is unknown (fp32 runs, CPU, GPUs not in the table)."""
+
+    def __post_init__(self) -> None:
+        if self.peak_tflops < 0:
+            raise ConfigError("metrics.peak_tflops must be >= 0 (0: look the GPU up by name)")
+
+
+@dataclass
 class EvalConfig:
     generate: bool = False
     """Generate from eval prompts at the end of training (run_dir/generations.jsonl); ZeRO-3 safe."""
@@ -150,6 +164,7 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:

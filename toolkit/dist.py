@@ -33,6 +33,13 @@ def on_cpu() -> bool:
 
 
 def init_distributed() -> None:
+    import torch.distributed as tdist
+
+    if on_cpu() and rank() == 0 and not (tdist.is_available() and tdist.is_initialized()):
+        # DeepSpeed's CPU backend compiles a shared-memory op here: about a minute of silence on
+        # a machine's first run, which looked like a hang before this line existed.
+        print("starting the process group (gloo); on the first CPU run on a machine DeepSpeed compiles "
+              "its shared-memory comm op here (about a minute, cached for later runs)", flush=True)
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo" if on_cpu() else "nccl")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from toolkit import dist, kernels
+from toolkit import console, dist, kernels
 from toolkit.checkpoint import export_model, write_run_files, write_status
 from toolkit.data import (
     IGNORE_INDEX,
@@ -28,8 +28,15 @@ from toolkit.data import (
 )
 from toolkit.ds_config import zero_stage
 from toolkit.memory import MemoryCallback, MemoryMonitor
-from toolkit.metrics import MetricsLogger, TokenCounter
-from toolkit.model import build_model, build_tokenizer, check_first_loss, is_preset
+from toolkit.metrics import (
+    MetricsLogger,
+    TokenCounter,
+    closing_summary,
+    count_params,
+    flops_per_token,
+    peak_flops_per_gpu,
+)
+from toolkit.model import build_model, build_tokenizer, check_first_loss, hidden_size, is_preset
 
 if TYPE_CHECKING:
     from toolkit.run_plan import Plan
@@ -46,11 +53,18 @@ def run(p: Plan) -> int:
                                                "liger": liger.kwargs, "liger_note": liger.describe()})
         write_status(p.run_dir, "running")
     dist.barrier()
+    with console.rank_log(p.run_dir, rank):
+        return _run(p, liger)
+
+
+def _run(p: Plan, liger: Any) -> int:
+    cfg = p.cfg
+    rank = dist.rank()
     # Python/NumPy/torch RNGs: dropout and PEFT's LoRA init draw from them. The HF Trainer seeds on
     # its own; the raw loop relied on this call, which was missing.
     dist.seed_all(cfg.train.seed)
     mem = MemoryMonitor(p.run_dir, rank, p.world_size, dist.local_rank(), every=cfg.memory.every,
-                        spread_warn_gib=cfg.memory.spread_warn_gib)
+                        spread_warn_gib=cfg.memory.spread_warn_gib, tensorboard=cfg.metrics.tensorboard)
     tokenizer = build_tokenizer(cfg)
     pad_id = tokenizer.pad_token_id if tokenizer is not None else p.model_config.pad_token_id or 0
     rows = build_rows(cfg, p.model_config.vocab_size, pad_id, tokenizer)
@@ -61,18 +75,20 @@ def run(p: Plan) -> int:
     keep_alive = _deepspeed_config_alive(p)  # must exist before the model under ZeRO-3
     model = build_model(cfg, p.model_config, frozen_bf16=p.adapter_autocast)
     kernels.apply(model, liger)
+    metrics = _metrics_logger(p, model)
     mem.phase_boundary("model_loaded", 0)
-    counter = TokenCounter()
     collator = Collator(pad_id=pad_id, task=cfg.model.task, drop_full_mask=True)
     order = EpochOrder(len(rows), cfg.train.seed, cfg.data.shuffle)
     state = {"phase": "engine_ready", "step": 0}
+    metrics.engine_starting(f"ZeRO-{zero_stage(p.ds)}, {cfg.train.path} path, {p.world_size} ranks")
     try:
         with mem.oom_guard(lambda: (state["phase"], state["step"])):
             if cfg.train.path == "trainer":
                 engine, step, stopped = _run_trainer(p, keep_alive, model, ListDataset(rows), collator, order,
-                                                     counter, mem, state)
+                                                     metrics, mem, state)
             else:
-                engine, step, stopped = _run_raw(p, model, ListDataset(rows), collator, order, counter, mem, state)
+                engine, step, stopped = _run_raw(p, model, ListDataset(rows), collator, order, metrics, mem,
+                                                 state)
             state["phase"] = "final"
             _finish(p, engine, tokenizer, rows, pad_id, stopped)
             if cfg.train.path == "raw":  # the Trainer path's final snapshot comes from MemoryCallback
@@ -80,8 +96,29 @@ def run(p: Plan) -> int:
     except BaseException as e:
         write_status(p.run_dir, "failed", error=f"{type(e).__name__}: {e}"[:2000])
         raise
+    finally:
+        metrics.close()
+        mem.close()
     write_status(p.run_dir, "stopped" if stopped else "completed", steps=step)
+    if rank == 0:
+        print(closing_summary(metrics.history, p.run_dir, step, p.total_steps, mem.rank_peaks,
+                              cfg.metrics.tensorboard), flush=True)
     return 0
+
+
+def _metrics_logger(p: Plan, model: Any) -> MetricsLogger:
+    """MFU needs FLOPs per token (counted on the built model: ZeRO-3 shards report their full size)
+    and the GPU's peak, known for bf16/fp16 on the GPUs in metrics.GPU_PEAK_TFLOPS or from
+    metrics.peak_tflops; otherwise the lines carry mfu=null."""
+    total, trainable = count_params(model)
+    mc = p.model_config
+    layers = int(getattr(mc, "num_hidden_layers", None) or mc.n_layer)
+    fpt = flops_per_token(total, trainable, layers, hidden_size(mc), p.cfg.data.seq_len)
+    name = None if dist.on_cpu() else torch.cuda.get_device_name(dist.local_rank())
+    peak = peak_flops_per_gpu(name, p.precision, p.cfg.metrics.peak_tflops)
+    return MetricsLogger(p.run_dir, p.total_steps, TokenCounter(), flops_per_token=fpt,
+                         peak_flops=None if peak is None else peak * p.world_size,
+                         tensorboard=p.cfg.metrics.tensorboard)
 
 
 def _deepspeed_config_alive(p: Plan) -> Any:
@@ -133,12 +170,13 @@ def first_loss_check(p: Plan, loss: float) -> None:
 
 
 def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator: Collator,
-                 order: EpochOrder, counter: TokenCounter, mem: MemoryMonitor,
+                 order: EpochOrder, metrics: MetricsLogger, mem: MemoryMonitor,
                  state: dict[str, Any]) -> tuple[Any, int, bool]:
     from transformers import PrinterCallback, Trainer, TrainerCallback
     from transformers.trainer_utils import get_last_checkpoint
 
     t = p.cfg.train
+    counter = metrics.counter
 
     class ToolkitTrainer(Trainer):
         def _get_train_sampler(self, train_dataset: Any = None) -> EpochOrder:
@@ -147,8 +185,6 @@ def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator:
         def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Any:
             counter.add(inputs)  # on the device, no sync: collation runs in loader workers
             return super().training_step(model, inputs, num_items_in_batch)
-
-    metrics = MetricsLogger(p.run_dir, p.total_steps, counter)
 
     class Hooks(TrainerCallback):
         def on_train_begin(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
@@ -172,7 +208,9 @@ def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator:
 
     trainer = ToolkitTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
                              callbacks=[Hooks(), MemoryCallback(mem)])
-    trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl replace its dict prints
+    # Our progress bar, metrics.jsonl and TensorBoard files replace its dict prints; report_to=[] stays,
+    # so both paths write the same tags through MetricsLogger instead of HF's TensorBoardCallback.
+    trainer.remove_callback(PrinterCallback)
     if p.cfg.model.task == "seq_cls":
         # The Trainer sees **kwargs on forward and assumes the model normalizes by num_items_in_batch,
         # then multiplies the (plain mean) classification loss by the world size: loss and gradients
@@ -185,7 +223,7 @@ def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator:
         if not resume or not Path(resume).is_dir():
             raise FileNotFoundError(f"train.resume={t.resume}: no checkpoint under {ckpt_root}")
     trainer.train(resume_from_checkpoint=resume)
-    metrics.close()
+    metrics.close()  # the bar ends before export and the summary print
     step = trainer.state.global_step
     stopped = bool(t.stop_after and step >= t.stop_after and step < p.total_steps)
     return trainer.model_wrapped, step, stopped
@@ -209,7 +247,7 @@ def _micro_batches(loader: torch.utils.data.DataLoader, sampler: ShardedBatches,
 
 
 def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: Collator, order: EpochOrder,
-             counter: TokenCounter, mem: MemoryMonitor, state: dict[str, Any]) -> tuple[Any, int, bool]:
+             metrics: MetricsLogger, mem: MemoryMonitor, state: dict[str, Any]) -> tuple[Any, int, bool]:
     import deepspeed
 
     t = p.cfg.train
@@ -234,7 +272,7 @@ def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: Collator, orde
     stream = _micro_batches(loader, sampler, consumed // per_epoch)
     causal = p.cfg.model.task == "causal_lm"
     device = dist.device()
-    metrics = MetricsLogger(p.run_dir, p.total_steps, counter)
+    counter = metrics.counter
     metrics.start(step)
     state["phase"] = "train"
     total = p.total_steps
@@ -274,7 +312,7 @@ def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: Collator, orde
             mem.maybe_step(step)
         if (t.save_every and step % t.save_every == 0) or (t.stop_after and step == last and step < total):
             engine.save_checkpoint(str(ckpt_dir), tag=f"global_step{step}", client_state={"step": step})
-    metrics.close()
+    metrics.close()  # the bar ends before export and the summary print
     return engine, step, step < total
 
 

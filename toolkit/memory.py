@@ -13,6 +13,7 @@ directly) and the HF Trainer path (``MemoryCallback``, created lazily so the raw
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -54,6 +55,10 @@ TABLE_COLUMNS = (
     ("host rss", "host_rss_gib", True),
     ("retries", "alloc_retries", False),
 )
+
+# run-wide peak key -> the snapshot key to use when it is null (allocated when no peak was read)
+PEAK_KEYS = {"peak_allocated_gib": "allocated_gib", "nvml_used_gib": "nvml_used_gib",
+             "host_rss_gib": "host_rss_gib"}
 
 _NVML_FAILED = object()  # cached "this device has no usable NVML handle": never retry per step
 
@@ -100,6 +105,8 @@ def format_table(
     tests can feed fabricated rows. ``prev_retries`` is rank -> alloc_retries at the previous table.
     """
     rows = sorted(rows, key=lambda r: r.get("rank", 0))
+    if not any(r.get(k) is not None for r in rows for _, k, is_gib in TABLE_COLUMNS[:5]):
+        return _cpu_line(rows, phase, step), []
     headers = ["rank", *(h for h, _, _ in TABLE_COLUMNS)]
     body: list[list[str]] = [
         [str(r.get("rank")), *(_fmt(r.get(k), g) for _, k, g in TABLE_COLUMNS)] for r in rows
@@ -146,6 +153,20 @@ def format_table(
     return "\n".join(lines + warnings), warnings
 
 
+def _cpu_line(rows: list[dict[str, Any]], phase: str, step: int | None) -> str:
+    """No GPU fields (a CPU run): a table would be all dashes, so one line with what there is."""
+    where = f"memory @ {phase}" + (f" (step {step})" if step is not None else "")
+    rss = {r.get("rank"): r["host_rss_gib"] for r in rows if r.get("host_rss_gib") is not None}
+    if not rss:
+        return f"{where}: no GPU and no host RSS reading"
+    if len(rss) <= 8:
+        per_rank = ", ".join(f"rank {k} {v:.2f}" for k, v in rss.items()) + " GiB"
+    else:
+        hi, lo = max(rss, key=rss.__getitem__), min(rss, key=rss.__getitem__)
+        per_rank = f"max {rss[hi]:.2f} GiB (rank {hi}), min {rss[lo]:.2f} GiB (rank {lo})"
+    return f"{where}: host RSS {per_rank} (CPU run: no GPU memory)"
+
+
 class MemoryMonitor:
     """Per-rank memory snapshots to ``run_dir/memory/rank{rank}.jsonl`` and a rank-0 table.
 
@@ -161,6 +182,7 @@ class MemoryMonitor:
         local_rank: int,
         every: int = 10,
         spread_warn_gib: float = 2.0,
+        tensorboard: bool = False,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.rank = rank
@@ -177,6 +199,15 @@ class MemoryMonitor:
         self._cuda = torch.cuda.is_available()
         self._nvml: dict[int, Any] = {}  # device index -> handle or _NVML_FAILED
         self._prev_retries: dict[int, int] = {}  # rank 0 only: retries at the previous table
+        # This rank's peaks over the whole run (a snapshot's peak covers only its window), and on
+        # rank 0 every rank's, gathered with each table: the closing summary reads them.
+        self.run_peaks: dict[str, float | None] = dict.fromkeys(PEAK_KEYS)
+        self.rank_peaks: dict[int, dict[str, float | None]] = {}
+        self._tb: Any = None
+        if tensorboard:
+            from toolkit.tb import MemoryWriter
+
+            self._tb = MemoryWriter(self.run_dir, rank)
 
     # -- snapshots ---------------------------------------------------------------------------
 
@@ -247,8 +278,24 @@ class MemoryMonitor:
         except Exception:
             snap["host_rss_gib"] = None
         self._append(snap)
+        self._track_peaks(snap)
+        if self._tb is not None:
+            self._tb.write(snap)
         self.last = snap
         return snap
+
+    def _track_peaks(self, snap: dict[str, Any]) -> None:
+        for key, fallback in PEAK_KEYS.items():
+            value = snap.get(key) if snap.get(key) is not None else snap.get(fallback)
+            if value is not None:
+                old = self.run_peaks[key]
+                self.run_peaks[key] = value if old is None else max(old, value)
+
+    def close(self) -> None:
+        """Flush and close this rank's TensorBoard file (the JSON lines need no closing)."""
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
 
     def _append(self, snap: dict[str, Any]) -> None:
         # Open-append-close per line: the line is on disk even if this or another rank dies next.
@@ -274,20 +321,28 @@ class MemoryMonitor:
         row = self.last if self.last is not None else self.snapshot(phase, 0)
         import torch.distributed as dist
 
+        mine = {"row": row, "peaks": self.run_peaks}  # the peaks ride along: no second collective
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            rows: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(rows, row)
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
             rank = dist.get_rank()
         else:
-            rows, rank = [row], self.rank
+            gathered, rank = [mine], self.rank
         if rank != 0:
             return None
-        rows = [r for r in rows if r is not None]
+        gathered = [g for g in gathered if g is not None]
+        rows = [g["row"] for g in gathered]
+        self.rank_peaks = {g["row"]["rank"]: dict(g["peaks"]) for g in gathered}
         text, _ = format_table(rows, phase, row.get("step"), self._prev_retries, self.spread_warn_gib)
         self._prev_retries = {
             r["rank"]: r["alloc_retries"] for r in rows if r.get("alloc_retries") is not None
         }
-        print(text, flush=True)
+        from tqdm import tqdm
+
+        # Through tqdm: a progress bar on the console is cleared and redrawn below the table
+        # instead of the table starting in the middle of the bar's line.
+        tqdm.write(text)
+        sys.stdout.flush()
         return text
 
     def phase_boundary(self, phase: str, step: int) -> str | None:

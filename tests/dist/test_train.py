@@ -1,5 +1,6 @@
 """Training on 2 CPU ranks through the real `deepspeed` launcher: both paths x ZeRO 0-3 x offload,
-parity, gradient accumulation, first loss, resume, export and LoRA adapters.
+parity, gradient accumulation, first loss, resume, export and LoRA adapters, TensorBoard files and
+what the console shows.
 
 All runs share one launch (tests/dist/_multi_train.py) to stay inside CI's time; each run is a
 complete `toolkit/train.py` job with its own run directory, read back here.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -67,7 +69,7 @@ def _runs(tmp: Path) -> list[dict]:
         add(f"{path}-mb1ga4", "zero2", f"train.path={path}", "train.micro_batch_size=1", "train.grad_accum=4",
             "train.export=false")
         add(f"{path}-mb4ga1", "zero2", f"train.path={path}", "train.micro_batch_size=4", "train.grad_accum=1",
-            "train.export=false")
+            "train.export=false", "metrics.tensorboard=false")
         # resume: stop after 3 with a checkpoint, then continue in a new run on the same run_dir
         add(f"{path}-resume", "zero2", f"train.path={path}", "train.stop_after=3", "train.export=false")
         add(f"{path}-resume", "zero2", f"train.path={path}", "train.resume=latest", "train.export=false")
@@ -276,3 +278,61 @@ def test_run_dir_records_what_ran(runs: Path) -> None:
     assert {"python", "torch", "deepspeed", "transformers", "peft", "datasets"} <= set(versions)
     assert "train:" in (d / "config.yaml").read_text()
     assert sorted(p.name for p in (d / "memory").glob("rank*.jsonl")) == ["rank0.jsonl", "rank1.jsonl"]
+
+
+def _tb_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Read back with TensorBoard's own reader, as `tensorboard --logdir` would."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", PATHS)
+def test_tensorboard_events_on_both_paths(runs: Path, path: str) -> None:
+    d = runs / f"{path}-zero2"
+    train = _tb_scalars(d / "tb")
+    # the same tags on both paths; no train/mfu on CPU (no GPU peak to divide by)
+    assert set(train) == {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/samples_per_s",
+                          "train/step_time_s"}
+    m = metrics(d)
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+        assert [s for s, _ in train[f"train/{key}"]] == [r["step"] for r in m]
+        assert [v for _, v in train[f"train/{key}"]] == pytest.approx([r[key] for r in m], rel=1e-6), key
+    for rank in (0, 1):  # every rank writes its own memory series into tb/rank{N}/
+        mem = _tb_scalars(d / "tb" / f"rank{rank}")
+        assert set(mem) == {"memory/host_rss_gib"}  # GPU fields are null on CPU: not written
+        snaps = [json.loads(line) for line in (d / "memory" / f"rank{rank}.jsonl").read_text().splitlines()]
+        assert [s for s, _ in mem["memory/host_rss_gib"]] == [s["step"] for s in snaps] == [0, 0, 1, STEPS]
+    # resumed: one curve, steps 1..6 once each
+    assert [s for s, _ in _tb_scalars(runs / f"{path}-resume" / "tb")["train/loss"]] == list(range(1, STEPS + 1))
+    assert not (runs / f"{path}-mb4ga1" / "tb").exists()  # metrics.tensorboard=false
+
+
+@pytest.mark.timeout(60)
+def test_console_of_a_cpu_run(runs: Path) -> None:
+    """What a newcomer reads: what the silent start is, one memory line per phase, no third-party
+    deprecations (kept in the per-rank log), and a closing summary with the next command."""
+    log = (runs / "launch.log").read_text()
+    for path in PATHS:
+        d = runs / f"{path}-zero2"
+        m = metrics(d)
+        # one print on rank 0, so the block is contiguous even with rank 1 writing to the same file
+        summary = (rf"done: {STEPS} of {STEPS} steps in [\d.]+ s\n"
+                   rf"  loss        {m[0]['loss']:.4f} \(step 1\) -> {m[-1]['loss']:.4f} \(step {STEPS}\)\n"
+                   r"  tokens/s    [\d,]+ \(all ranks, median after step 1\)\n"
+                   r"  peak host   rank 0 [\d.]+, rank 1 [\d.]+ GiB RSS \(CPU run: no GPU memory\)\n"
+                   rf"  run dir     {re.escape(str(d))}\n"
+                   rf"  next        toolkit report {re.escape(str(d))}   \|   tensorboard --logdir "
+                   rf"{re.escape(str(d / 'tb'))}\n")
+        assert re.search(summary, log), f"no closing summary for {d.name}"
+        assert f"starting the DeepSpeed engine (ZeRO-2, {path} path, 2 ranks)" in log
+    assert re.search(r"engine ready in [\d.]+ s; training steps 1\.\.6", log)
+    assert re.search(r"memory @ engine_ready \(step 0\): host RSS rank 0 [\d.]+, rank 1 [\d.]+ GiB", log)
+    assert "alloc  reserved" not in log  # no memory tables of dashes on CPU
+    assert "stopped after step 3 of 6 (train.stop_after)" in log  # the resume runs' first half
+    # torch's all_gather_into_tensor deprecation, raised inside DeepSpeed: in the rank logs, not the console
+    assert "FutureWarning" not in log
+    assert any("FutureWarning" in p.read_text() for p in runs.glob("*/logs/rank*.log"))

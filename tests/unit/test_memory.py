@@ -106,12 +106,41 @@ def test_format_table_warnings() -> None:
     assert quiet == []
 
 
-def test_format_table_cpu_rows_show_dashes() -> None:
-    rows = [_row(0, None, retries=None, rss=1.0), _row(1, None, retries=None, rss=3.0)]
-    text, warnings = format_table(rows, "final")
+def test_format_table_cpu_rows_are_one_line() -> None:
+    """No GPU fields anywhere (a CPU run): one line instead of a table of dashes."""
+    rows = [_row(1, None, retries=None, rss=3.0), _row(0, None, retries=None, rss=1.0)]
+    text, warnings = format_table(rows, "final", 5)
     assert warnings == []
-    spread = next(ln for ln in text.splitlines() if ln.split()[0] == "spread").split()
-    assert spread[1:6] == ["-"] * 5 and spread[6] == "2.00"
+    assert text == "memory @ final (step 5): host RSS rank 0 1.00, rank 1 3.00 GiB (CPU run: no GPU memory)"
+    many = [_row(r, None, retries=None, rss=1.0 + r) for r in range(16)]
+    text, _ = format_table(many, "step")
+    assert text == "memory @ step: host RSS max 16.00 GiB (rank 15), min 1.00 GiB (rank 0) (CPU run: no GPU memory)"
+    # one rank with GPU fields is enough for the full table
+    text, _ = format_table([_row(0, None, retries=None), _row(1, 2.0)], "final")
+    assert text.splitlines()[0] == "memory @ final [GiB]"
+
+
+def test_run_peaks_and_tensorboard(tmp_path: Path) -> None:
+    """Run-wide peaks over snapshots (the closing summary reads them) and this rank's TensorBoard file."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    mon = MemoryMonitor(tmp_path, rank=0, world_size=1, local_rank=0, tensorboard=True)
+    snaps = [mon.snapshot("model_loaded", 0), mon.snapshot("engine_ready", 0), mon.snapshot("final", 3)]
+    mon.table("final")  # one process: "gathers" its own peaks
+    mon.close()
+    rss = max(s["host_rss_gib"] for s in snaps)
+    assert mon.run_peaks == {"peak_allocated_gib": None, "nvml_used_gib": None, "host_rss_gib": rss}
+    assert mon.rank_peaks == {0: mon.run_peaks}
+    acc = EventAccumulator(str(tmp_path / "tb" / "rank0"))
+    acc.Reload()
+    assert acc.Tags()["scalars"] == ["memory/host_rss_gib"]  # null GPU fields are not written
+    events = acc.Scalars("memory/host_rss_gib")
+    assert [e.step for e in events] == [0, 0, 3]
+    assert [e.value for e in events] == pytest.approx([s["host_rss_gib"] for s in snaps], rel=1e-6)
+    assert [e.wall_time for e in events] == pytest.approx([s["ts"] for s in snaps])
+    # off by default for a bare monitor (the training loop passes metrics.tensorboard)
+    MemoryMonitor(tmp_path / "off", rank=0, world_size=1, local_rank=0).snapshot("final", 1)
+    assert not (tmp_path / "off" / "tb").exists()
 
 
 def test_table_single_process_prints_on_rank0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
