@@ -108,9 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print findings as a JSON list")
     c.set_defaults(func=_cmd_check)
 
-    r = sub.add_parser("report", help="tables and a memory plot from a run directory")
-    r.add_argument("run_dir", help="run directory written by toolkit/train.py")
-    r.add_argument("-o", "--output", default=None, help="where to write report.md and memory.png (default: RUN_DIR)")
+    r = sub.add_parser("report", help="tables and a plot of one run, or several runs compared",
+                       description="One RUN_DIR: report.md and report.png (loss, tokens/s, per-rank memory). "
+                                   "Several: compare.md and compare.png (settings that differ, results, "
+                                   "runs overlaid). Reads only the run directories; needs no GPU or torch.")
+    r.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="train.run_dir of a toolkit/train.py run")
+    r.add_argument("-o", "--output", default=None,
+                   help="directory to write into (default: RUN_DIR for one run, the current directory for several)")
+    r.add_argument("--force", action="store_true", help="compare runs of different models or data anyway")
     r.set_defaults(func=_cmd_report)
 
     e = sub.add_parser("env", help="pre-flight checks: versions, GPUs, op builds, NCCL, hosts")

@@ -1,8 +1,10 @@
-"""`toolkit report` on a fabricated run dir with bad lines: reports what it can, names what it skipped."""
+"""`toolkit report` on fabricated run dirs: one run with bad lines (reports what it can, names what it
+skipped), two runs compared (settings diff, refusal of different workloads), bad input (one line, exit 1)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from argparse import Namespace
@@ -37,8 +39,12 @@ def _snap(rank: int, phase: str, step: int, alloc: float | None, **extra: object
     return row
 
 
-def make_run(tmp_path: Path, gpu: bool = True) -> Path:
-    run = tmp_path / "run"
+def report(*run_dirs: Path | str, output: Path | str | None = None, force: bool = False) -> int:
+    return run_report(Namespace(run_dirs=[str(d) for d in run_dirs], output=output, force=force))
+
+
+def make_run(tmp_path: Path, gpu: bool = True, name: str = "run") -> Path:
+    run = tmp_path / name
     (run / "memory").mkdir(parents=True)
     for rank in (0, 1):
         base = (2.0 + rank) if gpu else None
@@ -76,6 +82,7 @@ def make_run(tmp_path: Path, gpu: bool = True) -> Path:
             "tokens_per_s": 100.0 * s,
             "samples_per_s": float(s),
             "grad_norm": None,
+            "mfu": 0.1 * s if gpu else None,
             "elapsed_s": float(s),
         }
         for s in range(1, 6)
@@ -95,19 +102,23 @@ def make_run(tmp_path: Path, gpu: bool = True) -> Path:
         )
     )
     (run / "config.yaml").write_text(
-        "train:\n  path: raw\n  precision: bf16\n  run_dir: /elsewhere/run\nmodel:\n  name: tiny\n"
+        "train:\n  path: raw\n  precision: bf16\n  micro_batch_size: 4\n  run_dir: /elsewhere/run\n"
+        "model:\n  name: tiny\ndata:\n  source: synthetic\n  seq_len: 64\n"
+    )
+    (run / "versions.json").write_text(
+        json.dumps({"torch": "2.13.0", "deepspeed": "0.19.8", "world_size": 2})
     )
     return run
 
 
 def test_report_on_fake_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = make_run(tmp_path)
-    assert run_report(Namespace(run_dir=str(run), output=None)) == 0
+    assert report(run) == 0
     out = capsys.readouterr().out
-    png = run / "memory.png"
+    png = run / "report.png"
     assert png.read_bytes()[:8] == PNG_MAGIC
     md = (run / "report.md").read_text()
-    assert "](memory.png)" in md  # relative link: the report travels with the run dir
+    assert "](report.png)" in md  # relative link: the report travels with the run dir
     for text in (out, md):
         assert "memory/rank0.jsonl:4: not JSON" in text
         assert "memory/rank0.jsonl:5: missing reserved_gib (shown as -) (line kept)" in text
@@ -121,48 +132,166 @@ def test_report_on_fake_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     # Throughput medians exclude step 1: tokens/s over steps 2..5 -> median 350.
     assert "350.0" in md
     assert "2.0000 (step 5)" in md  # final loss
+    assert "| median MFU (excl. first step)         | 35.0%" in md  # median of 0.2..0.5
     assert "/elsewhere" not in md
 
 
 def test_report_cpu_run_plots_host_rss(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = make_run(tmp_path, gpu=False)
     out_dir = tmp_path / "out"
-    assert run_report(Namespace(run_dir=str(run), output=str(out_dir))) == 0
-    assert (out_dir / "memory.png").read_bytes()[:8] == PNG_MAGIC
+    assert report(run, output=out_dir) == 0
+    assert (out_dir / "report.png").read_bytes()[:8] == PNG_MAGIC
     md = (out_dir / "report.md").read_text()
     assert "Host RSS per phase" in md
-    assert "Host RSS per phase" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Host RSS per phase" in out
+    assert "MFU: not recorded" in out
+    assert not (run / "report.md").exists()
 
 
-def test_missing_dir_one_line_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert run_report(Namespace(run_dir=str(tmp_path / "nope"), output=None)) == 1
+def _one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert len(captured.err.strip().splitlines()) == 1
-    assert "does not exist" in captured.err
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
+    return lines[0]
 
 
-def test_empty_dir_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert run_report(Namespace(run_dir=str(tmp_path), output=None)) == 1
-    assert "nothing to report" in capsys.readouterr().err
-
-
-def _report_cli(run_dir: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "toolkit", "report", run_dir], cwd=cwd, capture_output=True,
-                          text=True, timeout=120)
-
-
-def test_cli_subprocess(tmp_path: Path) -> None:
+def test_bad_input_is_one_line_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert report(tmp_path / "nope") == 1
+    assert "does not exist" in _one_error_line(capsys)
+    (tmp_path / "file.txt").write_text("x")
+    assert report(tmp_path / "file.txt") == 1
+    assert "is not a directory" in _one_error_line(capsys)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert report(empty) == 1
+    assert "is not a run directory" in _one_error_line(capsys)
+    # a run directory whose every line is unreadable: still one line, naming the first problem
+    (empty / "memory").mkdir()
+    (empty / "memory" / "rank0.jsonl").write_text("garbage\nmore garbage\n")
+    assert report(empty) == 1
+    line = _one_error_line(capsys)
+    assert "nothing to report" in line and "2 skipped" in line and "rank0.jsonl:1: not JSON" in line
+    # in a comparison, the directory that is not a run is named and nothing is written
     run = make_run(tmp_path)
-    # Copied from another machine: relative cwd, no absolute paths involved.
-    res = _report_cli("run", tmp_path)
+    assert report(run, tmp_path / "nope", output=tmp_path / "cmp") == 1
+    assert "nope does not exist" in _one_error_line(capsys)
+    assert not (tmp_path / "cmp").exists()
+
+
+def _variant(tmp_path: Path, name: str, stage: int, micro: int, config: dict[str, str] | None = None) -> Path:
+    """A copy of the fabricated run with another ZeRO stage and micro batch (and config overrides)."""
+    run = make_run(tmp_path, name=name)
+    ds = json.loads((run / "ds_config.json").read_text())
+    ds["zero_optimization"]["stage"] = stage
+    ds["train_micro_batch_size_per_gpu"] = micro
+    if stage == 3:
+        ds["zero_optimization"]["stage3_max_live_parameters"] = 1e9
+    (run / "ds_config.json").write_text(json.dumps(ds))
+    text = (run / "config.yaml").read_text().replace("micro_batch_size: 4", f"micro_batch_size: {micro}")
+    text = text.replace("run_dir: /elsewhere/run", f"run_dir: /elsewhere/{name}")
+    for key, value in (config or {}).items():
+        text = text.replace(f"{key}: ", f"{key}: {value} #")
+    (run / "config.yaml").write_text(text)
+    return run
+
+
+def test_compare_two_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = _variant(tmp_path, "z2", stage=2, micro=4)
+    b = _variant(tmp_path, "z3", stage=3, micro=8)
+    metrics = [json.loads(line) for line in (b / "metrics.jsonl").read_text().splitlines()]
+    (b / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps(m | {"tokens_per_s": 2 * m["tokens_per_s"]}) + "\n" for m in metrics if "step" in m
+        )
+    )
+    out_dir = tmp_path / "cmp"
+    assert report(a, b, output=out_dir) == 0
+    out = capsys.readouterr().out
+    assert (out_dir / "compare.png").read_bytes()[:8] == PNG_MAGIC
+    md = (out_dir / "compare.md").read_text()
+    assert "](compare.png)" in md
+    section = md.split("## Settings that differ")[1].split("## Results")[0]
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:4]]
+        for line in section.splitlines()
+        if line.startswith("| ") and not line.startswith("| setting")
+    }
+    # exactly the settings that differ; run_dir (different for every run) is not one of them
+    assert rows == {
+        "train.micro_batch_size": ["4", "8"],
+        "ds_config: train_micro_batch_size_per_gpu": ["4", "8"],
+        "ds_config: zero_optimization.stage": ["2", "3"],
+        "ds_config: zero_optimization.stage3_max_live_parameters": ["(absent)", "1000000000.0"],
+    }
+    results = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in md.split("## Results")[1].splitlines()
+        if line.startswith("| z")
+    }
+    # last step, median tokens/s after step 1, vs first, MFU, per-rank peak, final loss
+    assert results["z2"] == ["5", "350", "1.00x", "35.0%", "5.00 / 6.00 (allocated)", "2.0000"]
+    assert results["z3"] == ["5", "700", "2.00x", "35.0%", "5.00 / 6.00 (allocated)", "2.0000"]
+    assert "Settings that differ" in out and "wrote" in out
+
+
+def test_compare_refuses_other_models_or_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = _variant(tmp_path, "tiny", stage=2, micro=4)
+    b = _variant(tmp_path, "other", stage=2, micro=4, config={"name": "gpt2-124m", "seq_len": "128"})
+    out_dir = tmp_path / "cmp"
+    assert report(a, b, output=out_dir) == 1
+    line = _one_error_line(capsys)
+    assert "model.name: tiny vs gpt2-124m" in line and "data.seq_len: 64 vs 128" in line and "--force" in line
+    assert not out_dir.exists()
+    assert report(a, b, output=out_dir, force=True) == 0
+    assert "compared with --force" in (out_dir / "compare.md").read_text()
+    capsys.readouterr()
+    # no config.yaml: the workload cannot be checked, so the same refusal applies
+    (b / "config.yaml").unlink()
+    assert report(a, b, output=out_dir) == 1
+    assert "no readable config.yaml" in _one_error_line(capsys)
+
+
+def _report_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "toolkit", "report", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_cli_on_copied_run_dirs(tmp_path: Path) -> None:
+    make_run(tmp_path)
+    # Copied from another machine, to a new place: relative paths, nothing absolute involved.
+    elsewhere = tmp_path / "copied"
+    shutil.copytree(tmp_path / "run", elsewhere / "run")
+    res = _report_cli("run", cwd=elsewhere)
     assert res.returncode == 0, res.stderr
     assert "truncated last line" in res.stdout
-    assert (run / "report.md").exists() and (run / "memory.png").exists()
-    bad = _report_cli("missing", tmp_path)
+    assert (elsewhere / "run" / "report.md").exists() and (elsewhere / "run" / "report.png").exists()
+    shutil.copytree(elsewhere / "run", elsewhere / "run2")
+    res = _report_cli("run", "run2", cwd=elsewhere)  # identical runs: comparable, nothing differs
+    assert res.returncode == 0, res.stderr
+    assert "no settings differ" in res.stdout
+    assert (elsewhere / "compare.md").exists() and (elsewhere / "compare.png").exists()
+    bad = _report_cli("missing", cwd=elsewhere)
     assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1
 
 
-def test_report_does_not_import_torch() -> None:
-    code = "import sys, toolkit.report, toolkit.cli; sys.exit(int('torch' in sys.modules or 'deepspeed' in sys.modules))"
-    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+def test_report_does_not_import_torch(tmp_path: Path) -> None:
+    """Import and a full run of the report and a comparison (figures included): no torch, no deepspeed."""
+    make_run(tmp_path)
+    shutil.copytree(tmp_path / "run", tmp_path / "run2")
+    code = f"""
+import sys
+from toolkit.cli import main
+assert main(["report", {str(tmp_path / "run")!r}]) == 0
+assert main(["report", {str(tmp_path / "run")!r}, {str(tmp_path / "run2")!r}, "-o", {str(tmp_path)!r}]) == 0
+heavy = [m for m in ("torch", "deepspeed", "transformers") if m in sys.modules]
+assert not heavy, heavy
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
