@@ -231,8 +231,10 @@ class ShardedBatches(Sampler[list[int]]):
         idx = self.order.order(self.order.epoch)
         batches = [idx[i:i + self.micro] for i in range(0, len(idx) - self.micro + 1, self.micro)]
         mine = batches[self.rank::self.world][: len(self)]
+        # A generator, so the skip is consumed when batches are drawn, not when iter() is called: a
+        # DataLoader with workers calls iter() on its batch sampler twice before the first batch.
         skip, self.skip = self.skip, 0  # only the first (resumed) epoch starts part-way
-        return iter(mine[skip:])
+        yield from mine[skip:]
 
     def __len__(self) -> int:
         return self.order.n // (self.micro * self.world)
