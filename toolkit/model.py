@@ -128,10 +128,19 @@ def _random_init(auto: Any, mc: Any, seed: int, kwargs: dict[str, Any]) -> Any:
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     if is_deepspeed_zero3_enabled():
-        # transformers imports this helper at call time, so the patch reaches it; the walk below
-        # does the same work.
-        with mock.patch("transformers.integrations.deepspeed.initialize_weights_zero3", lambda model: None):
+        from transformers import PreTrainedModel
+
+        # transformers imports its ZeRO-3 init helper at call time, so the patch reaches it, and
+        # ties the weights right after; both wait for the walk below. Tying first would make the
+        # walk draw the tied matrix once (as lm_head) where every other stage draws the embedding,
+        # then the head, then ties: other weights for every tied-embedding model.
+        skipped: list[Any] = []
+        with mock.patch("transformers.integrations.deepspeed.initialize_weights_zero3", skipped.append), \
+                mock.patch.object(PreTrainedModel, "tie_weights", lambda self, *a, **k: None):
             model = auto.from_config(mc, **kwargs)
+        if not skipped:  # transformers changed how it calls the helper: fail loudly, not differently
+            raise RuntimeError("transformers no longer calls integrations.deepspeed.initialize_weights_zero3; "
+                               "toolkit/model.py's ZeRO-3 random init needs updating")
         torch.manual_seed(seed)
         _init_zero3_on_cpu(model)
         model.tie_weights()
@@ -171,7 +180,9 @@ def _init_zero3_on_cpu(model: Any) -> None:
             if deepspeed.comm.get_rank() == 0:
                 device_data = {k: p.data for k, p in params.items()}
                 for p in params.values():
-                    p.data = p.data.to("cpu", copy=True)
+                    # fp32 like the other stages, which draw before DeepSpeed casts (bf16 draws
+                    # other values and can shift the stream)
+                    p.data = p.data.to("cpu", dtype=torch.float32, copy=True)
                 fn(module, custom)
                 for k, p in params.items():
                     device_data[k].copy_(p.data)
