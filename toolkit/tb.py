@@ -43,6 +43,9 @@ MEMORY_TAGS = {
 }
 # The JSON lines are the durable record; events reach disk within this many seconds (and at close).
 FLUSH_SECS = 30
+# Events queued before add_scalar waits for the writer thread: SummaryWriter's default of 10 is fewer
+# than one log line's scalars plus a memory snapshot, and a full queue blocks the training thread.
+MAX_QUEUE = 100
 
 
 def tb_dir(run_dir: Path) -> Path:
@@ -52,7 +55,9 @@ def tb_dir(run_dir: Path) -> Path:
 def _writer(log_dir: Path, purge_step: int | None = None) -> Any:
     from torch.utils.tensorboard import SummaryWriter  # imports torch: never at module level
 
-    return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step, flush_secs=FLUSH_SECS)
+    return SummaryWriter(
+        log_dir=str(log_dir), purge_step=purge_step, flush_secs=FLUSH_SECS, max_queue=MAX_QUEUE
+    )
 
 
 def _add(
