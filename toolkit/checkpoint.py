@@ -114,11 +114,14 @@ def complete_checkpoints(root: Path, prefix: str) -> list[tuple[int, Path]]:
 
 
 def prune(root: Path, prefix: str, keep: int) -> list[Path]:
-    """Rank 0, after a save completed: drop partial checkpoints (a save killed half-way) and all but
-    the newest `keep` complete ones (0 keeps all). Returns what was removed."""
+    """Rank 0, after a save completed: drop partial checkpoints (a save killed half-way: unmarked and
+    newer than the newest complete one, so unmarked checkpoints of older toolkit versions stay) and all
+    but the newest `keep` complete ones (0 keeps all). Returns what was removed."""
     complete = complete_checkpoints(root, prefix)
+    newest = complete[-1][0] if complete else -1
     done = {d for _, d in complete}
-    partial = [d for d in root.glob(f"{prefix}*") if d.is_dir() and d not in done]
+    partial = [d for d in root.glob(f"{prefix}*") if d.is_dir() and d not in done
+               and d.name[len(prefix):].isdigit() and int(d.name[len(prefix):]) > newest]
     old = [d for _, d in complete[:-keep]] if keep > 0 else []
     for d in partial + old:
         shutil.rmtree(d, ignore_errors=True)
@@ -130,8 +133,9 @@ def save_deepspeed_checkpoint(engine: Any, root: Path, step: int, keep: int) -> 
     files are written, before the other ranks finish, and without a rename (../shared/notes/faults.md
     (c)); so `latest` is written here instead, after a barrier, atomically, with a completion marker."""
     tag = f"global_step{step}"
+    # save_checkpoint ends with a barrier (deepspeed/runtime/engine.py save_checkpoint): once it
+    # returns, every rank's shard is written.
     engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
-    dist.barrier()  # every rank's shard is on disk
     if dist.rank() == 0:
         mark_complete(root / tag, step)
         atomic_write(root / "latest", tag)
@@ -144,6 +148,10 @@ def save_deepspeed_checkpoint(engine: Any, root: Path, step: int, keep: int) -> 
 
 DEFAULT_RUN_DIR = "runs/default"
 RUN_MARKERS = ("status.json", "metrics.jsonl", "memory", "checkpoints")
+# Everything a run writes into its directory: train.overwrite removes these and nothing else.
+RUN_ENTRIES = frozenset({*RUN_MARKERS, "config.yaml", "ds_config.json", "versions.json", "export", "export.tmp",
+                         "adapter", "adapter.tmp", "tb", "logs", "report.md", "report.png", "memory.png",
+                         "probe.pt", "generations.jsonl"})
 
 
 def holds_a_run(run_dir: Path) -> bool:
@@ -155,7 +163,7 @@ def claim_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, default: bool
 
     Resume appends to its own run. A directory that holds another run is refused with the fixes,
     except the default directory: the README's main job must work twice in a row, so the earlier run
-    is moved aside (runs/default -> runs/default.<its start time>) and `runs/default` stays the latest.
+    is moved aside (runs/default -> runs/default.<its last write>) and `runs/default` stays the latest.
     `overwrite` removes the earlier run. Returns a line to print, or raises ConfigError.
     """
     import time
@@ -165,13 +173,18 @@ def claim_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, default: bool
     if resume or not holds_a_run(run_dir):
         return None
     if overwrite:
-        shutil.rmtree(run_dir)
+        foreign = sorted(e.name for e in run_dir.iterdir() if e.name not in RUN_ENTRIES)
+        if foreign:
+            raise ConfigError(f"train.overwrite=true: {run_dir} also holds {', '.join(foreign[:5])}, which no run "
+                              "wrote; move them or pick another train.run_dir")
+        for e in run_dir.iterdir():
+            shutil.rmtree(e) if e.is_dir() else e.unlink()
         return f"train.overwrite=true: removed the earlier run in {run_dir}"
     if not default:
         raise ConfigError(f"train.run_dir={run_dir} already holds a run; continue it with train.resume=latest, "
                           "pick another train.run_dir, or replace it with train.overwrite=true")
-    started = min((run_dir / m).stat().st_mtime for m in RUN_MARKERS if (run_dir / m).exists())
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
+    written = max((run_dir / m).stat().st_mtime for m in RUN_MARKERS if (run_dir / m).exists())
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(written))  # when the earlier run last wrote
     aside = run_dir.with_name(f"{run_dir.name}.{stamp}")
     n = 1
     while aside.exists():

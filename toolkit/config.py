@@ -90,6 +90,13 @@ class TrainConfig:
     export: bool = True
     """Write an HF directory (safetensors) or a LoRA adapter at the end."""
     run_dir: str = "runs/default"
+    """Where the run's records go. A directory holding another run is refused (resume it, pick another
+    directory, or train.overwrite=true), except the default: there the earlier run is moved aside to
+    runs/default.<time>, so the same command works twice in a row."""
+    overwrite: bool = False
+    """Replace the earlier run in train.run_dir (only the toolkit's own files; anything else is refused)."""
+    keep_checkpoints: int = 0
+    """Keep only the newest N complete checkpoints (0: keep all)."""
     save_probe: bool = False
     """Save the final engine's logits on two samples (probe.pt) to verify the export against."""
     zero_sizes: str = "speed"
@@ -174,6 +181,7 @@ class Config:
             (t.precision in ("auto", "bf16", "fp16", "fp32"),
              f"train.precision must be auto, bf16, fp16 or fp32, got {t.precision!r}"),
             (t.zero_sizes in ("speed", "memory"), f"train.zero_sizes must be speed or memory, got {t.zero_sizes!r}"),
+            (t.keep_checkpoints >= 0, "train.keep_checkpoints must be >= 0"),
             (t.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
             (t.grad_accum >= 1, "train.grad_accum must be >= 1"),
             (t.max_steps >= 0, "train.max_steps must be >= 0"),

@@ -97,6 +97,17 @@ def all_reduce_tensor(t: Any) -> Any:
     return t
 
 
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (the object itself on one process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def barrier() -> None:
     import torch.distributed as dist
 

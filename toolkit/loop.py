@@ -7,6 +7,7 @@ the warmup+cosine schedule (transformers' own function), metrics, memory snapsho
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from toolkit import console, dist, kernels
-from toolkit.checkpoint import export_model, write_run_files, write_status
+from toolkit.checkpoint import (
+    DEFAULT_RUN_DIR,
+    claim_run_dir,
+    complete_checkpoints,
+    export_model,
+    mark_complete,
+    save_deepspeed_checkpoint,
+    write_run_files,
+    write_status,
+)
 from toolkit.data import (
     IGNORE_INDEX,
     Collator,
@@ -26,7 +36,7 @@ from toolkit.data import (
     even_rows,
     steps_per_epoch,
 )
-from toolkit.ds_config import zero_stage
+from toolkit.ds_config import ConfigError, zero_stage
 from toolkit.memory import MemoryCallback, MemoryMonitor
 from toolkit.metrics import (
     MetricsLogger,
@@ -46,6 +56,11 @@ def run(p: Plan) -> int:
     cfg = p.cfg
     rank = dist.rank()
     liger = kernels.choice_for(cfg, p.model_config.model_type, zero_stage(p.ds))
+    refused = _claim_run_dir(p)
+    if refused:
+        if rank == 0:
+            print(f"error: {refused}", file=sys.stderr, flush=True)
+        return 1
     if rank == 0:
         print(liger.describe(), flush=True)
         write_run_files(p.run_dir, cfg, p.ds, {"world_size": p.world_size, "precision": p.precision,
@@ -55,6 +70,22 @@ def run(p: Plan) -> int:
     dist.barrier()
     with console.rank_log(p.run_dir, rank):
         return _run(p, liger)
+
+
+def _claim_run_dir(p: Plan) -> str | None:
+    """Rank 0 decides (nothing is written yet), every rank learns the outcome: the refusal, or None."""
+    outcome: list[str | None] = [None, None]  # [note, error]
+    if dist.rank() == 0:
+        t = p.cfg.train
+        try:
+            outcome[0] = claim_run_dir(p.run_dir, resume=bool(t.resume), overwrite=t.overwrite,
+                                       default=Path(t.run_dir) == Path(DEFAULT_RUN_DIR))
+        except ConfigError as e:
+            outcome[1] = str(e)
+    note, error = dist.broadcast_object(outcome)
+    if note and dist.rank() == 0:
+        print(note, flush=True)
+    return error
 
 
 def _run(p: Plan, liger: Any) -> int:
@@ -146,12 +177,16 @@ def _training_args(p: Plan) -> Any:
         learning_rate=t.lr, weight_decay=t.weight_decay, adam_beta1=t.betas[0], adam_beta2=t.betas[1],
         adam_epsilon=t.eps, max_grad_norm=t.grad_clip,
         lr_scheduler_type="cosine", warmup_steps=t.warmup_steps, max_steps=p.total_steps,
-        logging_steps=t.log_every, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        logging_steps=t.log_every, logging_first_step=True,  # the first-loss check reads step 1
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        save_total_limit=t.keep_checkpoints or None,
         # under adapter autocast DeepSpeed's engine autocasts; Trainer bf16 would re-enable bf16 mode
         bf16=p.precision == "bf16" and not p.adapter_autocast, fp16=p.precision == "fp16",
         seed=t.seed, data_seed=t.seed, report_to=[], disable_tqdm=True, dataloader_drop_last=True,
         remove_unused_columns=False, deepspeed=p.ds, use_cpu=dist.on_cpu(),
         **{f"dataloader_{k}": v for k, v in loader_kwargs().items()},
+        # accelerate copies batches with non_blocking=False by default: a wait per copy
+        accelerator_config={"non_blocking": bool(loader_kwargs().get("pin_memory"))},
     )
 
 
@@ -173,7 +208,6 @@ def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator:
                  order: EpochOrder, metrics: MetricsLogger, mem: MemoryMonitor,
                  state: dict[str, Any]) -> tuple[Any, int, bool]:
     from transformers import PrinterCallback, Trainer, TrainerCallback
-    from transformers.trainer_utils import get_last_checkpoint
 
     t = p.cfg.train
     counter = metrics.counter
@@ -198,6 +232,12 @@ def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator:
                 control.should_training_stop = True
             return control
 
+        def on_save(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
+            # Called on every rank once the Trainer's save returned; DeepSpeed's save ends with a
+            # barrier, so every rank's shard is on disk. Resume only trusts marked checkpoints.
+            if dist.rank() == 0:
+                mark_complete(Path(args.output_dir) / f"checkpoint-{st.global_step}", st.global_step)
+
         def on_log(self, args: Any, st: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
             if not logs or "loss" not in logs:
                 return
@@ -219,7 +259,8 @@ def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator:
     resume = None
     if t.resume:
         ckpt_root = Path(args.output_dir)
-        resume = get_last_checkpoint(str(ckpt_root)) if t.resume == "latest" else str(ckpt_root / t.resume)
+        done = complete_checkpoints(ckpt_root, "checkpoint-")  # HF's get_last_checkpoint takes partial ones
+        resume = (str(done[-1][1]) if done else None) if t.resume == "latest" else str(ckpt_root / t.resume)
         if not resume or not Path(resume).is_dir():
             raise FileNotFoundError(f"train.resume={t.resume}: no checkpoint under {ckpt_root}")
     trainer.train(resume_from_checkpoint=resume)
@@ -311,7 +352,7 @@ def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: Collator, orde
         if step > 1:
             mem.maybe_step(step)
         if (t.save_every and step % t.save_every == 0) or (t.stop_after and step == last and step < total):
-            engine.save_checkpoint(str(ckpt_dir), tag=f"global_step{step}", client_state={"step": step})
+            save_deepspeed_checkpoint(engine, ckpt_dir, step, t.keep_checkpoints)
     metrics.close()  # the bar ends before export and the summary print
     return engine, step, step < total
 
@@ -328,7 +369,7 @@ def _label_count(batches: list[dict[str, torch.Tensor]], device: torch.device) -
     """Predicted tokens in the accumulation window on all ranks (labels shift by one), summed on the
     device: the forward waits for it on the stream, the host does not."""
     local = sum((b["labels"][..., 1:] != IGNORE_INDEX).sum() for b in batches)
-    return dist.all_reduce_tensor(torch.as_tensor(local, dtype=torch.float32).to(device, non_blocking=True))
+    return dist.all_reduce_tensor(torch.as_tensor(local, dtype=torch.int64).to(device, non_blocking=True))
 
 
 # ----------------------------------------------------------------------------- end of run

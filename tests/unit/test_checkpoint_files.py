@@ -26,6 +26,13 @@ def test_only_marked_checkpoints_count_and_prune_keeps_the_newest(tmp_path: Path
     assert (tmp_path / "global_step6" / COMPLETE).is_file()
 
 
+def test_unmarked_checkpoints_older_than_the_newest_complete_one_stay(tmp_path: Path) -> None:
+    _ckpt(tmp_path, 2, False)  # e.g. written before completion markers existed
+    _ckpt(tmp_path, 4, True)
+    assert prune(tmp_path, "global_step", keep=0) == []
+    assert (tmp_path / "global_step2").is_dir()
+
+
 def test_keep_zero_keeps_every_complete_checkpoint(tmp_path: Path) -> None:
     for step in (1, 2, 3):
         _ckpt(tmp_path, step, True)
@@ -57,8 +64,12 @@ def test_a_run_dir_holding_another_run_is_refused_with_the_fixes(tmp_path: Path)
         claim_run_dir(d, resume=False, overwrite=False, default=False)
     assert claim_run_dir(d, resume=True, overwrite=False, default=False) is None  # resume appends
     assert (d / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    (d / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"notes\.txt"):  # overwrite removes only what a run wrote
+        claim_run_dir(d, resume=False, overwrite=True, default=False)
+    (d / "notes.txt").unlink()
     assert "removed" in (claim_run_dir(d, resume=False, overwrite=True, default=False) or "")
-    assert not d.exists()
+    assert d.is_dir() and not any(d.iterdir())
     assert claim_run_dir(tmp_path / "fresh", resume=False, overwrite=False, default=False) is None
 
 
