@@ -20,11 +20,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import deepspeed  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import deepspeed
+import torch
+from torch import nn
 
-from toolkit import ds_config as dc  # noqa: E402
+from toolkit import ds_config as dc
 
 HIDDEN = 32
 

@@ -3,10 +3,13 @@
 Each run is a full `toolkit.train.main(argv)`; sharing the launch saves ~30 s of process start and
 imports per run, which keeps the distributed suite inside CI's budget. Usage (the launcher inserts
 --local_rank first):  deepspeed --num_gpus 2 tests/dist/_multi_train.py RUNS.json
-RUNS.json: [{"name": str, "argv": [...]}, ...]; results go to each run's own run_dir.
+RUNS.json: [{"name": str, "argv": [...], "expect_rc": 0, "partial": "checkpoints/x"}, ...]; results go to
+each run's own run_dir. "expect_rc": the exit code the run must give (a refused run: 1). "partial": a
+checkpoint directory rank 0 leaves half-written under the run_dir first, as a save killed mid-way would.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -33,12 +36,17 @@ def main() -> int:
     for run in runs:
         reset_accelerate()
         print(f"=== run {run['name']}", flush=True)
+        if run.get("partial") and int(os.environ.get("RANK", "0")) == 0:
+            run_dir = next(Path(a.split("=", 1)[1]) for a in run["argv"] if a.startswith("train.run_dir="))
+            partial = run_dir / run["partial"]
+            partial.mkdir(parents=True)
+            (partial / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"cut off mid-write")
         try:
             rc = train.main(run["argv"])
         except Exception as e:  # record and go on: the test reads status.json per run
             print(f"=== run {run['name']} raised {type(e).__name__}: {e}", flush=True)
             rc = 1
-        failed += rc != 0
+        failed += rc != run.get("expect_rc", 0)
     return 1 if failed else 0
 
 

@@ -27,6 +27,7 @@ COMMON = [f"train.max_steps={STEPS}", "train.precision=fp32", "train.warmup_step
           "data.num_samples=128"]
 STAGES = ["zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload_opt", "zero3_offload"]
 PATHS = ["raw", "trainer"]
+PREFIX = {"raw": "global_step", "trainer": "checkpoint-"}  # checkpoint directory names per path
 
 
 def _ds_files(tmp: Path) -> dict[str, str]:
@@ -42,7 +43,7 @@ def _tokenizer_dir(tmp: Path) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = "the a cat dog sat ran on mat log what did do answer question yes no".split()
+    words = ["the", "a", "cat", "dog", "sat", "ran", "on", "mat", "log", "what", "did", "do", "answer", "question", "yes", "no"]
     vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>", *words])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -57,9 +58,9 @@ def _runs(tmp: Path) -> list[dict]:
     ds = _ds_files(tmp)
     runs = []
 
-    def add(name: str, stage: str, *extra: str) -> None:
+    def add(name: str, stage: str, *extra: str, **spec: object) -> None:
         argv = ["--ds", ds[stage], *COMMON, f"train.run_dir={tmp / name}", *extra]
-        runs.append({"name": name, "argv": argv})
+        runs.append({"name": name, "argv": argv, **spec})
 
     for path in PATHS:
         for stage in STAGES:
@@ -72,7 +73,15 @@ def _runs(tmp: Path) -> list[dict]:
             "train.export=false", "metrics.tensorboard=false")
         # resume: stop after 3 with a checkpoint, then continue in a new run on the same run_dir
         add(f"{path}-resume", "zero2", f"train.path={path}", "train.stop_after=3", "train.export=false")
-        add(f"{path}-resume", "zero2", f"train.path={path}", "train.resume=latest", "train.export=false")
+        # ... with a newer checkpoint cut off mid-write beside it: latest never names it
+        add(f"{path}-resume", "zero2", f"train.path={path}", "train.resume=latest", "train.export=false",
+            partial=f"checkpoints/{PREFIX[path]}5")
+        # the same command again without resume: refused, the first run's records untouched
+        add(f"{path}-mb4ga1", "zero2", f"train.path={path}", "train.micro_batch_size=4", "train.grad_accum=1",
+            "train.export=false", "metrics.tensorboard=false", expect_rc=1)
+        # a checkpoint every 2 steps, the newest 2 kept
+        add(f"{path}-keep", "zero2", f"train.path={path}", "train.save_every=2", "train.keep_checkpoints=2",
+            "train.export=false")
         # LoRA under ZeRO-3: the adapter must reproduce the engine's logits
         add(f"{path}-lora", "zero3", f"train.path={path}", "lora.enabled=true", "train.save_probe=true")
         # LoRA under bf16 below ZeRO-3: fp32 adapters, bf16 base, DeepSpeed torch_autocast
@@ -186,6 +195,30 @@ def test_resume_continues_the_same_curve(runs: Path, path: str) -> None:
     assert_close([m["loss"] for m in resumed], [m["loss"] for m in full], 1e-5)
 
 
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("path", PATHS)
+def test_a_rerun_into_the_same_dir_is_refused_and_appends_nothing(runs: Path, path: str) -> None:
+    d = runs / f"{path}-mb4ga1"
+    assert [m["step"] for m in metrics(d)] == list(range(1, STEPS + 1))  # one run's lines, once
+    assert json.loads((d / "status.json").read_text())["status"] == "completed"
+    assert "already holds a run" in (runs / "launch.log").read_text()
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("path", PATHS)
+def test_checkpoints_are_complete_and_the_newest_n_kept(runs: Path, path: str) -> None:
+    from toolkit.checkpoint import COMPLETE, complete_checkpoints
+
+    root = runs / f"{path}-keep" / "checkpoints"
+    assert [s for s, _ in complete_checkpoints(root, PREFIX[path])] == [4, 6]
+    assert sorted(d.name for d in root.iterdir() if d.is_dir()) == [f"{PREFIX[path]}4", f"{PREFIX[path]}6"]
+    if path == "raw":
+        assert (root / "latest").read_text() == "global_step6"
+    # the resume above ran beside a newer, partial checkpoint and continued from the complete one
+    partial = runs / f"{path}-resume" / "checkpoints" / f"{PREFIX[path]}5"
+    assert partial.is_dir() and not (partial / COMPLETE).exists()
+
+
 def _reload_logits(kind: str, run_dir: Path) -> None:
     """In a fresh process: load the export (or base + adapter) and compare with the engine's logits."""
     code = f"""
@@ -221,7 +254,7 @@ def test_zero3_export_reloads_with_the_engines_logits(runs: Path, path: str) -> 
     from safetensors import safe_open
 
     with safe_open(str(d / "export" / "model.safetensors"), "pt") as f:
-        assert all(f.get_slice(k).get_shape() and 0 not in f.get_slice(k).get_shape() for k in f.keys())
+        assert all(f.get_slice(k).get_shape() and 0 not in f.get_slice(k).get_shape() for k in f.keys())  # noqa: SIM118 (safe_open is not iterable)
     _reload_logits("export", d)
 
 
@@ -245,7 +278,7 @@ def test_lora_bf16_keeps_fp32_adapters_under_autocast(runs: Path) -> None:
         assert json.loads((runs / name / "status.json").read_text())["status"] == "completed", name
     for path in PATHS:
         with safe_open(str(runs / f"{path}-lora-bf16" / "adapter" / "adapter_model.safetensors"), "pt") as f:
-            assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {"F32"}
+            assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {"F32"}  # noqa: SIM118
     # both paths compute the same thing; bf16 stays near the fp32 LoRA run (same seed, same adapters)
     bf16 = losses(runs / "raw-lora-bf16")
     assert_close(bf16, losses(runs / "trainer-lora-bf16"), 1e-3)
