@@ -97,6 +97,9 @@ class TrainConfig:
     """Replace the earlier run in train.run_dir (only the toolkit's own files; anything else is refused)."""
     keep_checkpoints: int = 0
     """Keep only the newest N complete checkpoints (0: keep all)."""
+    collective_timeout_s: int = 600
+    """A rank waiting in a collective for a peer that died fails after this many seconds (the HF
+    Trainer's own default is 30 minutes). Raise it when one rank alone does long work, e.g. slow saves."""
     save_probe: bool = False
     """Save the final engine's logits on two samples (probe.pt) to verify the export against."""
     zero_sizes: str = "speed"
@@ -182,6 +185,7 @@ class Config:
              f"train.precision must be auto, bf16, fp16 or fp32, got {t.precision!r}"),
             (t.zero_sizes in ("speed", "memory"), f"train.zero_sizes must be speed or memory, got {t.zero_sizes!r}"),
             (t.keep_checkpoints >= 0, "train.keep_checkpoints must be >= 0"),
+            (t.collective_timeout_s >= 1, "train.collective_timeout_s must be >= 1"),
             (t.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
             (t.grad_accum >= 1, "train.grad_accum must be >= 1"),
             (t.max_steps >= 0, "train.max_steps must be >= 0"),

@@ -32,7 +32,11 @@ def on_cpu() -> bool:
     return os.environ.get("DS_ACCELERATOR") == "cpu"
 
 
-def init_distributed() -> None:
+def init_distributed(timeout_s: int | None = None) -> None:
+    """The process group; `timeout_s` bounds how long a rank waits in a collective for a peer that is
+    gone (DeepSpeed's default is 10 minutes, the HF Trainer's 30)."""
+    import datetime
+
     import torch.distributed as tdist
 
     if on_cpu() and rank() == 0 and not (tdist.is_available() and tdist.is_initialized()):
@@ -42,7 +46,8 @@ def init_distributed() -> None:
               "its shared-memory comm op here (about a minute, cached for later runs)", flush=True)
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="gloo" if on_cpu() else "nccl")
+    kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    deepspeed.init_distributed(dist_backend="gloo" if on_cpu() else "nccl", **kw)
     if not on_cpu():
         import torch
 

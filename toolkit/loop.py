@@ -125,7 +125,9 @@ def _run(p: Plan, liger: Any) -> int:
             if cfg.train.path == "raw":  # the Trainer path's final snapshot comes from MemoryCallback
                 mem.phase_boundary("final", step)
     except BaseException as e:
-        write_status(p.run_dir, "failed", error=f"{type(e).__name__}: {e}"[:2000])
+        # rank 0 writes what it saw; a peer that died shows up here as a collective error
+        write_status(p.run_dir, "failed", error=f"{type(e).__name__}: {e}"[:2000], phase=state["phase"],
+                     step=state["step"])
         raise
     finally:
         metrics.close()
@@ -183,7 +185,7 @@ def _training_args(p: Plan) -> Any:
         # under adapter autocast DeepSpeed's engine autocasts; Trainer bf16 would re-enable bf16 mode
         bf16=p.precision == "bf16" and not p.adapter_autocast, fp16=p.precision == "fp16",
         seed=t.seed, data_seed=t.seed, report_to=[], disable_tqdm=True, dataloader_drop_last=True,
-        remove_unused_columns=False, deepspeed=p.ds, use_cpu=dist.on_cpu(),
+        remove_unused_columns=False, deepspeed=p.ds, use_cpu=dist.on_cpu(), ddp_timeout=t.collective_timeout_s,
         **{f"dataloader_{k}": v for k, v in loader_kwargs().items()},
         # accelerate copies batches with non_blocking=False by default: a wait per copy
         accelerator_config={"non_blocking": bool(loader_kwargs().get("pin_memory"))},

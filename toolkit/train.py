@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         for line in notes + p.warnings:
             print(line, flush=True)
     dist.quiet_libraries()
-    dist.init_distributed()
+    dist.init_distributed(p.cfg.train.collective_timeout_s)
     from toolkit.loop import run
 
     return run(p)

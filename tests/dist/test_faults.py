@@ -1,0 +1,64 @@
+"""Faults through the real launcher on 2 CPU ranks: a rank that dies takes the job down, fast."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]  # raises on a torn line
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(400)
+def test_a_killed_rank_takes_the_job_down_within_60s_and_records_stay_intact(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "toolkit/train.py",
+           "--ds", "ds_configs/zero2.json", "train.path=raw", "train.max_steps=5000", "train.export=false",
+           "memory.every=1", "metrics.tensorboard=false", f"train.run_dir={run_dir}"]
+    env = os.environ | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    log = (tmp_path / "launch.log").open("w")
+    launcher = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / "metrics.jsonl").exists() or len(_lines(run_dir / "metrics.jsonl")) < 5:
+            assert launcher.poll() is None and time.monotonic() < deadline, (tmp_path / "launch.log").read_text()[-3000:]
+            time.sleep(0.5)
+        ranks = [p for p in psutil.Process(launcher.pid).children(recursive=True)
+                 if any(a.startswith("--local_rank=") for a in p.cmdline())]
+        victim = next(p for p in ranks if "--local_rank=1" in p.cmdline())
+        t0 = time.monotonic()
+        victim.send_signal(signal.SIGKILL)  # in the middle of training: a step, a log line or a snapshot
+        rc = launcher.wait(timeout=90)
+        took = time.monotonic() - t0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        log.close()
+    print(f"launcher exited {rc} {took:.1f} s after the kill")
+    assert rc != 0 and took < 60, (rc, took)
+    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]  # nobody left waiting
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "failed" and status["phase"] == "train" and status["step"] >= 5, status
+    # what was written before the fault is whole: every line parses, steps count up without gaps
+    steps = [m["step"] for m in _lines(run_dir / "metrics.jsonl")]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 5
+    for f in sorted((run_dir / "memory").glob("rank*.jsonl")):
+        assert _lines(f), f
