@@ -97,6 +97,9 @@ class TrainConfig:
     """Replace the earlier run in train.run_dir (only the toolkit's own files; anything else is refused)."""
     keep_checkpoints: int = 0
     """Keep only the newest N complete checkpoints (0: keep all)."""
+    max_skipped_steps: int = 10
+    """fp16: stop after this many optimizer steps in a row skipped on overflow (the loss scale keeps
+    falling). bf16 and fp32 stop at the first NaN/Inf loss or gradient norm."""
     collective_timeout_s: int = 600
     """A rank waiting in a collective for a peer that died fails after this many seconds (the HF
     Trainer's own default is 30 minutes). Raise it when one rank alone does long work, e.g. slow saves."""

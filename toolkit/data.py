@@ -6,6 +6,7 @@ Trainer see the same samples on the same ranks and their losses can be compared 
 
 from __future__ import annotations
 
+import collections
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -223,6 +224,9 @@ class ShardedBatches(Sampler[list[int]]):
     def __init__(self, order: EpochOrder, micro_batch: int, rank: int, world: int) -> None:
         self.order, self.micro, self.rank, self.world = order, micro_batch, rank, world
         self.skip = 0  # set on resume: micro-batches of this rank already consumed this epoch
+        # Sample indices in the order batches were drawn. Loader workers prefetch, so this runs ahead of
+        # training; the loop takes one entry per batch it consumes (the DataLoader keeps the order).
+        self.drawn: collections.deque[list[int]] = collections.deque()
 
     def set_epoch(self, epoch: int) -> None:
         self.order.set_epoch(epoch)
@@ -234,7 +238,9 @@ class ShardedBatches(Sampler[list[int]]):
         # A generator, so the skip is consumed when batches are drawn, not when iter() is called: a
         # DataLoader with workers calls iter() on its batch sampler twice before the first batch.
         skip, self.skip = self.skip, 0  # only the first (resumed) epoch starts part-way
-        yield from mine[skip:]
+        for batch in mine[skip:]:
+            self.drawn.append(batch)
+            yield batch
 
     def __len__(self) -> int:
         return self.order.n // (self.micro * self.world)

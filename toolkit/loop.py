@@ -7,6 +7,7 @@ the warmup+cosine schedule (transformers' own function), metrics, memory snapsho
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Iterator
@@ -37,6 +38,7 @@ from toolkit.data import (
     steps_per_epoch,
 )
 from toolkit.ds_config import ConfigError, zero_stage
+from toolkit.guards import NonFiniteError, NonFiniteGuard
 from toolkit.memory import MemoryCallback, MemoryMonitor
 from toolkit.metrics import (
     MetricsLogger,
@@ -180,6 +182,7 @@ def _training_args(p: Plan) -> Any:
         adam_epsilon=t.eps, max_grad_norm=t.grad_clip,
         lr_scheduler_type="cosine", warmup_steps=t.warmup_steps, max_steps=p.total_steps,
         logging_steps=t.log_every, logging_first_step=True,  # the first-loss check reads step 1
+        logging_nan_inf_filter=False,  # HF would log the last finite loss in place of a NaN
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
         save_total_limit=t.keep_checkpoints or None,
         # under adapter autocast DeepSpeed's engine autocasts; Trainer bf16 would re-enable bf16 mode
@@ -245,6 +248,13 @@ def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator:
                 return
             metrics.log(st.global_step, float(logs["loss"]), float(logs.get("learning_rate", 0.0)),
                         logs.get("grad_norm"))
+            norm = logs.get("grad_norm")
+            if not math.isfinite(float(logs["loss"])) or (
+                    p.precision != "fp16" and norm is not None and not math.isfinite(float(norm))):
+                # the loss and the norm are global here, so every rank stops at this log step
+                raise NonFiniteError(f"rank {dist.rank()}: loss or gradient norm is NaN/Inf in the "
+                                     f"{t.log_every} step(s) up to step {st.global_step} (Trainer path; "
+                                     "train.log_every=1 names the exact step); lower train.lr or check the data")
             if st.global_step == 1:  # memory's first_step snapshot comes from MemoryCallback
                 first_loss_check(p, float(logs["loss"]))
 
@@ -320,11 +330,13 @@ def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: Collator, orde
     state["phase"] = "train"
     total = p.total_steps
     last = min(total, t.stop_after) if t.stop_after else total
+    guard = NonFiniteGuard(device, rank, p.precision == "fp16", t.max_skipped_steps)
     engine.train()
     # Nothing in this loop waits for the GPU except on log steps: the label count is reduced on the
     # device, the loss accumulates there, and host values (loss, grad norm) are read only to log.
     while step < last:
         batches = [next(stream) for _ in range(t.grad_accum)]
+        samples = [i for _ in batches for i in sampler.drawn.popleft()]
         for b in batches:
             counter.add(b)  # host tensors: free
         n_items = _label_count(batches, device) if causal else None
@@ -345,10 +357,12 @@ def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: Collator, orde
             engine.step()
         step += 1
         state["step"] = step
+        guard.observe(step, acc, engine.get_global_grad_norm(), samples, engine.skipped_steps)
         if step % t.log_every == 0 or step == last or step == 1:
             grad_norm = engine.get_global_grad_norm()
             rec = metrics.log(step, float(acc), scheduler.get_last_lr()[0],
                               None if grad_norm is None else float(grad_norm), loss_scale=1 / world)
+            guard.check()
             if step == 1:
                 _first_step(p, step, rec["loss"], mem)
         if step > 1:

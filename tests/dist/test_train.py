@@ -79,6 +79,8 @@ def _runs(tmp: Path) -> list[dict]:
         # the same command again without resume: refused, the first run's records untouched
         add(f"{path}-mb4ga1", "zero2", f"train.path={path}", "train.micro_batch_size=4", "train.grad_accum=1",
             "train.export=false", "metrics.tensorboard=false", expect_rc=1)
+        # a learning rate that blows the gradient norm up to inf at step 3: stopped there
+        add(f"{path}-nan", "zero2", f"train.path={path}", "train.lr=1e6", "train.export=false", expect_rc=1)
         # a checkpoint every 2 steps, the newest 2 kept
         add(f"{path}-keep", "zero2", f"train.path={path}", "train.save_every=2", "train.keep_checkpoints=2",
             "train.export=false")
@@ -217,6 +219,21 @@ def test_checkpoints_are_complete_and_the_newest_n_kept(runs: Path, path: str) -
     # the resume above ran beside a newer, partial checkpoint and continued from the complete one
     partial = runs / f"{path}-resume" / "checkpoints" / f"{PREFIX[path]}5"
     assert partial.is_dir() and not (partial / COMPLETE).exists()
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("path", PATHS)
+def test_nan_or_inf_stops_the_run_at_that_step_naming_it(runs: Path, path: str) -> None:
+    from toolkit.data import EpochOrder
+
+    d = runs / f"{path}-nan"
+    status = json.loads((d / "status.json").read_text())
+    assert status["status"] == "failed" and "NonFiniteError" in status["error"], status
+    assert "at step 3" in status["error"] or "up to step 3" in status["error"], status
+    assert [m["step"] for m in metrics(d)] == [1, 2, 3]  # nothing trained past it
+    if path == "raw":  # rank 0's samples of step 3 (micro 4, 2 ranks, batch i to rank i % 2)
+        order = EpochOrder(128, 1234, True).order(0)
+        assert f"samples in that step: {order[16:20]}" in status["error"], (order[16:20], status)
 
 
 def _reload_logits(kind: str, run_dir: Path) -> None:
