@@ -1,7 +1,7 @@
 """Baseline: the plain Hugging Face Trainer with a DeepSpeed JSON, written by hand from the HF / DeepSpeed docs.
 
-Imports nothing from `toolkit`. Same models, data and ZeRO JSON as bench/bare_loop.py (the numbers are
-repeated here so that each script stands alone):
+Imports nothing from `toolkit`. Same models, ZeRO JSON and arguments as bench/bare_loop.py (imported
+from it: the launcher puts bench/ first on sys.path), and the same random full-length data:
 
     deepspeed --num_gpus G --master_port P bench/hf_trainer.py --model llama-1b --seq 2048 --micro 4 \
         --global-batch 64 --stage 3 --offload none --warmup 3 --steps 10 --out result.json
@@ -12,7 +12,6 @@ A TrainerCallback times each optimizer step (on_step_begin .. on_step_end); rank
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
@@ -23,58 +22,10 @@ import deepspeed
 import psutil
 import torch
 import torch.distributed as dist
+from bare_loop import ds_config, model_config, parse_args
 from deepspeed.accelerator import get_accelerator
 from torch.utils.data import Dataset
-from transformers import (
-    CONFIG_MAPPING,
-    AutoModelForCausalLM,
-    PretrainedConfig,
-    Trainer,
-    TrainerCallback,
-    TrainingArguments,
-)
-
-MODELS: dict[str, dict[str, Any]] = {
-    "tiny": dict(model_type="llama", vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                 tie_word_embeddings=False),
-    "gpt2-124m": dict(model_type="gpt2", vocab_size=50304, n_embd=768, n_layer=12, n_head=12, n_positions=1024),
-    "qwen2-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                       num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                       max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=True),
-    "llama-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                     max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=True),
-}
-
-
-def model_config(name: str) -> PretrainedConfig:
-    kw = dict(MODELS[name])
-    return CONFIG_MAPPING[kw.pop("model_type")](**kw, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-
-
-def ds_config(args: argparse.Namespace, grad_accum: int, bf16: bool) -> dict[str, Any]:
-    zero: dict[str, Any] = {"stage": args.stage, "overlap_comm": True, "contiguous_gradients": True,
-                            "reduce_bucket_size": 5e8}
-    if args.stage in (1, 2):
-        zero["allgather_bucket_size"] = 5e8
-    if args.stage == 3:
-        zero.update(stage3_prefetch_bucket_size=5e7, stage3_param_persistence_threshold=1e5,
-                    stage3_max_live_parameters=1e9, stage3_max_reuse_distance=1e9)
-    if args.offload == "optimizer":
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    return {
-        "train_batch_size": args.global_batch,
-        "train_micro_batch_size_per_gpu": args.micro,
-        "gradient_accumulation_steps": grad_accum,
-        "gradient_clipping": 1.0,
-        "bf16": {"enabled": bf16},
-        "optimizer": {"type": "AdamW",
-                      "params": {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}},
-        "zero_optimization": zero,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
+from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 
 class RandomTokens(Dataset):
@@ -115,21 +66,6 @@ class StepTimer(TrainerCallback):
                **kw: Any) -> None:
         if logs and "loss" in logs:
             self.losses.append(float(logs["loss"]))
-
-
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=sorted(MODELS), required=True)
-    p.add_argument("--seq", type=int, required=True)
-    p.add_argument("--micro", type=int, required=True)
-    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step, all ranks")
-    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], required=True)
-    p.add_argument("--offload", choices=["none", "optimizer"], default="none")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--out", required=True)
-    p.add_argument("--local_rank", type=int, default=-1, help="appended by the launcher; LOCAL_RANK is used")
-    return p.parse_args()
 
 
 def main() -> None:
