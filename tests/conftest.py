@@ -30,3 +30,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         need = marker.args[0] if marker.args else 1
         if have < need:
             item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPU(s), found {have}"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_leaked_shm_buffers() -> object:
+    """DeepSpeed's CPU shm comm op leaves a 66 MiB /dev/shm buffer per rank and port behind, and killed
+    ranks (the fault tests) leave theirs too: across runs they fill /dev/shm, and then RAM. Remove the
+    ones this session created, once every launched process is gone."""
+    from pathlib import Path
+
+    shm = Path("/dev/shm")
+    before = set(shm.glob("deepspeed_allreduce_buffer_*")) if shm.is_dir() else set()
+    yield
+    for f in set(shm.glob("deepspeed_allreduce_buffer_*")) - before if shm.is_dir() else ():
+        f.unlink(missing_ok=True)
