@@ -113,6 +113,16 @@ def broadcast_object(obj: Any) -> Any:
     return box[0]
 
 
+def shutdown() -> None:
+    """Destroy the process group before the interpreter exits: left to interpreter teardown, gloo's
+    threads sometimes abort the process after a finished run ("terminate called without an active
+    exception", exit code -6, seen on 2 CPU ranks)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def barrier() -> None:
     import torch.distributed as dist
 

@@ -49,6 +49,7 @@ from toolkit.metrics import (
     peak_flops_per_gpu,
 )
 from toolkit.model import build_model, build_tokenizer, check_first_loss, hidden_size, is_preset
+from toolkit.preempt import Preemption
 
 if TYPE_CHECKING:
     from toolkit.run_plan import Plan
@@ -112,7 +113,7 @@ def _run(p: Plan, liger: Any) -> int:
     mem.phase_boundary("model_loaded", 0)
     collator = Collator(pad_id=pad_id, task=cfg.model.task, drop_full_mask=True)
     order = EpochOrder(len(rows), cfg.train.seed, cfg.data.shuffle)
-    state = {"phase": "engine_ready", "step": 0}
+    state = {"phase": "engine_ready", "step": 0, "preempt": Preemption(), "preempted": False}
     metrics.engine_starting(f"ZeRO-{zero_stage(p.ds)}, {cfg.train.path} path, {p.world_size} ranks")
     try:
         with mem.oom_guard(lambda: (state["phase"], state["step"])):
@@ -134,10 +135,14 @@ def _run(p: Plan, liger: Any) -> int:
     finally:
         metrics.close()
         mem.close()
-    write_status(p.run_dir, "stopped" if stopped else "completed", steps=step)
+        state["preempt"].close()
+    write_status(p.run_dir, "preempted" if state["preempted"] else "stopped" if stopped else "completed",
+                 steps=step)
     if rank == 0:
         print(closing_summary(metrics.history, p.run_dir, step, p.total_steps, mem.rank_peaks,
-                              cfg.metrics.tensorboard), flush=True)
+                              cfg.metrics.tensorboard,
+                              "SIGTERM: preempted, checkpoint written" if state["preempted"] else "train.stop_after"),
+              flush=True)
     return 0
 
 
@@ -235,6 +240,11 @@ def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator:
             if t.stop_after and st.global_step >= t.stop_after:
                 control.should_save = True
                 control.should_training_stop = True
+            elif (st.global_step % t.log_every == 0 and st.global_step < st.max_steps
+                  and state["preempt"].agreed()):  # SIGTERM: stop here, with a checkpoint
+                control.should_save = True
+                control.should_training_stop = True
+                state["preempted"] = True
             return control
 
         def on_save(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
@@ -278,7 +288,7 @@ def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator:
     trainer.train(resume_from_checkpoint=resume)
     metrics.close()  # the bar ends before export and the summary print
     step = trainer.state.global_step
-    stopped = bool(t.stop_after and step >= t.stop_after and step < p.total_steps)
+    stopped = bool(t.stop_after and step >= t.stop_after and step < p.total_steps) or state["preempted"]
     return trainer.model_wrapped, step, stopped
 
 
@@ -358,7 +368,8 @@ def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: Collator, orde
         step += 1
         state["step"] = step
         guard.observe(step, acc, engine.get_global_grad_norm(), samples, engine.skipped_steps)
-        if step % t.log_every == 0 or step == last or step == 1:
+        logged = step % t.log_every == 0 or step == last or step == 1
+        if logged:
             grad_norm = engine.get_global_grad_norm()
             rec = metrics.log(step, float(acc), scheduler.get_last_lr()[0],
                               None if grad_norm is None else float(grad_norm), loss_scale=1 / world)
@@ -367,8 +378,14 @@ def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: Collator, orde
                 _first_step(p, step, rec["loss"], mem)
         if step > 1:
             mem.maybe_step(step)
-        if (t.save_every and step % t.save_every == 0) or (t.stop_after and step == last and step < total):
+        saving = bool((t.save_every and step % t.save_every == 0) or (t.stop_after and step == last and step < total))
+        if saving:
             save_deepspeed_checkpoint(engine, ckpt_dir, step, t.keep_checkpoints)
+        if logged and step < last and state["preempt"].agreed():  # SIGTERM: stop here, with a checkpoint
+            if not saving:
+                save_deepspeed_checkpoint(engine, ckpt_dir, step, t.keep_checkpoints)
+            state["preempted"] = True
+            break
     metrics.close()  # the bar ends before export and the summary print
     return engine, step, step < total
 

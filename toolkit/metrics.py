@@ -222,6 +222,7 @@ def closing_summary(
     total_steps: int,
     peaks: dict[int, dict[str, float | None]],
     tensorboard: bool,
+    why_stopped: str = "train.stop_after",
 ) -> str:
     """What rank 0 prints at the end: steps, loss, speed, per-rank peak, where the run is and what to
     run next. ``peaks`` is rank -> run-wide peaks from MemoryMonitor (empty if none were gathered)."""
@@ -230,7 +231,7 @@ def closing_summary(
         + (f" in {history[-1]['elapsed_s']:.1f} s" if history and history[-1].get("elapsed_s") else "")
     ]
     if step < total_steps:
-        lines[0] = f"stopped after step {step} of {total_steps} (train.stop_after); " + (
+        lines[0] = f"stopped after step {step} of {total_steps} ({why_stopped}); " + (
             "continue with train.resume=latest"
         )
     losses = [r for r in history if r.get("loss") is not None]

@@ -56,4 +56,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    rc = main()
+    dist.shutdown()
+    raise SystemExit(rc)
