@@ -82,7 +82,8 @@ def oom_message(rank: int, phase: str, step: int, run_dir: Path | str | None = N
     return (
         f"CUDA out of memory on rank {rank} during {phase} (step {step}); see {where}/rank{rank}_oom.txt "
         f"and {where}/rank{rank}.jsonl (or run `toolkit report RUN_DIR`). Lower train.micro_batch_size, "
-        f"enable model.gradient_checkpointing, raise the ZeRO stage or offload."
+        f"enable model.gradient_checkpointing, use train.zero_sizes=memory (smaller ZeRO buckets and fewer "
+        f"live ZeRO-3 parameters, at some speed), raise the ZeRO stage or offload."
     )
 
 

@@ -177,6 +177,7 @@ def test_oom_guard_reraises_with_rank_phase_step(tmp_path: Path) -> None:
 
 def test_oom_message() -> None:
     msg = oom_message(3, "first_step", 1, "runs/x")
+    assert "train.zero_sizes=memory" in msg  # the memory-lean sizes are the answer when memory is tight
     assert msg.startswith("CUDA out of memory on rank 3 during first_step (step 1); see ")
     assert "rank3_oom.txt" in msg
 
