@@ -25,6 +25,8 @@ from deepspeed.accelerator import get_accelerator
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PretrainedConfig
 from transformers.integrations import HfDeepSpeedConfig
 
+# The toolkit's presets (toolkit/model.py PRESETS), repeated on purpose: a baseline imports nothing from
+# toolkit/. tests/dist/test_bench_speed.py runs both sides on the tiny shape.
 MODELS: dict[str, dict[str, Any]] = {
     "tiny": dict(model_type="llama", vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -83,17 +85,43 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def main() -> None:
-    args = parse_args()
+def start(args: argparse.Namespace) -> tuple[bool, torch.device, int, int]:
+    """Device and process group; returns (cpu, device, rank, grad_accum). Shared with hf_trainer.py."""
     cpu = get_accelerator().device_name() == "cpu"
     device = torch.device("cpu") if cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if not cpu:
         torch.cuda.set_device(device)
     deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     grad_accum, rem = divmod(args.global_batch, args.micro * world)
     if rem or grad_accum < 1:
         raise SystemExit(f"--global-batch {args.global_batch} is not a multiple of micro*world={args.micro * world}")
+    return cpu, device, dist.get_rank(), grad_accum
+
+
+def write_result(args: argparse.Namespace, variant: str, device: torch.device, grad_accum: int,
+                 step_times: list[float], losses: list[float], n_params: int, config: PretrainedConfig) -> None:
+    """Collective: peaks over ranks (MAX), then rank 0 writes the result JSON. Shared with hf_trainer.py."""
+    cpu = device.type == "cpu"
+    peak = 0.0 if cpu else torch.cuda.max_memory_allocated() / 2**30
+    stats = torch.tensor([peak, psutil.Process().memory_info().rss / 2**30], dtype=torch.float64, device=device)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    if dist.get_rank() != 0:
+        return
+    result = {
+        "variant": variant, "model": args.model, "seq": args.seq, "stage": args.stage,
+        "offload": args.offload, "gpus": dist.get_world_size(), "micro_batch": args.micro, "grad_accum": grad_accum,
+        "tokens_per_step": args.global_batch * args.seq, "step_times_s": step_times, "losses": losses,
+        "n_params": n_params, "n_layers": config.num_hidden_layers, "hidden": config.hidden_size,
+        "peak_allocated_gib": None if cpu else stats[0].item(), "host_rss_gib": stats[1].item(),
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def main() -> None:
+    args = parse_args()
+    cpu, device, rank, grad_accum = start(args)
 
     cfg = ds_config(args, grad_accum, bf16=not cpu)
     dschf = HfDeepSpeedConfig(cfg) if args.stage == 3 else None  # alive => from_config partitions (zero.Init)
@@ -129,19 +157,7 @@ def main() -> None:
         if rank == 0:
             print(f"step {step} loss {losses[-1]:.4f} time {dt:.3f}s", flush=True)
 
-    peak = torch.cuda.max_memory_allocated() / 2**30 if not cpu else 0.0
-    stats = torch.tensor([peak, psutil.Process().memory_info().rss / 2**30], dtype=torch.float64, device=device)
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        result = {
-            "variant": "bare", "model": args.model, "seq": args.seq, "stage": args.stage,
-            "offload": args.offload, "gpus": world, "micro_batch": args.micro, "grad_accum": grad_accum,
-            "tokens_per_step": args.global_batch * args.seq, "step_times_s": step_times, "losses": losses,
-            "n_params": n_params, "n_layers": config.num_hidden_layers, "hidden": config.hidden_size,
-            "peak_allocated_gib": None if cpu else stats[0].item(), "host_rss_gib": stats[1].item(),
-        }
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_result(args, "bare", device, grad_accum, step_times, losses, n_params, config)
     engine.destroy()
     del dschf
     dist.barrier()

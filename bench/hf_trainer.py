@@ -12,18 +12,14 @@ A TrainerCallback times each optimizer step (on_step_begin .. on_step_end); rank
 
 from __future__ import annotations
 
-import json
-import os
 import tempfile
 import time
 from typing import Any
 
 import deepspeed
-import psutil
 import torch
 import torch.distributed as dist
-from bare_loop import ds_config, model_config, parse_args
-from deepspeed.accelerator import get_accelerator
+from bare_loop import ds_config, model_config, parse_args, start, write_result
 from torch.utils.data import Dataset
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
@@ -70,22 +66,15 @@ class StepTimer(TrainerCallback):
 
 def main() -> None:
     args = parse_args()
-    cpu = get_accelerator().device_name() == "cpu"
-    device = torch.device("cpu") if cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    if not cpu:
-        torch.cuda.set_device(device)
-    deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    grad_accum, rem = divmod(args.global_batch, args.micro * world)
-    if rem or grad_accum < 1:
-        raise SystemExit(f"--global-batch {args.global_batch} is not a multiple of micro*world={args.micro * world}")
+    cpu, device, _, grad_accum = start(args)
     total = args.warmup + args.steps
 
     with tempfile.TemporaryDirectory() as tmp:
         # TrainingArguments(deepspeed=...) creates the HfDeepSpeedConfig: it must exist before the model (ZeRO-3)
         targs = TrainingArguments(
             output_dir=tmp, per_device_train_batch_size=args.micro, gradient_accumulation_steps=grad_accum,
-            max_steps=total, bf16=not cpu, learning_rate=1e-4, lr_scheduler_type="constant", deepspeed=ds_config(args, grad_accum, not cpu),
+            max_steps=total, bf16=not cpu, learning_rate=1e-4, lr_scheduler_type="constant",
+            deepspeed=ds_config(args, grad_accum, not cpu),
             logging_steps=1, report_to=[], save_strategy="no", dataloader_drop_last=True, disable_tqdm=True,
             use_cpu=cpu,
         )
@@ -99,20 +88,7 @@ def main() -> None:
         trainer.train()
         assert isinstance(trainer.model_wrapped, deepspeed.DeepSpeedEngine), "the Trainer did not use DeepSpeed"
 
-    peak = torch.cuda.max_memory_allocated() / 2**30 if not cpu else 0.0
-    stats = torch.tensor([peak, psutil.Process().memory_info().rss / 2**30], dtype=torch.float64, device=device)
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        result = {
-            "variant": "hf", "model": args.model, "seq": args.seq, "stage": args.stage,
-            "offload": args.offload, "gpus": world, "micro_batch": args.micro, "grad_accum": grad_accum,
-            "tokens_per_step": args.global_batch * args.seq, "step_times_s": timer.times[args.warmup:],
-            "losses": timer.losses, "n_params": n_params, "n_layers": config.num_hidden_layers,
-            "hidden": config.hidden_size, "peak_allocated_gib": None if cpu else stats[0].item(),
-            "host_rss_gib": stats[1].item(),
-        }
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_result(args, "hf", device, grad_accum, timer.times[args.warmup:], timer.losses, n_params, config)
     dist.barrier()
 
 
