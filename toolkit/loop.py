@@ -367,10 +367,10 @@ def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: Collator, orde
             engine.step()
         step += 1
         state["step"] = step
-        guard.observe(step, acc, engine.get_global_grad_norm(), samples, engine.skipped_steps)
+        grad_norm = engine.get_global_grad_norm()  # often a device tensor: read on log steps only
+        guard.observe(step, acc, grad_norm, samples, engine.skipped_steps)
         logged = step % t.log_every == 0 or step == last or step == 1
         if logged:
-            grad_norm = engine.get_global_grad_norm()
             rec = metrics.log(step, float(acc), scheduler.get_last_lr()[0],
                               None if grad_norm is None else float(grad_norm), loss_scale=1 / world)
             guard.check()
