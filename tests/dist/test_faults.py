@@ -5,21 +5,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+from _net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _lines(path: Path) -> list[dict]:
@@ -30,7 +24,7 @@ def _lines(path: Path) -> list[dict]:
 @pytest.mark.timeout(400)
 def test_a_killed_rank_takes_the_job_down_within_60s_and_records_stay_intact(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "toolkit/train.py",
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "toolkit/train.py",
            "--ds", "ds_configs/zero2.json", "train.path=raw", "train.max_steps=5000", "train.export=false",
            "memory.every=1", "metrics.tensorboard=false", f"train.run_dir={run_dir}"]
     env = os.environ | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
@@ -65,7 +59,7 @@ def test_a_killed_rank_takes_the_job_down_within_60s_and_records_stay_intact(tmp
 
 
 def _launch(run_dir: Path, tmp: Path, *extra: str) -> subprocess.Popen:
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "toolkit/train.py",
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "toolkit/train.py",
            "--ds", "ds_configs/zero2.json", "train.max_steps=40", "train.precision=fp32", "train.export=false",
            "memory.every=0", "metrics.tensorboard=false", f"train.run_dir={run_dir}", *extra]
     env = os.environ | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}

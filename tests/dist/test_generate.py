@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 WORLD = 2
@@ -39,12 +39,6 @@ COMMON = [
 LAUNCH_TIMEOUT_S = 400
 
 pytestmark = pytest.mark.dist
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -91,7 +85,7 @@ def launch(
         "--num_gpus",
         str(WORLD),
         "--master_port",
-        str(_free_port()),
+        str(free_port()),
         str(REPO / script),
         *args,
     ]

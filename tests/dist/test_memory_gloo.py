@@ -4,23 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _net import free_port
 
 from toolkit.memory import FIELDS, MemoryMonitor
 
 WORLD = 2
 PHASES = ["model_loaded", "engine_ready", "first_step", "step", "step", "final"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, run_dir: str, port: int) -> None:
@@ -49,7 +43,7 @@ def _worker(rank: int, run_dir: str, port: int) -> None:
 @pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_memory_monitor_two_ranks_gloo(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(str(tmp_path), _free_port()), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(str(tmp_path), free_port()), nprocs=WORLD, join=True)
 
     for rank in range(WORLD):
         rows = [

@@ -12,13 +12,13 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from _net import free_port
 
 pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,12 +26,6 @@ LAUNCH = ROOT / "launch.sh"
 STEPS = 3
 MICRO_BATCH = 2
 TIMEOUT_S = 540
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict[str, str]:
@@ -59,7 +53,7 @@ def test_two_no_ssh_nodes_on_one_machine(tmp_path: Path) -> None:
     # two names for this machine: two nodes of one slot each
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
     run_dir = tmp_path / "run"
-    port = _free_port()
+    port = free_port()
     env = _env()
     procs: dict[int, subprocess.Popen] = {}
     logs: dict[int, Path] = {}

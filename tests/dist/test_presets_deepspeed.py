@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _net import free_port
 
 from toolkit import cli
 from toolkit import ds_config as dc
@@ -54,12 +54,6 @@ def _async_io_available() -> tuple[bool, str]:
     return ok, "" if ok else "async_io cannot build here (install libaio-dev)"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_preset_set_is_complete() -> None:
     assert [p.stem for p in PRESETS] == sorted(dc.PRESETS)
 
@@ -89,7 +83,7 @@ def test_presets_initialize_and_step_on_two_ranks(tmp_path: Path) -> None:
         # Without libaio the NVMe preset cannot run on this machine: run the others, then fail.
         names.remove(NVME)
     env = os.environ | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()),
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
            str(REPO / "tests" / "dist" / "_init_presets.py"), "--presets-dir", str(presets),
            "--preset-timeout", "900", "--only", *names]  # fmt: skip
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1700, env=env, cwd=tmp_path)

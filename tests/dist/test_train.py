@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _net import free_port
 
 from toolkit import ds_config as dc
 
@@ -120,7 +121,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     spec = tmp / "runs.json"
     spec.write_text(json.dumps(_runs(tmp)))
     env = os.environ | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", "29611", str(ROOT / "tests/dist/_multi_train.py"),
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), str(ROOT / "tests/dist/_multi_train.py"),
            str(spec)]
     log = tmp / "launch.log"
     with log.open("w") as f:
