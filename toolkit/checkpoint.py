@@ -99,8 +99,9 @@ def atomic_write(path: Path, text: str) -> None:
             os.close(fd)
 
 
-def mark_complete(ckpt: Path, step: int) -> None:
-    atomic_write(ckpt / COMPLETE, json.dumps({"step": step}) + "\n")
+def mark_complete(ckpt: Path, step: int, record: dict[str, Any] | None = None) -> None:
+    """`record`: what resume needs besides the step (rank count, global batch, the fixed-batch loss)."""
+    atomic_write(ckpt / COMPLETE, json.dumps({"step": step, **(record or {})}) + "\n")
 
 
 def complete_checkpoints(root: Path, prefix: str) -> list[tuple[int, Path]]:
@@ -123,12 +124,15 @@ def prune(root: Path, prefix: str, keep: int) -> list[Path]:
     partial = [d for d in root.glob(f"{prefix}*") if d.is_dir() and d not in done
                and d.name[len(prefix):].isdigit() and int(d.name[len(prefix):]) > newest]
     old = [d for _, d in complete[:-keep]] if keep > 0 else []
-    for d in partial + old:
+    # a raw-path universal conversion (global_stepN_universal) goes with the checkpoint it came from
+    gone = [*partial, *old, *(u for d in partial + old if (u := d.with_name(d.name + "_universal")).is_dir())]
+    for d in gone:
         shutil.rmtree(d, ignore_errors=True)
-    return partial + old
+    return gone
 
 
-def save_deepspeed_checkpoint(engine: Any, root: Path, step: int, keep: int) -> Path:
+def save_deepspeed_checkpoint(engine: Any, root: Path, step: int, keep: int,
+                              record: dict[str, Any] | None = None) -> Path:
     """All ranks call. DeepSpeed's own `save_checkpoint` writes `latest` on rank 0 as soon as rank 0's
     files are written, before the other ranks finish, and without a rename (../shared/notes/faults.md
     (c)); so `latest` is written here instead, after a barrier, atomically, with a completion marker."""
@@ -137,7 +141,7 @@ def save_deepspeed_checkpoint(engine: Any, root: Path, step: int, keep: int) -> 
     # returns, every rank's shard is written.
     engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
     if dist.rank() == 0:
-        mark_complete(root / tag, step)
+        mark_complete(root / tag, step, record)
         atomic_write(root / "latest", tag)
         prune(root, "global_step", keep)
     dist.barrier()
@@ -151,7 +155,7 @@ RUN_MARKERS = ("status.json", "metrics.jsonl", "memory", "checkpoints")
 # Everything a run writes into its directory: train.overwrite removes these and nothing else.
 RUN_ENTRIES = frozenset({*RUN_MARKERS, "config.yaml", "ds_config.json", "versions.json", "export", "export.tmp",
                          "adapter", "adapter.tmp", "tb", "logs", "report.md", "report.png", "memory.png",
-                         "probe.pt", "generations.jsonl"})
+                         "probe.pt", "generations.jsonl", "resumes.jsonl"})
 
 
 def holds_a_run(run_dir: Path) -> bool:

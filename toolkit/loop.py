@@ -16,11 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from toolkit import console, dist, kernels
+from toolkit import console, dist, kernels, resume
 from toolkit.checkpoint import (
     DEFAULT_RUN_DIR,
     claim_run_dir,
-    complete_checkpoints,
     export_model,
     mark_complete,
     save_deepspeed_checkpoint,
@@ -113,7 +112,9 @@ def _run(p: Plan, liger: Any) -> int:
     mem.phase_boundary("model_loaded", 0)
     collator = Collator(pad_id=pad_id, task=cfg.model.task, drop_full_mask=True)
     order = EpochOrder(len(rows), cfg.train.seed, cfg.data.shuffle)
-    state = {"phase": "engine_ready", "step": 0, "preempt": Preemption(), "preempted": False}
+    state = {"phase": "engine_ready", "step": 0, "preempt": Preemption(), "preempted": False,
+             # the loss on this batch is recorded at every save and checked after every resume
+             "fixed_batch": resume.fixed_batch(rows, Collator(pad_id=pad_id, task=cfg.model.task))}
     metrics.engine_starting(f"ZeRO-{zero_stage(p.ds)}, {cfg.train.path} path, {p.world_size} ranks")
     try:
         with mem.oom_guard(lambda: (state["phase"], state["step"])):
@@ -221,6 +222,8 @@ def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator:
 
     t = p.cfg.train
     counter = metrics.counter
+    global_batch = t.micro_batch_size * t.grad_accum * p.world_size
+    universal: str | None = None
 
     class ToolkitTrainer(Trainer):
         def _get_train_sampler(self, train_dataset: Any = None) -> EpochOrder:
@@ -232,6 +235,9 @@ def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator:
 
     class Hooks(TrainerCallback):
         def on_train_begin(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
+            if p.resume_from:  # the Trainer has loaded the checkpoint by now
+                resume.verify(trainer.model_wrapped, state["fixed_batch"], p.resume_from, p.run_dir, p.precision,
+                              p.world_size, t.grad_accum, universal)
             state["phase"] = "train"
             metrics.start(st.global_step)
 
@@ -250,8 +256,9 @@ def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator:
         def on_save(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
             # Called on every rank once the Trainer's save returned; DeepSpeed's save ends with a
             # barrier, so every rank's shard is on disk. Resume only trusts marked checkpoints.
+            record = resume.save_record(trainer.model_wrapped, state["fixed_batch"], p.world_size, global_batch)
             if dist.rank() == 0:
-                mark_complete(Path(args.output_dir) / f"checkpoint-{st.global_step}", st.global_step)
+                mark_complete(Path(args.output_dir) / f"checkpoint-{st.global_step}", st.global_step, record)
 
         def on_log(self, args: Any, st: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
             if not logs or "loss" not in logs:
@@ -278,14 +285,10 @@ def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator:
         # then multiplies the (plain mean) classification loss by the world size: loss and gradients
         # come out world_size x too large. Declaring the truth restores mean / grad_accum.
         trainer.model_accepts_loss_kwargs = False
-    resume = None
-    if t.resume:
-        ckpt_root = Path(args.output_dir)
-        done = complete_checkpoints(ckpt_root, "checkpoint-")  # HF's get_last_checkpoint takes partial ones
-        resume = (str(done[-1][1]) if done else None) if t.resume == "latest" else str(ckpt_root / t.resume)
-        if not resume or not Path(resume).is_dir():
-            raise FileNotFoundError(f"train.resume={t.resume}: no checkpoint under {ckpt_root}")
-    trainer.train(resume_from_checkpoint=resume)
+    # run_plan found the newest *complete* checkpoint (HF's get_last_checkpoint takes partial ones too);
+    # on another rank count it becomes a universal checkpoint, which the DeepSpeed dict says to load.
+    universal = resume.prepare(p.reshard, t.collective_timeout_s)
+    trainer.train(resume_from_checkpoint=str(p.resume_from.dir) if p.resume_from else None)
     metrics.close()  # the bar ends before export and the summary print
     step = trainer.state.global_step
     stopped = bool(t.stop_after and step >= t.stop_after and step < p.total_steps) or state["preempted"]
@@ -316,15 +319,19 @@ def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: Collator, orde
     t = p.cfg.train
     world, rank = p.world_size, dist.rank()
     params = [q for q in model.parameters() if q.requires_grad]
+    universal = resume.prepare(p.reshard, t.collective_timeout_s)  # another rank count: convert first
     engine, _, _, scheduler = deepspeed.initialize(model=model, model_parameters=params, config=p.ds,
                                                    lr_scheduler=_lr_schedule(p))
     ckpt_dir = p.run_dir / "checkpoints"
+    global_batch = t.micro_batch_size * t.grad_accum * world
     step = 0
-    if t.resume:
-        path, client = engine.load_checkpoint(str(ckpt_dir), tag=None if t.resume == "latest" else t.resume)
+    if p.resume_from:
+        ck = p.resume_from
+        path, client = engine.load_checkpoint(str(ck.tag_dir.parent), tag=universal or ck.tag_dir.name)
         if path is None:
-            raise FileNotFoundError(f"train.resume={t.resume}: no DeepSpeed checkpoint under {ckpt_dir}")
+            raise FileNotFoundError(f"train.resume={t.resume}: DeepSpeed could not load {ck.tag_dir}")
         step = int(client["step"])
+        resume.verify(engine, state["fixed_batch"], ck, p.run_dir, p.precision, world, t.grad_accum, universal)
     mem.phase_boundary("engine_ready", step)
 
     sampler = ShardedBatches(order, t.micro_batch_size, rank, world)
@@ -379,11 +386,11 @@ def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: Collator, orde
         if step > 1:
             mem.maybe_step(step)
         saving = bool((t.save_every and step % t.save_every == 0) or (t.stop_after and step == last and step < total))
-        if saving:
-            save_deepspeed_checkpoint(engine, ckpt_dir, step, t.keep_checkpoints)
-        if logged and step < last and state["preempt"].agreed():  # SIGTERM: stop here, with a checkpoint
-            if not saving:
-                save_deepspeed_checkpoint(engine, ckpt_dir, step, t.keep_checkpoints)
+        preempted = logged and step < last and state["preempt"].agreed()  # SIGTERM: stop here, with a checkpoint
+        if saving or preempted:
+            record = resume.save_record(engine, state["fixed_batch"], world, global_batch)
+            save_deepspeed_checkpoint(engine, ckpt_dir, step, t.keep_checkpoints, record)
+        if preempted:
             state["preempted"] = True
             break
     metrics.close()  # the bar ends before export and the summary print

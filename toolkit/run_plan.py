@@ -15,6 +15,7 @@ from typing import Any
 from toolkit import dist
 from toolkit.config import Config
 from toolkit.ds_config import AutoValues, ConfigError, adapter_autocast, load_ds_config, precision_of, resolve
+from toolkit.resume import Checkpoint, Reshard, find, reshard_for, universal_config
 
 
 @dataclass
@@ -30,6 +31,8 @@ class Plan:
     total_steps: int | None  # None until a data file is tokenized (max_steps=0, one epoch)
     warnings: list[str]
     adapter_autocast: bool = False  # LoRA under bf16: fp32 adapters, bf16 frozen base, torch autocast
+    resume_from: Checkpoint | None = None  # train.resume: the complete checkpoint found
+    reshard: Reshard | None = None  # ... written on another number of ranks: loaded as a universal checkpoint
 
 
 def _precision(cfg: Config, ds: dict[str, Any]) -> str:
@@ -50,12 +53,13 @@ def plan(cfg: Config) -> Plan:
 
     world = dist.world_size()
     ds_raw = load_ds_config(cfg.train.ds_config)
-    warnings = _run_checks(ds_raw, cfg, world)
+    t = cfg.train
+    ckpt, reshard, notes = _resume(cfg, world)
+    warnings = notes + _run_checks(ds_raw, cfg, world)
     mc = model_config(cfg)
     check_data_file(cfg)
     precision = _precision(cfg, ds_raw)
     autocast = adapter_autocast(ds_raw, precision, cfg.lora.enabled)
-    t = cfg.train
     if t.resume:
         _check_resume_mode(Path(t.run_dir), autocast)
     # max_steps=0 means one epoch: known here for synthetic data, after tokenizing for a file
@@ -68,7 +72,28 @@ def plan(cfg: Config) -> Plan:
                         warmup_steps=t.warmup_steps, total_steps=total, adapter_autocast=autocast,
                         zero_sizes=t.zero_sizes)
     ds = resolve(ds_raw, values)
-    return Plan(cfg, ds, mc, Path(t.run_dir), world, precision, total, warnings, autocast)
+    if reshard:
+        ds = universal_config(ds)
+    return Plan(cfg, ds, mc, Path(t.run_dir), world, precision, total, warnings, autocast, ckpt, reshard)
+
+
+def _resume(cfg: Config, world: int) -> tuple[Checkpoint | None, Reshard | None, list[str]]:
+    """The checkpoint train.resume names, and on another rank count the accumulation that keeps its global
+    batch (set on cfg, so the checks, the DeepSpeed dict and config.yaml all see what runs)."""
+    t = cfg.train
+    if not t.resume:
+        return None, None, []
+    try:
+        ckpt = find(Path(t.run_dir), t.path, t.resume)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    reshard = reshard_for(ckpt, t.micro_batch_size, t.grad_accum, world)
+    if not reshard:
+        return ckpt, None, []
+    t.grad_accum = reshard.grad_accum
+    return ckpt, reshard, [f"train.resume: {ckpt.dir.name} was written on {reshard.saved_world} ranks (global batch "
+                           f"{reshard.global_batch}); on {world} rank{'s' * (world > 1)} grad_accum is {reshard.grad_accum}: the same "
+                           "global batch, so the batch order and the schedule continue"]
 
 
 def _check_resume_mode(run_dir: Path, autocast: bool) -> None:

@@ -1,0 +1,89 @@
+"""Pure parts of resume (toolkit/resume.py): finding the checkpoint, its rank count, the accumulation that
+keeps its global batch, and the DeepSpeed dict that loads a universal checkpoint. The real conversions and
+loads on 1, 2 and 4 ranks are tests/dist/test_resume_world.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from toolkit.checkpoint import mark_complete, prune
+from toolkit.ds_config import ConfigError
+from toolkit.resume import Checkpoint, find, reshard_for, tolerance, universal_config
+
+
+def _raw_checkpoint(root: Path, step: int, ranks: int, complete: bool = True, **record: object) -> Path:
+    d = root / "checkpoints" / f"global_step{step}"
+    d.mkdir(parents=True)
+    (d / "mp_rank_00_model_states.pt").touch()
+    for r in range(ranks):
+        (d / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").touch()
+    if complete:
+        mark_complete(d, step, dict(record))
+    return d
+
+
+def test_latest_is_the_newest_complete_checkpoint_and_counts_its_ranks(tmp_path: Path) -> None:
+    _raw_checkpoint(tmp_path, 2, ranks=2, global_batch=8)
+    _raw_checkpoint(tmp_path, 4, ranks=4, global_batch=8)
+    _raw_checkpoint(tmp_path, 6, ranks=2, complete=False)  # a save killed half-way
+    ck = find(tmp_path, "raw", "latest")
+    assert (ck.step, ck.world_size, ck.global_batch(0)) == (4, 4, 8)
+    assert find(tmp_path, "raw", "global_step2").world_size == 2
+
+
+def test_trainer_checkpoints_hold_the_deepspeed_tag_inside(tmp_path: Path) -> None:
+    ckpt = tmp_path / "checkpoints" / "checkpoint-3"
+    (ckpt / "global_step3").mkdir(parents=True)
+    (ckpt / "global_step3" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").touch()
+    mark_complete(ckpt, 3)
+    ck = find(tmp_path, "trainer", "latest")
+    assert ck.dir == ckpt and ck.tag_dir == ckpt / "global_step3" and ck.world_size == 1
+
+
+def test_missing_checkpoints_say_where_they_looked(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint under"):
+        find(tmp_path, "raw", "latest")
+    with pytest.raises(FileNotFoundError, match="global_step9"):
+        find(tmp_path, "raw", "global_step9")
+
+
+def test_zero0_checkpoints_and_the_same_rank_count_load_as_they_are(tmp_path: Path) -> None:
+    same = Checkpoint(_raw_checkpoint(tmp_path, 1, ranks=2), _raw_checkpoint(tmp_path / "b", 1, ranks=2), 1)
+    assert reshard_for(same, 2, 2, 2) is None
+    zero0 = tmp_path / "z0"
+    zero0.mkdir()
+    (zero0 / "mp_rank_00_model_states.pt").touch()  # ZeRO-0: the optimizer state is whole on every rank
+    assert reshard_for(Checkpoint(zero0, zero0, 1), 2, 2, 4) is None
+
+
+def test_accumulation_absorbs_the_new_rank_count(tmp_path: Path) -> None:
+    d = _raw_checkpoint(tmp_path, 4, ranks=2, global_batch=16)
+    ck = find(tmp_path, "raw", "latest")
+    assert [reshard_for(ck, 2, 4, w).grad_accum for w in (1, 4, 8)] == [8, 2, 1]
+    with pytest.raises(ConfigError, match=r"use train\.micro_batch_size=2$"):
+        reshard_for(ck, 4, 2, 8)  # 16 over 8 ranks is 2 per rank: micro 4 cannot
+    with pytest.raises(ConfigError, match="a rank count that divides 16"):
+        reshard_for(ck, 2, 4, 3)
+    # an older marker without the global batch: assume the same command as before
+    (d / "complete.json").write_text(json.dumps({"step": 4}))
+    assert reshard_for(find(tmp_path, "raw", "latest"), 2, 4, 1).grad_accum == 8
+
+
+def test_universal_config_keeps_the_rest_of_the_dict() -> None:
+    ds = {"zero_optimization": {"stage": 2}, "checkpoint": {"tag_validation": "warn"}}
+    out = universal_config(ds)
+    assert out["checkpoint"] == {"tag_validation": "warn", "load_universal": True}
+    assert out["zero_optimization"] == {"stage": 2} and "load_universal" not in ds["checkpoint"]
+    assert tolerance("fp32") == 1e-5 and tolerance("bf16") > tolerance("fp32")
+
+
+def test_prune_takes_a_checkpoints_universal_conversion_with_it(tmp_path: Path) -> None:
+    for step in (2, 4):
+        _raw_checkpoint(tmp_path, step, ranks=2)
+    (tmp_path / "checkpoints" / "global_step2_universal").mkdir()
+    removed = prune(tmp_path / "checkpoints", "global_step", keep=1)
+    assert {d.name for d in removed} == {"global_step2", "global_step2_universal"}
+    assert sorted(d.name for d in (tmp_path / "checkpoints").iterdir()) == ["global_step4"]
