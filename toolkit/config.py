@@ -26,7 +26,11 @@ class ModelConfig:
     """Recompute activations in backward; turns use_cache off."""
     liger: bool = True
     """Liger kernels (fused linear cross-entropy, RMSNorm, SwiGLU, RoPE) on CUDA for the families Liger
-    supports; the fused loss stays off under ZeRO-3. The run prints what was applied and why not."""
+    supports; the fused loss stays off under ZeRO-3 unless liger_fused_loss=true. The run prints what was
+    applied and why not."""
+    liger_fused_loss: str = "auto"
+    """auto (on below ZeRO-3), true, or false. On under ZeRO-3 registers lm_head.weight as an external
+    parameter of the model, so ZeRO-3 gathers it with the model's forward instead of blocking on it."""
     tokenizer: str | None = None
     """Local tokenizer directory for text data; defaults to the model directory."""
 
@@ -182,7 +186,11 @@ class Config:
 
     def __post_init__(self) -> None:
         t = self.train
+        # YAML reads on/off/true/false as booleans, which the str field then holds as "True"/"False"
+        self.model.liger_fused_loss = str(self.model.liger_fused_loss).lower()
         checks = [
+            (self.model.liger_fused_loss in ("auto", "true", "false"),
+             f"model.liger_fused_loss must be auto, true or false, got {self.model.liger_fused_loss!r}"),
             (t.path in ("trainer", "raw"), f"train.path must be trainer or raw, got {t.path!r}"),
             (t.precision in ("auto", "bf16", "fp16", "fp32"),
              f"train.precision must be auto, bf16, fp16 or fp32, got {t.precision!r}"),

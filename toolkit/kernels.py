@@ -6,9 +6,11 @@ applied to the built instance, after LoRA and before `deepspeed.initialize`, the
 (`transformers.integrations.liger`): that creates no parameters, so ZeRO-3's hooks see the patched
 modules.
 
-Under ZeRO-3 the fused loss stays off: it reads `lm_head.weight` outside the head's forward, which
-ZeRO-3 answers with a blocking all-gather of the (often tied, vocabulary-sized) matrix outside its
+Under ZeRO-3 the fused loss stays off by default: it reads `lm_head.weight` outside the head's forward,
+which ZeRO-3 answers with a blocking all-gather of the (often tied, vocabulary-sized) matrix outside its
 prefetcher; a bare loop measured 22.2k vs 29.0k tokens/s per GPU with it (../shared/anchors.md).
+`model.liger_fused_loss=true` turns it on there and declares the read to DeepSpeed
+(`register_external_parameter`), so the matrix is fetched with the model's own forward.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class LigerChoice:
 
     kwargs: dict[str, bool] = field(default_factory=dict)
     reason: str = ""
+    external_head: bool = False  # ZeRO-3 + fused loss: declare lm_head.weight to the model's forward
 
     @property
     def enabled(self) -> bool:
@@ -38,7 +41,7 @@ class LigerChoice:
 
 
 def choose(wanted: bool, *, cuda: bool, model_type: str, task: str, stage: int,
-           supported: frozenset[str] | None) -> LigerChoice:
+           supported: frozenset[str] | None, fused_loss: str = "auto") -> LigerChoice:
     """Pure decision, so it is testable without a GPU. `supported` is None when liger-kernel is
     not installed (or not importable: it needs triton)."""
     if not wanted:
@@ -51,9 +54,11 @@ def choose(wanted: bool, *, cuda: bool, model_type: str, task: str, stage: int,
         return LigerChoice(reason=f"Liger has no kernels for model type {model_type!r}")
     if task != "causal_lm":
         return LigerChoice(reason=f"only causal_lm models are patched (task {task!r})")
-    kwargs = {"rope": True, "rms_norm": True, "swiglu": True, "fused_linear_cross_entropy": stage < 3}
-    reason = "" if stage < 3 else "ZeRO-3 gathers lm_head.weight outside its forward, blocking (slower)"
-    return LigerChoice(kwargs=kwargs, reason=reason)
+    fused = fused_loss == "true" or (fused_loss == "auto" and stage < 3)
+    kwargs = {"rope": True, "rms_norm": True, "swiglu": True, "fused_linear_cross_entropy": fused}
+    reason = ("" if fused else "model.liger_fused_loss=false" if fused_loss == "false" else
+              "ZeRO-3 gathers lm_head.weight outside its forward, blocking (model.liger_fused_loss=true to try)")
+    return LigerChoice(kwargs=kwargs, reason=reason, external_head=fused and stage == 3)
 
 
 def supported_model_types() -> frozenset[str] | None:
@@ -71,7 +76,7 @@ def choice_for(cfg: Any, model_type: str, stage: int) -> LigerChoice:
 
     cuda = torch.cuda.is_available() and not dist.on_cpu()
     return choose(cfg.model.liger, cuda=cuda, model_type=model_type, task=cfg.model.task, stage=stage,
-                  supported=supported_model_types() if cuda else None)
+                  supported=supported_model_types() if cuda else None, fused_loss=cfg.model.liger_fused_loss)
 
 
 def apply(model: Any, choice: LigerChoice) -> None:
@@ -82,3 +87,10 @@ def apply(model: Any, choice: LigerChoice) -> None:
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     _apply_liger_kernel_to_instance(model=base, **choice.kwargs)
+    if choice.external_head:
+        import deepspeed
+
+        # The fused loss reads the head's weight in the model's forward, not the head's; DeepSpeed's
+        # documented API for such a read (partition_parameters.py register_external_parameter) makes
+        # ZeRO-3 fetch it with the model's parameters instead of a blocking gather on first touch.
+        deepspeed.zero.register_external_parameter(base, base.get_output_embeddings().weight)

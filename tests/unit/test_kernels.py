@@ -30,3 +30,13 @@ def test_every_reason_for_off_is_named() -> None:
     for needle, kw in cases.items():
         c = choose(kw.pop("wanted"), stage=2, **kw)
         assert not c.enabled and needle in c.describe(), (needle, c)
+
+
+def test_the_fused_loss_switch_and_zero3_external_head() -> None:
+    kw = dict(cuda=True, model_type="llama", task="causal_lm", supported=LIGER)
+    on3 = choose(True, stage=3, fused_loss="true", **kw)
+    assert on3.kwargs["fused_linear_cross_entropy"] and on3.external_head  # the head is declared to ZeRO-3
+    on2 = choose(True, stage=2, fused_loss="true", **kw)
+    assert on2.kwargs["fused_linear_cross_entropy"] and not on2.external_head  # nothing to gather below ZeRO-3
+    off = choose(True, stage=2, fused_loss="false", **kw)
+    assert not off.kwargs["fused_linear_cross_entropy"] and "model.liger_fused_loss=false" in off.describe()
