@@ -27,6 +27,18 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                      num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                      max_position_embeddings=8192, rope_theta=500_000.0, tie_word_embeddings=True),
+    # Shapes for planning and the largest single-GPU run (`toolkit plan`, issue 11); random init, no download.
+    "llama-2-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                       max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "llama-3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       max_position_embeddings=8192, rope_theta=500_000.0, rms_norm_eps=1e-5,
+                       tie_word_embeddings=False),
+    "llama-3-70b": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                        max_position_embeddings=8192, rope_theta=500_000.0, rms_norm_eps=1e-5,
+                        tie_word_embeddings=False),
     "bert-large": dict(model_type="bert", vocab_size=30522, hidden_size=1024, intermediate_size=4096,
                        num_hidden_layers=24, num_attention_heads=16, max_position_embeddings=512),
     # No dropout: a test model must be deterministic so both paths can be compared step by step.
