@@ -115,6 +115,9 @@ class TrainConfig:
     at a third of its speed)."""
     stop_after: int = 0
     """Stop (with a checkpoint) after this many steps, keeping the schedule of max_steps: for resume tests."""
+    plan: str | None = None
+    """plan.json written by `toolkit plan -o DIR` (its train.yaml sets this): copied into the run directory,
+    so `toolkit report` shows the plan's per-rank prediction next to what was measured."""
 
 
 @dataclass

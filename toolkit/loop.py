@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from toolkit import console, dist, kernels, resume
+from toolkit import breakdown, console, dist, kernels, resume
 from toolkit.checkpoint import (
     DEFAULT_RUN_DIR,
     claim_run_dir,
@@ -69,6 +69,9 @@ def run(p: Plan) -> int:
                                                "adapter_autocast": p.adapter_autocast, "path": cfg.train.path,
                                                "liger": liger.kwargs, "liger_note": liger.describe()})
         write_status(p.run_dir, "running")
+        note = breakdown.copy_plan(cfg.train.plan, p.run_dir)
+        if note:
+            print(note, flush=True)
     dist.barrier()
     with console.rank_log(p.run_dir, rank):
         return _run(p, liger)
@@ -128,6 +131,7 @@ def _run(p: Plan, liger: Any) -> int:
             _finish(p, engine, tokenizer, rows, pad_id, stopped)
             if cfg.train.path == "raw":  # the Trainer path's final snapshot comes from MemoryCallback
                 mem.phase_boundary("final", step)
+            breakdown.finish(p.run_dir, rank, mem.run_peaks)
     except BaseException as e:
         # rank 0 writes what it saw; a peer that died shows up here as a collective error
         write_status(p.run_dir, "failed", error=f"{type(e).__name__}: {e}"[:2000], phase=state["phase"],
@@ -243,6 +247,8 @@ def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator:
 
         def on_step_end(self, args: Any, st: Any, control: Any, **kw: Any) -> Any:
             state["step"] = st.global_step
+            if not state.get("breakdown"):  # after this process's first optimizer step: states exist
+                state["breakdown"] = breakdown.record(p.run_dir, dist.rank(), trainer.model_wrapped, st.global_step)
             if t.stop_after and st.global_step >= t.stop_after:
                 control.should_save = True
                 control.should_training_stop = True
@@ -383,6 +389,8 @@ def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: Collator, orde
             guard.check()
             if step == 1:
                 _first_step(p, step, rec["loss"], mem)
+        if not state.get("breakdown"):  # after this process's first optimizer step: states exist
+            state["breakdown"] = breakdown.record(p.run_dir, rank, engine, step)
         if step > 1:
             mem.maybe_step(step)
         saving = bool((t.save_every and step % t.save_every == 0) or (t.stop_after and step == last and step < total))

@@ -196,9 +196,10 @@ def throughput_summary(data: RunData) -> tuple[str, list[str]]:
 # -- entry point -------------------------------------------------------------------------------
 
 
-def build_report(data: RunData, run_name: str, png: str | None) -> tuple[str, str]:
+def build_report(data: RunData, run_name: str, png: str | None,
+                 extra: list[tuple[str, str]] | None = None) -> tuple[str, str]:
     """(terminal text, markdown). Same tables in both; the markdown embeds the figure by a relative
-    link, so the report travels with the run directory."""
+    link, so the report travels with the run directory. ``extra``: (title, body) sections after memory."""
     sections: list[tuple[str, str]] = []
     if data.header:
         sections.append(
@@ -223,6 +224,7 @@ def build_report(data: RunData, run_name: str, png: str | None) -> tuple[str, st
             )
     else:
         sections.append(("Memory", "no memory/rank*.jsonl snapshots"))
+    sections += extra or []
     thr, thr_notes = throughput_summary(data)
     sections.append(("Throughput", "\n".join(filter(None, [thr, *thr_notes]))))
     skipped = [f"- {s}" for s in data.skipped] + [f"- {s} (line kept)" for s in data.partial]
@@ -236,6 +238,21 @@ def build_report(data: RunData, run_name: str, png: str | None) -> tuple[str, st
     for title, body in sections:
         md += [f"## {title}", "", body, ""]
     return text, "\n".join(md)
+
+
+def _breakdown_sections(run_dir: Path) -> list[tuple[str, str]]:
+    """Per-rank memory by category (memory/breakdown_rank*.json), and the plan's prediction beside it
+    when the run came from `toolkit plan -o` (plan.json)."""
+    from toolkit.plan_report import measured_breakdown_table, plan_vs_measured
+
+    out = []
+    vs = plan_vs_measured(run_dir)
+    if vs:
+        out.append(("Predicted (toolkit plan) vs measured, per rank", vs))
+    measured = measured_breakdown_table(run_dir)
+    if measured:
+        out.append(("Memory by category after the first optimizer step, per rank (GiB)", measured))
+    return out
 
 
 def error(msg: str) -> int:
@@ -269,7 +286,7 @@ def run_report(args: Any) -> int:
 
     name = run_dir.resolve().name
     plot_run(data, name, out_dir / PNG)
-    text, md = build_report(data, name, PNG)
+    text, md = build_report(data, name, PNG, _breakdown_sections(run_dir))
     (out_dir / "report.md").write_text(md)
     print(text)
     print(f"\nwrote {out_dir / 'report.md'} and {out_dir / PNG}")
