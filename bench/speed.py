@@ -51,6 +51,18 @@ STAGES: dict[str, list[tuple[int, str]]] = {
 TOOLKIT_MICRO: dict[str, dict[int, int]] = {"gpt2-124m-seq1024": {2: 16, 3: 16}, "qwen2-0.5b-seq2048": {2: 8, 3: 8},
                                             "llama-1b-seq2048": {2: 16, 3: 8}, "tiny-seq64": {2: 4, 3: 4}}
 VARIANTS = ("bare", "raw", "trainer", "hf")
+# --tune NAME,...: extra toolkit rows at ZeRO-3 that try one lever each (../shared/notes/zero3_speed.md §3, §6):
+# (training overrides, DeepSpeed zero_optimization values written over the preset, micro-batch or None).
+# llama-1b: a decoder layer is 60.8M parameters, about 5.1e6 per leaf module; 1.2e8 prefetch = 2 layers.
+SIZES = {"stage3_prefetch_bucket_size": 120_000_000, "stage3_param_persistence_threshold": 1_000_000}
+LEAF = {"stage3_module_granularity_threshold": 6_000_000}
+TUNES: dict[str, tuple[list[str], dict[str, Any], int | None]] = {
+    "m16": ([], {}, 16),  # more compute per gather
+    "flce": (["model.liger_fused_loss=true"], {}, 16),  # fused loss with the head registered as external
+    "sizes": ([], SIZES, None),  # prefetch 2 layers ahead, small k/v projections and norms stay resident
+    "leaf": ([], LEAF, None),  # one fetch per decoder layer instead of one per linear
+    "all": (["model.liger_fused_loss=true"], SIZES | LEAF, 16),
+}
 
 
 def _ds_preset(stage: int, offload: str) -> str:
@@ -58,7 +70,8 @@ def _ds_preset(stage: int, offload: str) -> str:
 
 
 def _command(variant: str, workload: str, stage: int, offload: str, gpus: int, port: int, out: Path,
-             warmup: int, steps: int, micro: int | None, extra: list[str]) -> tuple[list[str], Path]:
+             warmup: int, steps: int, micro: int | None, extra: list[str],
+             ds_path: str | None = None) -> tuple[list[str], Path]:
     model, seq, bare_micro = WORKLOADS[workload]
     launch = ["deepspeed", "--num_gpus", str(gpus), "--master_port", str(port)]
     if variant in ("bare", "hf"):
@@ -70,7 +83,7 @@ def _command(variant: str, workload: str, stage: int, offload: str, gpus: int, p
     micro = micro or min(TOOLKIT_MICRO[workload][stage], GLOBAL_BATCH // gpus)
     run_dir = out.with_suffix("")
     total = warmup + steps
-    return [*launch, "toolkit/train.py", "--ds", _ds_preset(stage, offload), f"model.name={model}",
+    return [*launch, "toolkit/train.py", "--ds", ds_path or _ds_preset(stage, offload), f"model.name={model}",
             f"data.seq_len={seq}", f"data.num_samples={GLOBAL_BATCH * total}", f"train.micro_batch_size={micro}",
             f"train.grad_accum={GLOBAL_BATCH // (micro * gpus)}", f"train.max_steps={total}", f"train.path={variant}",
             "train.precision=bf16", "train.export=false", "train.lr=1e-4", "train.warmup_steps=1",
@@ -116,11 +129,12 @@ def run(args: argparse.Namespace) -> int:
             if args.stages and str(stage) + ("o" if offload != "none" else "") not in args.stages.split(","):
                 continue
             for variant in variants:
-                for tag, extra in _extras(variant, workload, stage, offload, args):
+                for tag, extra, micro, zero in _extras(variant, workload, stage, offload, args):
                     name = f"{workload}-z{stage}{'-off' if offload != 'none' else ''}-{args.gpus}gpu-{variant}{tag}"
                     target = out / f"{name}.json"
+                    ds_path = _tuned_preset(stage, offload, zero, out / "ds" / f"{name}.json") if zero else None
                     cmd, produced = _command(variant, workload, stage, offload, args.gpus, port, target,
-                                             args.warmup, args.steps, None, extra)
+                                             args.warmup, args.steps, micro, extra, ds_path)
                     port += 1
                     t0 = time.perf_counter()
                     with (out / f"{name}.log").open("w") as log:
@@ -142,12 +156,29 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _extras(variant: str, workload: str, stage: int, offload: str,
-            args: argparse.Namespace) -> list[tuple[str, list[str]]]:
-    """--overhead: instead of the plain toolkit row, metrics and snapshots every step vs (almost) off."""
+            args: argparse.Namespace) -> list[tuple[str, list[str], int | None, dict[str, Any]]]:
+    """Rows per variant: (name tag, training overrides, micro-batch or None, zero_optimization values).
+
+    --overhead: instead of the plain toolkit row, metrics and snapshots every step vs (almost) off.
+    --tune: after the plain toolkit row at ZeRO-3, one row per named lever (TUNES)."""
     if variant in ("raw", "trainer") and args.overhead:
-        return [("-metrics-on", ["memory.every=1"]),
-                ("-metrics-off", ["memory.every=0", f"train.log_every={args.warmup + args.steps}"])]
-    return [("", [])]
+        return [("-metrics-on", ["memory.every=1"], None, {}),
+                ("-metrics-off", ["memory.every=0", f"train.log_every={args.warmup + args.steps}"], None, {})]
+    rows: list[tuple[str, list[str], int | None, dict[str, Any]]] = [("", [], None, {})]
+    if variant in ("raw", "trainer") and stage == 3 and args.tune:
+        for name in args.tune.split(","):
+            over, zero, micro = TUNES[name]
+            rows.append((f"-{name}", over, min(micro, GLOBAL_BATCH // args.gpus) if micro else None, zero))
+    return rows
+
+
+def _tuned_preset(stage: int, offload: str, zero: dict[str, Any], path: Path) -> str:
+    """The shipped preset with some zero_optimization values written over it (kept beside the result)."""
+    ds = json.loads((ROOT / _ds_preset(stage, offload)).read_text())
+    ds["zero_optimization"] |= zero
+    path.parent.mkdir(exist_ok=True)  # a subdirectory: `table OUT/*.json` reads results only
+    path.write_text(json.dumps(ds, indent=1))
+    return str(path)
 
 
 def _summary(row: dict[str, Any]) -> str:
@@ -248,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--steps", type=int, default=5)
     r.add_argument("--port", type=int, default=29700)
     r.add_argument("--timeout", type=int, default=420, help="seconds per variant")
+    r.add_argument("--tune", default="", help=f"comma-separated ZeRO-3 levers to add as toolkit rows: {', '.join(TUNES)}")
     r.add_argument("--overhead", action="store_true",
                    help="toolkit rows as metrics+snapshots every step vs (almost) off, in place of the plain row")
     t = sub.add_parser("table")

@@ -36,11 +36,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _no_leaked_shm_buffers() -> object:
     """DeepSpeed's CPU shm comm op leaves a 66 MiB /dev/shm buffer per rank and port behind, and killed
     ranks (the fault tests) leave theirs too: across runs they fill /dev/shm, and then RAM. Remove the
-    ones this session created, once every launched process is gone."""
+    ones this session created, once every launched process is gone, and none that a live process still
+    maps (another test session running beside this one: its ranks open their peers' buffers by name)."""
     from pathlib import Path
 
     shm = Path("/dev/shm")
     before = set(shm.glob("deepspeed_allreduce_buffer_*")) if shm.is_dir() else set()
     yield
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped |= {line.split()[-1] for line in maps.read_text().splitlines() if "deepspeed_allreduce" in line}
+        except OSError:  # the process ended while we looked
+            continue
     for f in set(shm.glob("deepspeed_allreduce_buffer_*")) - before if shm.is_dir() else ():
-        f.unlink(missing_ok=True)
+        if str(f) not in mapped:
+            f.unlink(missing_ok=True)
