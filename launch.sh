@@ -11,12 +11,14 @@ PYTHON=${PYTHON:-python3}
 
 usage() {
     cat <<'EOF'
-usage: ./launch.sh --stage {0,1,2,3} [--offload none|optimizer|all|nvme]
+usage: ./launch.sh --stage {0,1,2,3} [--offload none|optimizer|all|nvme] | --plan DIR
                    [--gpus N | --include SPEC] [--hostfile FILE] [--launcher pdsh|openmpi|slurm]
                    [--no-ssh --node-rank R --master-addr A [--master-port P]]
                    [--config x.yaml] [--path trainer|raw] [--dry-run] [-- key=value ...]
 
-  --stage S          ZeRO stage (required)
+  --stage S          ZeRO stage (required, unless --plan)
+  --plan DIR         run what `toolkit plan ... -o DIR` chose: DIR/ds_config.json, DIR/train.yaml
+                     (micro-batch, checkpointing, ...) and its GPUs per node unless --gpus/--include/--hostfile
   --offload O        none (default); optimizer: optimizer state to CPU (stage 1-3);
                      all: optimizer + parameters to CPU (stage 3); nvme: both to NVMe (stage 3)
   --gpus N           ranks per host (DeepSpeed --num_gpus); default: every visible GPU,
@@ -51,7 +53,7 @@ is_uint() { [[ $1 =~ ^[0-9]+$ ]]; }
 
 # ---- arguments -------------------------------------------------------------------------------
 stage="" offload="none" gpus="" include="" hostfile="" launcher="" no_ssh=0
-node_rank="" master_addr="" master_port="" config="" train_path="trainer" dry_run=0
+node_rank="" master_addr="" master_port="" config="" train_path="trainer" dry_run=0 plan_dir=""
 overrides=()
 
 while (($#)); do
@@ -79,7 +81,7 @@ while (($#)); do
         break
         ;;
     --stage | --offload | --gpus | --include | --hostfile | --launcher | --node-rank | --master-addr | \
-        --master-port | --config | --path)
+        --master-port | --config | --path | --plan)
         if ((inline == 0)); then
             (($# >= 2)) || die_usage "$opt needs a value"
             value=$2
@@ -105,8 +107,26 @@ while (($#)); do
     --master-port) master_port=$value ;;
     --config) config=$value ;;
     --path) train_path=$value ;;
+    --plan) plan_dir=${value%/} ;;
     esac
 done
+
+if [[ -n $plan_dir ]]; then
+    # The plan fixes the stage, offload and training config; a launch flag would silently disagree.
+    [[ -z $stage && $offload == none && -z $config ]] ||
+        die_usage "--plan DIR sets the stage, offload and training config; drop --stage/--offload/--config"
+    for f in plan.json ds_config.json train.yaml; do
+        [[ -f $plan_dir/$f ]] || die "--plan: no $plan_dir/$f (write it with: toolkit plan ... -o $plan_dir)"
+    done
+    plan_vals=$("$PYTHON" -c 'import json, sys
+d = json.load(open(sys.argv[1]))
+c, i = d["chosen"], d["inputs"]
+print(c["stage"], c["offload"], i["gpus_per_node"])' "$plan_dir/plan.json") || die "--plan: cannot read $plan_dir/plan.json"
+    read -r stage offload plan_gpus <<<"$plan_vals"
+    config="$plan_dir/train.yaml"
+    overrides=("train.plan=$plan_dir/plan.json" ${overrides[@]+"${overrides[@]}"})
+    [[ -n $gpus || -n $include || -n $hostfile || $launcher == slurm ]] || gpus=$plan_gpus
+fi
 
 [[ -n $stage ]] || die_usage "--stage is required"
 [[ $stage =~ ^[0-3]$ ]] || die_usage "--stage must be 0, 1, 2 or 3 (got '$stage')"
@@ -167,6 +187,10 @@ esac
 ds_file="$REPO/ds_configs/$name.json"
 need_gen=0
 [[ -f $ds_file ]] || need_gen=1
+if [[ -n $plan_dir ]]; then
+    ds_file="$plan_dir/ds_config.json" # the preset above only validated the stage/offload pair
+    need_gen=0
+fi
 
 # ---- hosts and world size -----------------------------------------------------------------------
 cleanup_files=()

@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--force", action="store_true", help="compare runs of different models or data anyway")
     r.set_defaults(func=_cmd_report)
 
+    from toolkit.plan_command import add_parser as add_plan_parser  # no torch: planning is arithmetic
+
+    add_plan_parser(sub)
+
     e = sub.add_parser("env", help="pre-flight checks: versions, GPUs, op builds, NCCL, hosts")
     e.add_argument("--hostfile", default=None, help="check that every host answers ssh in batch mode")
     e.add_argument("--ssh-timeout", type=float, default=5.0, help="seconds per host")
