@@ -1,0 +1,406 @@
+"""Calibration of `toolkit plan`: predicted vs measured per-rank peak GPU memory and host RSS.
+
+Every configuration runs toolkit/train.py in its own process through the real `deepspeed` launcher
+(raw path, bf16, a few steps, a memory snapshot every step) with the planner's prediction copied into
+its run directory as plan.json, so `toolkit report RUN` shows the same comparison per rank.
+
+    # the calibration set: 14 configurations on one machine (2 need 2 GPUs and are skipped on 1 GPU)
+    source .whl/setup.sh && python bench/plan_calibrate.py run --out /tmp/cal
+        -> /tmp/cal/calibration.json and /tmp/cal/calibration.md (copy both to bench/results/)
+    # the largest full fine-tune on one GPU: what `toolkit plan` chooses for Llama-3-8B on one H200
+    # with 125 GiB of host RAM, run with ./launch.sh --plan for 10 steps
+    source .whl/setup.sh && python bench/plan_calibrate.py bigrun --out /tmp/big
+        [--model llama-2-7b --global-batch 8]   # the 6.7B shape of issue 11 (3,180 tokens/s to beat)
+    # CPU smoke test of this script (tests/dist/test_plan_calibrate.py): tiny model, 2 CPU ranks
+    python bench/plan_calibrate.py run --smoke --out /tmp/smoke
+
+Device commands and time (the device machine allows 10 minutes per command; carry [".whl"]):
+  run on nvidia-h200 (1 GPU, 139 GiB): about 6-7 minutes: op builds ~1.5 min, then 12 one-GPU
+    configurations three at a time (`--lanes 3`; each process's allocator peak is its own, so sharing
+    a GPU does not change what is measured; NVML figures are then the device's and are marked shared).
+  run on nvidia-h200-x2: the same 12 one-GPU configurations on both GPUs plus two on 2 GPUs, ~6 minutes.
+  bigrun on nvidia-h200: about 5 minutes (op build ~1 min, 8B random init ~1 min, 10 steps of ~10 s).
+Each configuration has its own --timeout (default 240 s); one that fails is recorded with its rc and
+the tail of its log, and the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from toolkit import planner as pl  # noqa: E402  (pure: no torch)
+from toolkit.plan_command import candidate_json, ds_config_for  # noqa: E402
+from toolkit.shapes import load_shape  # noqa: E402
+
+GPU_TOLERANCE = 0.10  # issue 11: at most 10% of the measured per-rank peak
+HOST_TOLERANCE = 0.15  # and 15% for host RAM
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    model: str
+    seq: int
+    micro: int
+    accum: int
+    stage: int
+    offload: pl.Offload = "none"
+    ratio: float = 1.0
+    gpus: int = 1
+    ckpt: bool = False
+    lora: bool = False
+    liger: bool = True
+    zero_sizes: str = "speed"
+    extra: tuple[str, ...] = field(default_factory=tuple)
+
+    def choice(self) -> pl.Choice:
+        return pl.Choice(self.stage, self.offload, self.ratio, self.micro, self.accum, self.ckpt, self.zero_sizes)
+
+
+Q, L = "qwen2-0.5b", "llama-1b"
+# Two models; ZeRO-0 to 3; optimizer and parameter offload (and a partial offload ratio); micro 2/4/8;
+# sequences 512/1024/2048; checkpointing; LoRA; Liger on and off; speed and memory ZeRO sizes.
+CONFIGS: tuple[Config, ...] = (
+    Config("q-z0-s512-m4", Q, 512, 4, 2, 0),
+    Config("q-z1-s1024-m8", Q, 1024, 8, 1, 1),
+    Config("q-z2-s1024-m8-noliger", Q, 1024, 8, 1, 2, liger=False),
+    Config("q-z3-s1024-m4", Q, 1024, 4, 2, 3),
+    Config("q-z2off-s1024-m8", Q, 1024, 8, 1, 2, "optimizer"),
+    Config("q-z3all-s1024-m4", Q, 1024, 4, 1, 3, "all"),
+    Config("q-z2-lora-s2048-m4", Q, 2048, 4, 1, 2, lora=True),
+    Config("l-z2-s2048-m4-ckpt", L, 2048, 4, 2, 2, ckpt=True),
+    Config("l-z3-s2048-m2", L, 2048, 2, 2, 3),
+    Config("l-z3off-r0.5-s1024-m4", L, 1024, 4, 1, 3, "optimizer", 0.5),
+    Config("l-z2-s512-m8-noliger-mem", L, 512, 8, 1, 2, liger=False, zero_sizes="memory"),
+    Config("l-z3-lora-ckpt-s2048-m8", L, 2048, 8, 1, 3, ckpt=True, lora=True),
+    Config("l-z2-s1024-m8-2gpu", L, 1024, 8, 1, 2, gpus=2),
+    Config("l-z3-s1024-m8-2gpu", L, 1024, 8, 1, 3, gpus=2),
+)
+SMOKE: tuple[Config, ...] = (
+    Config("tiny-z2", "tiny", 64, 2, 2, 2, gpus=2),
+    Config("tiny-z3all", "tiny", 64, 2, 1, 3, "all", gpus=2),
+)
+
+
+def predict(c: Config, gpu_mem_gib: float, cpu: bool) -> pl.Prediction:
+    w = pl.Workload(load_shape(c.model), c.seq, c.micro * c.accum * c.gpus, pl.Lora() if c.lora else None, c.liger)
+    return pl.predict(w, c.choice(), pl.Hardware(c.gpus, 1, gpu_mem_gib, cpu_ranks=cpu))
+
+
+def plan_record(c: Config, p: pl.Prediction, command: str) -> dict[str, Any]:
+    """A plan.json for the run directory, so `toolkit report` shows this prediction beside the run."""
+    return {"plan_version": 1, "command": command,
+            "inputs": {"model": c.model, "seq_len": c.seq, "global_batch": c.micro * c.accum * c.gpus,
+                       "gpus_per_node": c.gpus, "nodes": 1, "world_size": c.gpus},
+            "candidates": [candidate_json(p)],
+            "chosen": candidate_json(p) | {"phase": p.phase, "gpu_breakdown_gib": p.gpu,
+                                           "persistent_gib": p.persistent, "host_rank_gib": p.host_rank_gib,
+                                           "host_breakdown_gib": p.host, "ds_config": ds_config_for(p.choice)}}
+
+
+def _overrides(c: Config, steps: int, run_dir: Path, plan_file: Path, smoke: bool) -> list[str]:
+    o = [f"model.name={c.model}", f"data.seq_len={c.seq}",
+         f"data.num_samples={c.micro * c.accum * c.gpus * (steps + 1)}", f"train.micro_batch_size={c.micro}",
+         f"train.grad_accum={c.accum}", f"train.max_steps={steps}", "train.path=raw", "train.export=false",
+         "train.warmup_steps=1", "memory.every=1", "metrics.tensorboard=false", f"train.zero_sizes={c.zero_sizes}",
+         f"model.gradient_checkpointing={str(c.ckpt).lower()}", f"model.liger={str(c.liger).lower()}",
+         f"lora.enabled={str(c.lora).lower()}", f"train.run_dir={run_dir}", f"train.plan={plan_file}", *c.extra]
+    if not smoke:
+        o.append("train.precision=bf16")
+    return o
+
+
+def measure(run_dir: Path) -> dict[str, Any]:
+    """Per-rank peaks over the whole run (a snapshot's peak covers the window since the previous one)."""
+    ranks: dict[str, dict[str, float | None]] = {}
+    for f in sorted((run_dir / "memory").glob("rank*.jsonl")):
+        snaps = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+        def top(key: str, snaps: list[dict[str, Any]] = snaps) -> float | None:
+            vals = [s[key] for s in snaps if s.get(key) is not None]
+            return max(vals) if vals else None
+        rank = f.stem.removeprefix("rank")
+        ranks[rank] = {"peak_allocated_gib": top("peak_allocated_gib"), "peak_reserved_gib": top("peak_reserved_gib"),
+                       "nvml_used_gib": top("nvml_used_gib"), "host_rss_gib": top("host_rss_gib")}
+        b = run_dir / "memory" / f"breakdown_rank{rank}.json"
+        if b.is_file():
+            ranks[rank]["breakdown"] = json.loads(b.read_text())
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    later = [m["tokens_per_s"] for m in metrics[1:] if m.get("tokens_per_s")]
+    return {"per_rank": ranks, "losses": [m["loss"] for m in metrics],
+            "tokens_per_s_per_gpu": statistics.median(later) / max(1, len(ranks)) if later else None}
+
+
+def _err(pred: float | None, meas: float | None) -> float | None:
+    return None if pred is None or not meas else (pred - meas) / meas
+
+
+def run_one(c: Config, out: Path, steps: int, port: int, include: str | None, smoke: bool, gpu_mem: float,
+            timeout: int, shared_gpu: bool) -> dict[str, Any]:
+    p = predict(c, gpu_mem, smoke)
+    ds_file, plan_file, run_dir = out / "ds" / f"{c.name}.json", out / "plans" / f"{c.name}.json", out / "runs" / c.name
+    for d in (ds_file.parent, plan_file.parent, run_dir.parent):
+        d.mkdir(parents=True, exist_ok=True)
+    ds_file.write_text(json.dumps(ds_config_for(c.choice()), indent=1))
+    launch = ["deepspeed", "--master_port", str(port)]
+    launch += ["--include", include] if include else ["--num_gpus", str(c.gpus)]
+    cmd = [*launch, "toolkit/train.py", "--ds", str(ds_file), *_overrides(c, steps, run_dir, plan_file, smoke)]
+    plan_file.write_text(json.dumps(plan_record(c, p, " ".join(cmd)), indent=1))
+    env = dict(os.environ) | {"PYTHONUNBUFFERED": "1"}
+    if smoke:
+        env["DS_ACCELERATOR"] = "cpu"
+    t0 = time.perf_counter()
+    log = out / "logs" / f"{c.name}.log"
+    log.parent.mkdir(exist_ok=True)
+    with log.open("w") as f:
+        try:
+            rc = subprocess.call(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = 124
+    row: dict[str, Any] = {"config": c.__dict__ | {"extra": list(c.extra)}, "rc": rc,
+                           "wall_s": round(time.perf_counter() - t0, 1), "argv": " ".join(cmd),
+                           "shared_gpu": shared_gpu,
+                           "predicted": {"peak_allocated_gib": p.peak_allocated_gib, "gpu_need_gib": p.gpu_need_gib,
+                                         "phase": p.phase, "gpu_gib": p.gpu, "persistent_gib": p.persistent,
+                                         "host_rank_gib": p.host_rank_gib, "host_gib": p.host,
+                                         "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu,
+                                         "liger": p.liger, "fused_loss": p.fused_loss}}
+    try:
+        row["measured"] = measure(run_dir)
+    except (OSError, ValueError, KeyError) as e:
+        row["measured"] = None
+        row["error"] = f"{type(e).__name__}: {e}"
+    if rc != 0:
+        row["log_tail"] = log.read_text()[-3000:]
+    if row["measured"]:
+        per = row["measured"]["per_rank"].values()
+        gpu = [r["peak_allocated_gib"] for r in per if r.get("peak_allocated_gib") is not None]
+        host = [r["host_rss_gib"] for r in per if r.get("host_rss_gib") is not None]
+        row["gpu_error"] = max((_err(p.peak_allocated_gib, m) for m in gpu), key=abs, default=None)
+        row["host_error"] = max((_err(p.host_rank_gib, m) for m in host), key=abs, default=None)
+    return row
+
+
+def _gpu_count() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    smoke = a.smoke
+    configs = SMOKE if smoke else CONFIGS
+    if a.only:
+        wanted = a.only.split(",")
+        configs = tuple(c for c in configs if c.name in wanted)
+    gpus = 2 if smoke else (a.gpus or _gpu_count())
+    if not smoke and gpus == 0:
+        print("error: no GPU found (nvidia-smi); use --smoke for the CPU test of this script", file=sys.stderr)
+        return 1
+    if not smoke:
+        # one build of DeepSpeed's ops before the runs start in parallel (bench/prebuild_ops.py)
+        subprocess.call([sys.executable, "bench/prebuild_ops.py"], cwd=ROOT)
+    skipped = [c.name for c in configs if c.gpus > gpus]
+    singles = [c for c in configs if c.gpus == 1 and c.gpus <= gpus]
+    multis = [c for c in configs if c.gpus > 1 and c.gpus <= gpus]
+    rows: list[dict[str, Any]] = []
+    port = a.port
+    lanes = max(1, a.lanes)
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(lanes) as pool:
+        futures = []
+        for i, c in enumerate(singles):
+            include = None if smoke else f"localhost:{i % gpus}"
+            futures.append(pool.submit(run_one, c, out, a.steps, port + i, include, smoke, a.gpu_mem, a.timeout,
+                                       lanes > gpus))
+        for fut in futures:
+            rows.append(fut.result())
+            _progress(rows[-1])
+    for j, c in enumerate(multis):  # every GPU at once: alone
+        rows.append(run_one(c, out, a.steps, port + len(singles) + j, None, smoke, a.gpu_mem, a.timeout, False))
+        _progress(rows[-1])
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": "python bench/plan_calibrate.py " + " ".join(sys.argv[1:]), "gpus": gpus,
+              "device": _device_name(), "smoke": smoke, "wall_s": round(time.perf_counter() - t0, 1),
+              "skipped_need_more_gpus": skipped, "rows": rows}
+    (out / "calibration.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "calibration.md").write_text(table(result))
+    print(table(result))
+    return 0 if all(r["rc"] == 0 for r in rows) else 1
+
+
+def _device_name() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{len(out)}x {out[0]}" if out else None
+
+
+def _progress(row: dict[str, Any]) -> None:
+    c = row["config"]
+    print(f"{c['name']}: rc={row['rc']} {row['wall_s']:.0f}s gpu error {_pct(row.get('gpu_error'))} "
+          f"host error {_pct(row.get('host_error'))}", flush=True)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:+.1f}%"
+
+
+def _f(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [f"# toolkit plan calibration ({result.get('device') or 'CPU smoke'}, {result['date']})", "",
+             f"Command: `{result['command']}`", "",
+             "| config | GPUs | ZeRO | offload | micro x accum | seq | ckpt | LoRA | Liger | predicted peak | measured peak "
+             "(max rank) | error | peak reserved | predicted host | measured host | error | tokens/s/GPU pred / meas | rc |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    gpu_errs, host_errs = [], []
+    for r in result["rows"]:
+        c, p, m = r["config"], r["predicted"], r.get("measured") or {}
+        per = list((m.get("per_rank") or {}).values())
+        peak = max((x["peak_allocated_gib"] for x in per if x.get("peak_allocated_gib") is not None), default=None)
+        res = max((x["peak_reserved_gib"] for x in per if x.get("peak_reserved_gib") is not None), default=None)
+        host = max((x["host_rss_gib"] for x in per if x.get("host_rss_gib") is not None), default=None)
+        if r["rc"] == 0:
+            if r.get("gpu_error") is not None:
+                gpu_errs.append((abs(r["gpu_error"]), c["name"], r["gpu_error"]))
+            if r.get("host_error") is not None:
+                host_errs.append((abs(r["host_error"]), c["name"], r["host_error"]))
+        off = c["offload"] + (f" {c['ratio']:g}" if c["offload"] != "none" and c["ratio"] < 1 else "")
+        liger = ("fused" if p["fused_loss"] else "kernels") if p["liger"] else "off"
+        lines.append(f"| {c['name']} | {c['gpus']} | {c['stage']}{' (mem)' if c['zero_sizes'] == 'memory' else ''} | "
+                     f"{off} | {c['micro']} x {c['accum']} | {c['seq']} | {'yes' if c['ckpt'] else 'no'} | "
+                     f"{'yes' if c['lora'] else 'no'} | {liger} | {_f(p['peak_allocated_gib'])} | {_f(peak)} | "
+                     f"{_pct(r.get('gpu_error'))} | {_f(res)} | {_f(p['host_rank_gib'])} | {_f(host)} | "
+                     f"{_pct(r.get('host_error'))} | {_f(p['tokens_per_s_per_gpu'], 0)} / "
+                     f"{_f(m.get('tokens_per_s_per_gpu'), 0)} | {r['rc']} |")
+    lines.append("")
+    if gpu_errs:
+        w = max(gpu_errs)
+        ok = "within" if w[0] <= GPU_TOLERANCE else "ABOVE"
+        lines.append(f"- GPU peak: worst error {_pct(w[2])} ({w[1]}), {ok} the {GPU_TOLERANCE:.0%} goal, "
+                     f"over {len(gpu_errs)} configurations that ran.")
+    if host_errs:
+        w = max(host_errs)
+        ok = "within" if w[0] <= HOST_TOLERANCE else "ABOVE"
+        lines.append(f"- Host RSS: worst error {_pct(w[2])} ({w[1]}), {ok} the {HOST_TOLERANCE:.0%} goal.")
+    failed = [r["config"]["name"] for r in result["rows"] if r["rc"] != 0]
+    if failed:
+        lines.append(f"- Failed (see calibration.json log_tail): {', '.join(failed)}")
+    if result.get("skipped_need_more_gpus"):
+        lines.append(f"- Skipped, need more GPUs: {', '.join(result['skipped_need_more_gpus'])}")
+    if any(r.get("shared_gpu") for r in result["rows"]):
+        lines.append("- One-GPU configurations ran side by side on a GPU: allocator peaks are per process, "
+                     "tokens/s are not comparable with runs alone.")
+    return "\n".join(lines) + "\n"
+
+
+def cmd_table(a: argparse.Namespace) -> int:
+    print(table(json.loads(Path(a.json).read_text())), end="")
+    return 0
+
+
+def cmd_bigrun(a: argparse.Namespace) -> int:
+    """The plan's choice for the largest model on one GPU, trained through ./launch.sh --plan."""
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plan_dir, run_dir = out / "plan", out / "run"
+    t0 = time.perf_counter()
+    plan_cmd = [sys.executable, "-m", "toolkit", "plan", "--model", a.model, "--gpus", "1", "--gpu-mem", f"{a.gpu_mem:g}",
+                "--host-mem", f"{a.host_mem:g}", "--seq", str(a.seq), "--global-batch", str(a.global_batch),
+                "-o", str(plan_dir), "--force"]
+    printed = subprocess.run(plan_cmd, cwd=ROOT, capture_output=True, text=True)
+    plan_s = time.perf_counter() - t0
+    print(printed.stdout + printed.stderr, flush=True)
+    if printed.returncode != 0:
+        return printed.returncode
+    if not a.smoke:
+        subprocess.call([sys.executable, "bench/prebuild_ops.py", "cpu_adam", "fused_adam"], cwd=ROOT)
+    plan = json.loads((plan_dir / "plan.json").read_text())
+    env = dict(os.environ) | {"PYTHONUNBUFFERED": "1"}
+    launch = ["bash", "launch.sh", "--plan", str(plan_dir), "--path", "raw", "--master-port", str(a.port), "--",
+              f"train.max_steps={a.steps}", f"train.run_dir={run_dir}", "train.export=false", "memory.every=1",
+              f"data.num_samples={a.global_batch * (a.steps + 1)}", "train.warmup_steps=2", "train.lr=1e-4",
+              "train.overwrite=true", "metrics.tensorboard=false"]
+    if a.smoke:
+        env["DS_ACCELERATOR"] = "cpu"
+    t1 = time.perf_counter()
+    with (out / "bigrun.log").open("w") as f:
+        rc = subprocess.call(launch, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=a.timeout)
+    result: dict[str, Any] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                              "device": _device_name(), "plan_command": " ".join(plan_cmd[2:]), "plan_s": round(plan_s, 2),
+                              "launch": " ".join(launch), "rc": rc, "wall_s": round(time.perf_counter() - t1, 1),
+                              "chosen": {k: v for k, v in plan["chosen"].items() if k != "ds_config"}}
+    try:
+        m = measure(run_dir)
+        losses = m["losses"]
+        result["measured"] = m
+        result["loss_first_last"] = [losses[0], losses[-1]] if losses else None
+        result["loss_falls"] = bool(losses) and losses[-1] < losses[0]
+    except (OSError, ValueError, KeyError) as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+    if rc != 0:
+        result["log_tail"] = (out / "bigrun.log").read_text()[-4000:]
+    (out / "bigrun.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k not in ("measured", "log_tail")}, indent=1))
+    if "log_tail" in result:
+        print(result["log_tail"])
+    return rc
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="mode", required=True)
+    r = sub.add_parser("run", help="the calibration set")
+    r.add_argument("--out", required=True)
+    r.add_argument("--only", default=None, help="comma-separated configuration names")
+    r.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all nvidia-smi lists)")
+    r.add_argument("--lanes", type=int, default=3, help="one-GPU configurations running at once")
+    r.add_argument("--steps", type=int, default=3)
+    r.add_argument("--gpu-mem", type=float, default=139.0)
+    r.add_argument("--port", type=int, default=29610)
+    r.add_argument("--timeout", type=int, default=240, help="seconds per configuration")
+    r.add_argument("--smoke", action="store_true", help="CPU test of this script: tiny model, DS_ACCELERATOR=cpu")
+    r.set_defaults(func=cmd_run)
+    t = sub.add_parser("table", help="the markdown table of a calibration.json")
+    t.add_argument("json")
+    t.set_defaults(func=cmd_table)
+    b = sub.add_parser("bigrun", help="the largest full fine-tune on one GPU, as toolkit plan chooses it")
+    b.add_argument("--out", required=True)
+    b.add_argument("--model", default="llama-3-8b")
+    b.add_argument("--seq", type=int, default=2048)
+    b.add_argument("--global-batch", type=int, default=16)
+    b.add_argument("--steps", type=int, default=10)
+    b.add_argument("--gpu-mem", type=float, default=139.0)
+    b.add_argument("--host-mem", type=float, default=125.0, help="GiB the H200 machine shows (128 GiB installed)")
+    b.add_argument("--port", type=int, default=29690)
+    b.add_argument("--timeout", type=int, default=540)
+    b.add_argument("--smoke", action="store_true", help="CPU test: DS_ACCELERATOR=cpu (use a tiny --model)")
+    b.set_defaults(func=cmd_bigrun)
+    a = ap.parse_args()
+    return int(a.func(a))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
