@@ -149,12 +149,18 @@ if ((no_ssh)); then
 elif [[ -n $node_rank ]]; then
     die_usage "--node-rank only makes sense with --no-ssh"
 fi
+# DeepSpeed puts the address into the remote shell's command line (pdsh) and mpirun's arguments.
+if [[ -n $master_addr && ! $master_addr =~ ^[A-Za-z0-9][A-Za-z0-9._:-]*$ ]]; then
+    die_usage "--master-addr must be a host name or an IP address (got '$master_addr')"
+fi
 if [[ -n $master_port ]]; then
     if ! { is_uint "$master_port" && ((10#$master_port >= 1 && 10#$master_port <= 65535)); }; then
         die_usage "--master-port must be 1-65535 (got '$master_port')"
     fi
 fi
 [[ $launcher != slurm || -z $hostfile ]] || die_usage "--launcher slurm builds the hostfile from SLURM_JOB_NODELIST; drop --hostfile"
+# DeepSpeed's OpenMPI runner starts every slot of the hostfile and raises on a narrower launch.
+[[ $launcher != openmpi || (-z $gpus && -z $include) ]] || die_usage "--launcher openmpi starts every slot of the hostfile; drop --gpus/--include and edit the hostfile"
 [[ -z $config || -f $config ]] || die "--config: no such file: $config"
 [[ -f $REPO/toolkit/__init__.py ]] || die "cannot find the toolkit package next to launch.sh ($REPO)"
 command -v "$PYTHON" >/dev/null || die "python not found ($PYTHON); set PYTHON=/path/to/python"
@@ -282,7 +288,9 @@ multi_node=0
 ((nhosts > 1 && !no_ssh)) && multi_node=1
 
 # ---- the command ----------------------------------------------------------------------------------
-if command -v deepspeed >/dev/null 2>&1; then
+# Across hosts DeepSpeed starts its own sys.executable on every node: running the runner under
+# $PYTHON makes that the interpreter the pre-flight below has checked on every host.
+if ((multi_node == 0)) && command -v deepspeed >/dev/null 2>&1; then
     cmd=(deepspeed)
 else
     cmd=("$PYTHON" -m deepspeed.launcher.runner)
@@ -301,7 +309,7 @@ train_args=(--ds "$ds_file")
 [[ -n $config ]] && train_args+=(--config "$config")
 train_args+=("train.path=$train_path")
 ((${#overrides[@]})) && train_args+=("${overrides[@]}")
-cmd+=("$REPO/toolkit/train.py" "${train_args[@]}")
+script=("$REPO/toolkit/train.py" "${train_args[@]}")
 
 if ((multi_node)) && [[ ${launcher:-pdsh} == pdsh ]]; then
     # pdsh hands DeepSpeed's command line to a remote shell as one string (runner.py only
@@ -315,6 +323,14 @@ fi
 
 check_cmd=("$PYTHON" -m toolkit check "$ds_file" --world-size "$world" --path "$train_path")
 gen_cmd=("$PYTHON" -m toolkit gen-config "${gen_args[@]}" -o "$ds_file")
+# Multi-node over ssh: every host probed before anything starts (toolkit/preflight.py).
+preflight_cmd=("$PYTHON" -m toolkit.preflight --hostfile "$hostfile" --launcher "${launcher:-pdsh}")
+[[ -n $include ]] && preflight_cmd+=(--include "$include")
+[[ -n $gpus ]] && preflight_cmd+=(--num-gpus "$gpus")
+[[ -n $master_addr ]] && preflight_cmd+=(--master-addr "$master_addr")
+[[ -n $master_port ]] && preflight_cmd+=(--master-port "$((10#$master_port))")
+ssh_launch=0
+((multi_node)) && [[ $launcher != slurm ]] && ssh_launch=1
 
 quote() {
     local s
@@ -332,9 +348,10 @@ echo "mode: $mode, hosts: $nhosts"
 if ((dry_run)); then
     ((need_gen)) && echo "would generate: $(quote "${gen_cmd[@]}")"
     echo "would check: $(quote "${check_cmd[@]}")"
+    ((ssh_launch)) && echo "would check hosts: $(quote "${preflight_cmd[@]}")"
     ((multi_node)) && echo "would write: ${DS_ENV_FILE:-.deepspeed_env} (allow-listed variables, see toolkit/hostfile.py)"
     ((cpu_mode)) && echo "env: DS_ACCELERATOR=cpu"
-    echo "command: $(quote "${cmd[@]}")"
+    echo "command: $(quote "${cmd[@]}" "${script[@]}")"
     exit 0
 fi
 
@@ -345,9 +362,38 @@ fi
 if ! "${check_cmd[@]}"; then
     die "toolkit check rejected $ds_file for world size $world (see above)"
 fi
+if ((ssh_launch)); then
+    # One line per problem and exit 1 before any rank starts; on success the address of the
+    # master (the first host as this node reaches it) and the interface every host reaches it by.
+    echo "checking hosts: $(quote "${preflight_cmd[@]}")"
+    pf_out=$("${preflight_cmd[@]}") || exit 1
+    pf_master="" pf_iface=""
+    while IFS='=' read -r key value; do
+        case $key in
+        master_addr) pf_master=$value ;;
+        interface) pf_iface=$value ;;
+        esac
+    done <<<"$pf_out"
+    if [[ -z $master_addr && -n $pf_master ]]; then
+        master_addr=$pf_master # else DeepSpeed takes the first word of `ssh host hostname -I`
+        cmd+=(--master_addr "$master_addr")
+    fi
+    if ((cpu_mode)) && [[ -z ${GLOO_SOCKET_IFNAME:-} && -n $pf_iface ]]; then
+        # gloo binds what the hostname resolves to (often 127.0.1.1) unless told otherwise.
+        export GLOO_SOCKET_IFNAME=$pf_iface
+        echo "env: GLOO_SOCKET_IFNAME=$pf_iface (every host reaches the master $master_addr through it)"
+    fi
+    if [[ $launcher == openmpi ]]; then
+        # DeepSpeed's OpenMPI runner passes neither address nor port to the ranks (it expects
+        # mpi4py to find them) and pins btl_tcp_if_include to eth0: give both explicitly.
+        mpi_args=(-x "MASTER_ADDR=$master_addr" -x "MASTER_PORT=$((10#${master_port:-29500}))")
+        [[ -n $pf_iface ]] && mpi_args=(--mca btl_tcp_if_include "$pf_iface" "${mpi_args[@]}")
+        cmd+=(--launcher_args "${mpi_args[*]}")
+    fi
+fi
 if ((multi_node)); then
     # DeepSpeed forwards this file's variables to every node (multi-node backends only).
-    tk write-env || exit 1
+    tk write-env --launcher "${launcher:-pdsh}" || exit 1
 fi
-echo "command: $(quote "${cmd[@]}")"
-"${cmd[@]}"
+echo "command: $(quote "${cmd[@]}" "${script[@]}")"
+"${cmd[@]}" "${script[@]}"

@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(sub)
 
     e = sub.add_parser("env", help="pre-flight checks: versions, GPUs, op builds, NCCL, hosts")
-    e.add_argument("--hostfile", default=None, help="check that every host answers ssh in batch mode")
+    e.add_argument("--hostfile", default=None,
+                   help="probe every host over ssh: reachable, versions, interface to use, slots")
     e.add_argument("--ssh-timeout", type=float, default=5.0, help="seconds per host")
     e.add_argument("--no-build", action="store_true", help="skip the DeepSpeed op build checks")
     e.add_argument("--json", action="store_true")

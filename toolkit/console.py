@@ -8,7 +8,12 @@ among the other ranks'.
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import re
+import socket
+import sys
 import time
 import traceback
 import warnings
@@ -42,6 +47,18 @@ def is_third_party_noise(category: type[Warning], filename: str, message: Warnin
     return any(p.search(str(message)) for p in KNOWN_NOISE)
 
 
+def whereabouts() -> str:
+    """Host, interpreter and toolkit of this rank, then the launch variables it received (the
+    `.deepspeed_env` allow-list): on a multi-node run, what to compare first when one node differs."""
+    from toolkit import __version__
+    from toolkit.hostfile import allow_listed
+
+    return (
+        f"on {socket.gethostname()} (pid {os.getpid()}), Python {platform.python_version()} {sys.executable}, "
+        f"toolkit {__version__}\nlaunch environment: {json.dumps(allow_listed(os.environ))}"
+    )
+
+
 def log_path(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / "logs" / f"rank{rank}.log"
 
@@ -57,7 +74,7 @@ def rank_log(run_dir: Path, rank: int) -> Iterator[Path]:
     """Route warnings through the per-rank log for the duration of a run; restore on exit."""
     path = log_path(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _append(path, f"--- rank {rank}, run started {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    _append(path, f"--- rank {rank}, run started {time.strftime('%Y-%m-%d %H:%M:%S')} {whereabouts()}")
     previous = warnings.showwarning
 
     def show(

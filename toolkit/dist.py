@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import MutableMapping
 from typing import Any
 
 
@@ -15,6 +16,7 @@ def prepare_env() -> list[str]:
     import torch
 
     notes: list[str] = []
+    ranks_from_openmpi(os.environ)
     if not torch.cuda.is_available() and "DS_ACCELERATOR" not in os.environ:
         os.environ["DS_ACCELERATOR"] = "cpu"
         notes.append("no CUDA device: running on CPU (DS_ACCELERATOR=cpu, gloo)")
@@ -26,6 +28,23 @@ def prepare_env() -> list[str]:
     if msg:
         notes.append(msg)
     return notes
+
+
+def ranks_from_openmpi(environ: MutableMapping[str, str]) -> bool:
+    """Under mpirun (DeepSpeed's openmpi launcher) take RANK, WORLD_SIZE and LOCAL_RANK from
+    OpenMPI's own variables; True when it did.
+
+    DeepSpeed would find them with mpi4py (an MPI binding on every node, built against that
+    MPI) and guess the master from `hostname -I` on rank 0. launch.sh passes MASTER_ADDR and
+    MASTER_PORT with `-x`; only then is everything torch needs here, so only then do we map.
+    """
+    if "RANK" in environ or "OMPI_COMM_WORLD_RANK" not in environ or "MASTER_ADDR" not in environ:
+        return False
+    environ["RANK"] = environ["OMPI_COMM_WORLD_RANK"]
+    environ["WORLD_SIZE"] = environ["OMPI_COMM_WORLD_SIZE"]
+    environ["LOCAL_RANK"] = environ["OMPI_COMM_WORLD_LOCAL_RANK"]
+    environ.setdefault("MASTER_PORT", "29500")
+    return True
 
 
 def on_cpu() -> bool:

@@ -2,8 +2,10 @@
 
 Versions, GPUs, whether DeepSpeed's optimizer ops build, TORCH_CUDA_ARCH_LIST entries DeepSpeed
 cannot parse, NCCL_* variables (and an NCCL_SOCKET_IFNAME naming no interface here), and with
---hostfile whether every host answers ssh in batch mode. Exit 1 only for hard failures: a hostfile
-that does not parse or a host that does not answer; everything else is a warning.
+--hostfile the launch's pre-flight (toolkit/preflight.py) on every host: reachable over ssh in
+batch mode, the same Python, toolkit, torch and DeepSpeed as here, the interface it reaches the
+first host through, its slots. Exit 1 only for hard failures: a hostfile that does not parse or a
+host the launch would fail on; everything else is a warning.
 """
 
 from __future__ import annotations
@@ -12,17 +14,14 @@ import argparse
 import contextlib
 import importlib.metadata
 import json
-import math
 import os
 import platform
 import shlex
 import shutil
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from toolkit.cuda_arch import ENV_VAR as ARCH_VAR
@@ -186,38 +185,6 @@ def check_ops(build: bool, cuda: bool) -> dict[str, dict[str, Any]]:
     return results
 
 
-def _ssh_one(host: str, timeout_s: float) -> dict[str, Any]:
-    cmd = [
-        "ssh",
-        "-o",
-        "BatchMode=yes",
-        "-o",
-        f"ConnectTimeout={max(1, math.ceil(timeout_s))}",
-        host,
-        "true",
-    ]
-    start = time.perf_counter()
-    try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout_s + 5, stdin=subprocess.DEVNULL
-        )
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "detail": f"no answer within {timeout_s:g} s", "seconds": round(timeout_s, 2)}
-    seconds = round(time.perf_counter() - start, 2)
-    if proc.returncode == 0:
-        return {"ok": True, "detail": "ssh ok", "seconds": seconds}
-    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-    detail = lines[-1] if lines else f"ssh exit {proc.returncode}"
-    return {"ok": False, "detail": detail, "seconds": seconds}
-
-
-def check_hosts(hosts: list[str], timeout_s: float) -> dict[str, dict[str, Any]]:
-    """`ssh -o BatchMode=yes host true` for every host at once (what pdsh and DeepSpeed need)."""
-    with ThreadPoolExecutor(max_workers=max(1, min(32, len(hosts)))) as pool:
-        answers = list(pool.map(lambda h: _ssh_one(h, timeout_s), hosts))
-    return dict(zip(hosts, answers, strict=True))
-
-
 @contextlib.contextmanager
 def _stdout_to_stderr() -> Iterator[None]:
     """DeepSpeed logs and ninja print on fd 1; keep stdout clean for --json."""
@@ -277,21 +244,35 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
         from toolkit.hostfile import parse_hostfile
 
         try:
-            hosts = list(parse_hostfile(args.hostfile))
+            pool = parse_hostfile(args.hostfile)
         except ConfigError as e:
             err(str(e))
             return report
         report["hostfile"] = args.hostfile
+        hosts = list(pool)
+        report["slots"] = dict(pool)
         if shutil.which("ssh") is None:
             warn(
                 "ssh is not installed: cannot check the hosts (pdsh and DeepSpeed's multi-node runners need it)"
             )
             report["hosts"] = {h: {"ok": None, "detail": "ssh not installed"} for h in hosts}
         else:
-            report["hosts"] = check_hosts(hosts, args.ssh_timeout)
-            for host, answer in report["hosts"].items():
-                if not answer["ok"]:
-                    err(f"host {host} did not answer ssh in batch mode: {answer['detail']}")
+            # The launch's own pre-flight: every host over ssh in batch mode, its versions against
+            # this node's, the interface it reaches the first host (the master) through, its slots.
+            from toolkit.preflight import run_preflight
+
+            cpu = os.environ.get("DS_ACCELERATOR") == "cpu" or report.get("accelerator") == "cpu"
+            report["slots_of"] = "cpu" if cpu else "cuda"
+            try:
+                found = run_preflight(hosts, pool, accelerator=report["slots_of"],
+                                      timeout_s=args.ssh_timeout)  # fmt: skip
+            except ConfigError as e:
+                err(str(e))
+                return report
+            report["hosts"] = found["hosts"]
+            report["master"], report["interface"] = found["master"], found["interface"]
+            for problem in found["problems"]:
+                err(problem)
         if len(hosts) > 1 and shutil.which("pdsh") is None:
             warn(
                 "pdsh is not installed: DeepSpeed's default multi-node launcher needs it "
@@ -331,10 +312,16 @@ def format_text(report: dict[str, Any]) -> str:
     nccl = report.get("nccl") or {}
     lines.append(f"{'NCCL_*':<14}" + (" ".join(f"{k}={val}" for k, val in nccl.items()) or "none set"))
     if report.get("hosts") is not None:
-        lines.append(f"hosts ({report.get('hostfile')}):")
+        from toolkit.preflight import describe
+
+        master = f", master {report['master']}" if report.get("master") else ""
+        iface = f", interface to use: {report['interface']}" if report.get("interface") else ""
+        lines.append(f"hosts ({report.get('hostfile')}{master}{iface}):")
         for host, a in report["hosts"].items():
-            status = {True: "ok", False: "FAIL", None: "unchecked"}[a["ok"]]
-            lines.append(f"  {host:<30}{status:<10}{a['detail']}")
+            if a["ok"] is None:
+                lines.append(f"  {host:<16} unchecked  {a['detail']}")
+            else:
+                lines.append("  " + describe(host, a, report["slots"].get(host), report.get("slots_of", "cpu")))
     lines += [f"warning: {w}" for w in report["warnings"]]
     lines += [f"error: {e}" for e in report["errors"]]
     lines.append("result: " + ("FAIL" if report["errors"] else "ok"))

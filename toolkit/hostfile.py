@@ -250,7 +250,9 @@ def format_hostfile(hosts: Mapping[str, int]) -> str:
 # no comments, no blank lines (a line without '=' kills the launcher). Values are stripped and
 # wrapped in double quotes when they hold anything outside [\w@%+=:,./-]; under pdsh they land in
 # `export K="v";` run by the remote shell, so `$`, backticks, `"` and `\` would be evaluated
-# there: such values are skipped here.
+# there: such values are skipped here. Under openmpi the same quoted value goes to `mpirun -x K="v"`
+# as one argument, no shell: the ranks would get the quote characters as part of the value
+# (seen with OpenMPI 4.1), so for openmpi every value DeepSpeed would quote is skipped.
 
 ENV_ALLOW_EXACT = frozenset(
     {
@@ -274,13 +276,16 @@ ENV_ALLOW_EXACT = frozenset(
         "CUDA_DEVICE_ORDER",
     }
 )
-# NCCL_* / TORCH_NCCL_* tune the interconnect; FI_* configures libfabric (AWS EFA).
-ENV_ALLOW_PREFIXES = ("NCCL_", "TORCH_NCCL_", "FI_")
+# NCCL_* / TORCH_NCCL_* tune the interconnect; FI_* configures libfabric (AWS EFA); GLOO_* picks
+# gloo's interface (GLOO_SOCKET_IFNAME: CPU runs, and gloo groups on GPU runs).
+ENV_ALLOW_PREFIXES = ("NCCL_", "TORCH_NCCL_", "FI_", "GLOO_")
 # Per node/rank, set by the launcher itself: copying rank 0's value would break the others.
 ENV_DENY_EXACT = frozenset({"CUDA_VISIBLE_DEVICES", "NCCL_COMM_ID"})
 # Defence in depth: nothing that looks like a credential, whatever the prefix.
 _SECRET = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|AUTH|API_?KEY|PRIVATE", re.IGNORECASE)
 _UNSAFE_VALUE = re.compile(r"[$`\"\\\n\r]")
+# What DeepSpeed's MultiNodeRunner.add_export leaves unquoted.
+_PLAIN_VALUE = re.compile(r"^[\w@%+=:,./-]*$")
 
 
 def deepspeed_env_path(environ: Mapping[str, str], cwd: str | Path = ".") -> Path:
@@ -288,29 +293,39 @@ def deepspeed_env_path(environ: Mapping[str, str], cwd: str | Path = ".") -> Pat
     return Path(cwd) / environ.get("DS_ENV_FILE", ".deepspeed_env")
 
 
-def deepspeed_env_vars(environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
-    """(allow-listed variables to export, names skipped because their value is unsafe)."""
+def allow_listed(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables of `environ` that `.deepspeed_env` may carry, judged by name alone."""
+    return {
+        key: environ[key]
+        for key in sorted(environ)
+        if key not in ENV_DENY_EXACT
+        and not _SECRET.search(key)
+        and (key in ENV_ALLOW_EXACT or key.startswith(ENV_ALLOW_PREFIXES))
+    }
+
+
+def deepspeed_env_vars(
+    environ: Mapping[str, str], launcher: str = "pdsh"
+) -> tuple[dict[str, str], list[str]]:
+    """(allow-listed variables to export, names skipped because their value would not arrive intact)."""
     chosen: dict[str, str] = {}
     skipped: list[str] = []
-    for key in sorted(environ):
-        if key in ENV_DENY_EXACT or _SECRET.search(key):
-            continue
-        if key not in ENV_ALLOW_EXACT and not key.startswith(ENV_ALLOW_PREFIXES):
-            continue
-        value = environ[key]
-        if _UNSAFE_VALUE.search(value):
+    for key, value in allow_listed(environ).items():
+        if _UNSAFE_VALUE.search(value) or (launcher == "openmpi" and not _PLAIN_VALUE.match(value.strip())):
             skipped.append(key)
             continue
         chosen[key] = value
     return chosen, skipped
 
 
-def write_deepspeed_env(path: str | Path, environ: Mapping[str, str] = os.environ) -> list[str]:
+def write_deepspeed_env(
+    path: str | Path, environ: Mapping[str, str] = os.environ, launcher: str = "pdsh"
+) -> list[str]:
     """Write allow-listed variables as `KEY=VALUE` lines; returns the keys written.
 
     Lines of an existing file whose keys we do not set are kept (the user's own additions).
     """
-    chosen, _ = deepspeed_env_vars(environ)
+    chosen, _ = deepspeed_env_vars(environ, launcher)
     p = Path(path)
     kept: list[str] = []
     if p.is_file():
@@ -345,6 +360,7 @@ def _main(argv: list[str] | None = None) -> int:
     s.add_argument("-o", "--output", default=None, help="file to write (stdout if omitted)")
     e = sub.add_parser("write-env", help="write .deepspeed_env from the allow-list")
     e.add_argument("--path", default=None, help="default: ./$DS_ENV_FILE or ./.deepspeed_env")
+    e.add_argument("--launcher", default="pdsh", help="the multi-node backend that will read the file")
     args = parser.parse_args(argv)
 
     if args.cmd == "world-size":
@@ -369,11 +385,12 @@ def _main(argv: list[str] | None = None) -> int:
             sys.stdout.write(text)
     elif args.cmd == "write-env":
         path = Path(args.path) if args.path else deepspeed_env_path(os.environ)
-        keys = write_deepspeed_env(path, os.environ)
-        _, skipped = deepspeed_env_vars(os.environ)
+        keys = write_deepspeed_env(path, os.environ, args.launcher)
+        _, skipped = deepspeed_env_vars(os.environ, args.launcher)
         print(f"wrote {path}: {', '.join(keys) or '(no variables)'}", file=sys.stderr)
         if skipped:
-            print(f"skipped (shell characters in value): {', '.join(skipped)}", file=sys.stderr)
+            why = "characters DeepSpeed would quote" if args.launcher == "openmpi" else "shell characters"
+            print(f"skipped ({why} in the value): {', '.join(skipped)}", file=sys.stderr)
     return 0
 
 
