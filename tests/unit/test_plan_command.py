@@ -1,0 +1,154 @@
+"""`toolkit plan` as a command: the --json contract, -o DIR, one-line refusals, launch.sh --plan, and
+the report's predicted-vs-measured section (toolkit/plan_command.py, toolkit/plan_report.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from toolkit.checks import check_config
+from toolkit.cli import main
+from toolkit.plan_command import CANDIDATE_KEYS
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = ["plan", "--model", "llama-1b", "--gpus", "2", "--seq", "2048", "--global-batch", "32", "--gpu-mem", "80"]
+
+
+def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert main([*BASE, "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_lists_every_candidate_fitting_first_fastest_first(capsys: pytest.CaptureFixture[str]) -> None:
+    data = _json(capsys)
+    cands = data["candidates"]
+    assert cands and all(set(CANDIDATE_KEYS) <= set(c) for c in cands)
+    fits = [c["fits"] for c in cands]
+    assert fits == sorted(fits, reverse=True)
+    fitting = [c["tokens_per_s_per_gpu"] for c in cands if c["fits"]]
+    assert fitting == sorted(fitting, reverse=True)
+    chosen = data["chosen"]
+    assert chosen["fits"] and set(CANDIDATE_KEYS) <= set(chosen)
+    assert {c["stage"] for c in cands} == {0, 1, 2, 3} and {c["grad_ckpt"] for c in cands} == {False, True}
+    assert all(c["micro_batch"] * c["grad_accum"] * 2 == 32 for c in cands)
+    # the chosen DeepSpeed JSON passes the toolkit's checks at the plan's world size and batch split
+    errors = [f for f in check_config(chosen["ds_config"], world_size=2, path="trainer",
+                                      micro_batch=chosen["micro_batch"], grad_accum=chosen["grad_accum"])
+              if f.level == "error"]
+    assert not errors, errors
+
+
+def test_options_narrow_the_search(capsys: pytest.CaptureFixture[str]) -> None:
+    data = _json(capsys, "--stage", "3", "--offload", "optimizer", "--micro-batch", "4", "--grad-ckpt")
+    assert {(c["stage"], c["offload"], c["micro_batch"], c["grad_ckpt"]) for c in data["candidates"]} == {
+        (3, "optimizer", 4, True)}
+    assert {c["offload_ratio"] for c in data["candidates"]} == {1.0, 0.75, 0.5, 0.25}
+    lora = _json(capsys, "--lora", "--no-liger")
+    assert all(not c["liger"] for c in lora["candidates"])
+    assert lora["chosen"]["train_overrides"]["lora.enabled"] is True
+
+
+def test_output_dir_holds_a_config_a_training_yaml_and_the_plan(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+
+    out = tmp_path / "plan"
+    assert main([*BASE, "--gpu-mem", "139", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "chosen: ZeRO-" in text and f"./launch.sh --plan {out}" in text
+    plan = json.loads((out / "plan.json").read_text())
+    ds = json.loads((out / "ds_config.json").read_text())
+    assert ds == plan["chosen"]["ds_config"]
+    cfg = yaml.safe_load((out / "train.yaml").read_text())
+    c = plan["chosen"]
+    assert cfg["train"]["micro_batch_size"] == c["micro_batch"] and cfg["train"]["grad_accum"] == c["grad_accum"]
+    assert cfg["model"]["gradient_checkpointing"] == c["grad_ckpt"] and cfg["train"]["plan"] == str(out / "plan.json")
+    from toolkit.config import load_config
+
+    assert load_config(out / "train.yaml").train.ds_config == str(out / "ds_config.json")  # the schema takes it
+    assert main([*BASE, "-o", str(out)]) == 1  # an earlier plan is not overwritten without --force
+    assert "exist; pass --force" in capsys.readouterr().err
+
+
+def test_a_partial_offload_writes_the_ratio(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--model", "llama-3-8b", "--gpus", "1", "--seq", "2048", "--global-batch", "16",
+            "--gpu-mem", "139", "--host-mem", "125", "--json", "-o", str(tmp_path / "p")]
+    assert main(argv) == 0
+    chosen = json.loads(capsys.readouterr().out)["chosen"]
+    zero = json.loads((tmp_path / "p" / "ds_config.json").read_text())["zero_optimization"]
+    assert chosen["stage"] == 3 and zero["offload_optimizer"]["ratio"] == chosen["offload_ratio"] < 1
+    assert not [f for f in check_config({**chosen["ds_config"]}, world_size=1, path="raw") if f.level == "error"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "no-such-model", "--gpus", "1"], "neither a preset"),
+    (["--model", "llama-1b", "--gpus", "0"], "--gpus must be at least 1"),
+    (["--model", "llama-3-70b", "--gpus", "1", "--gpu-mem", "24", "--host-mem", "64"], "nothing fits"),
+    (["--model", "llama-3-70b", "--gpus", "1", "--gpu-mem", "4"], "nothing fits in 4 GiB per GPU"),
+    (["--model", "gpt2-124m", "--gpus", "1"], "no activation model for model type 'gpt2'"),
+    (["--model", "llama-1b", "--gpus", "3"], "does not split evenly over 3 ranks"),
+])
+def test_an_impossible_request_is_one_line_and_exit_1(argv: list[str], message: str) -> None:
+    cmd = [sys.executable, "-m", "toolkit", "plan", "--seq", "1024", "--global-batch", "8", *argv]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr
+    assert out.stdout == ""
+
+
+def test_launch_sh_runs_the_plan(tmp_path: Path) -> None:
+    out = tmp_path / "plan"
+    assert main(["plan", "--model", "tiny", "--gpus", "2", "--seq", "64", "--global-batch", "8", "-o", str(out)]) == 0
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CUDA_VISIBLE"))}
+    env |= {"DS_ACCELERATOR": "cpu", "PYTHON": sys.executable}
+    run = subprocess.run([str(ROOT / "launch.sh"), "--plan", str(out), "--dry-run", "--", "train.max_steps=2"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    fields = dict(line.split(": ", 1) for line in run.stdout.splitlines() if ": " in line)
+    assert fields["config"] == f"{out}/ds_config.json" and fields["world size"] == "2"
+    cmd = shlex.split(fields["command"])
+    assert cmd[cmd.index("--config") + 1] == f"{out}/train.yaml"
+    assert f"train.plan={out}/plan.json" in cmd and cmd[-1] == "train.max_steps=2"
+    refused = subprocess.run([str(ROOT / "launch.sh"), "--plan", str(out), "--stage", "2", "--dry-run"],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--plan DIR sets the stage" in refused.stderr
+
+
+def _fake_run(run_dir: Path, stage: int = 2) -> None:
+    (run_dir / "memory").mkdir(parents=True)
+    plan = {"command": "toolkit plan --model llama-1b ...", "inputs": {"world_size": 2},
+            "chosen": {"stage": 2, "offload": "none", "offload_ratio": None, "micro_batch": 16, "grad_accum": 1,
+                       "grad_ckpt": False, "gpu_peak_gib": 49.62, "host_rank_gib": 5.92,
+                       "persistent_gib": {"params": 2.30, "grads": 0.0, "optimizer": 6.91}}}
+    (run_dir / "plan.json").write_text(json.dumps(plan))
+    (run_dir / "ds_config.json").write_text(json.dumps({"zero_optimization": {"stage": stage},
+                                                        "train_micro_batch_size_per_gpu": 16,
+                                                        "gradient_accumulation_steps": 1}))
+    for rank, peak in ((0, 49.35), (1, 49.30)):
+        (run_dir / "memory" / f"rank{rank}.jsonl").write_text(json.dumps({"phase": "final", "step": 3}) + "\n")
+        (run_dir / "memory" / f"breakdown_rank{rank}.json").write_text(json.dumps({
+            "rank": rank, "gpu": {"params_gib": 2.30, "optimizer_gib": 6.91, "peak_allocated_gib": peak,
+                                  "other_at_peak_gib": peak - 9.21},
+            "host": {"peak_rss_gib": 5.9}}))
+
+
+def test_report_puts_the_plan_beside_each_rank(tmp_path: Path) -> None:
+    from toolkit.plan_report import measured_breakdown_table, plan_vs_measured
+
+    _fake_run(tmp_path / "run")
+    text = plan_vs_measured(tmp_path / "run")
+    assert text is not None
+    row = next(line for line in text.splitlines() if line.startswith("| peak allocated"))
+    assert "49.62" in row and "49.35" in row and "49.30" in row and "+0.6%" in row
+    assert "differs" not in text
+    assert "everything else at the peak (gpu)" in measured_breakdown_table(tmp_path / "run")
+    _fake_run(tmp_path / "other", stage=3)
+    assert "this run used ZeRO-3, the plan ZeRO-2" in plan_vs_measured(tmp_path / "other")
+    assert plan_vs_measured(tmp_path / "nothing") is None
