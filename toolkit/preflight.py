@@ -74,14 +74,12 @@ try:
     import toolkit
     out["toolkit"] = getattr(toolkit, "__version__", "unknown")
     out["toolkit_path"] = os.path.dirname(os.path.abspath(toolkit.__file__))
-    digest = hashlib.sha256()
-    for root, dirs, files in sorted(os.walk(out["toolkit_path"])):
-        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-        for name in sorted(f for f in files if f.endswith(".py")):
-            path = os.path.join(root, name)
-            digest.update(os.path.relpath(path, out["toolkit_path"]).encode() + b"\0")
-            with open(path, "rb") as f:
-                digest.update(f.read() + b"\0")
+    digest = hashlib.sha256()  # every .py file, by relative path: equal on two hosts iff the source is
+    sources = sorted(os.path.relpath(os.path.join(root, f), out["toolkit_path"])
+                     for root, _, files in os.walk(out["toolkit_path"]) for f in files if f.endswith(".py"))
+    for rel in sources:
+        with open(os.path.join(out["toolkit_path"], rel), "rb") as f:
+            digest.update(rel.encode() + b"\0" + f.read() + b"\0")
     out["toolkit_digest"] = digest.hexdigest()[:12]
 except Exception as e:
     out["toolkit"] = None
