@@ -97,11 +97,17 @@ def measure(engine: Any) -> dict[str, dict[str, int]]:
 
 
 def record(run_dir: Path, rank: int, engine: Any, step: int) -> dict[str, Any]:
-    """Measure after an optimizer step and write this rank's breakdown file (no collective)."""
+    """Measure after an optimizer step and write this rank's breakdown file (no collective). A DeepSpeed
+    object this walk does not understand is recorded as an error: measuring never stops a run."""
     import torch
 
-    states = measure(engine)
     out: dict[str, Any] = {"rank": rank, "step": step, "measured_after": "optimizer step"}
+    try:
+        states = measure(engine)
+    except Exception as e:  # a new DeepSpeed layout: say so in the file, train on
+        out["error"] = f"{type(e).__name__}: {e}"[:500]
+        _write(run_dir, rank, out)
+        return out
     for where, cats in states.items():
         out[where] = {f"{k}_gib": v / GIB for k, v in sorted(cats.items())}
     if torch.cuda.is_available():
