@@ -239,3 +239,19 @@ def test_a_70b_plan_answers_fast() -> None:
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     print(f"\ntoolkit plan for llama-3-70b (70.6B, 32 GPUs): {took:.2f} s wall, {len(data['candidates'])} candidates")
+
+
+def test_a_local_model_directory_is_read_on_the_meta_device_once(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import LlamaConfig
+
+    from toolkit import shapes
+
+    LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, tie_word_embeddings=True).save_pretrained(tmp_path / "model")
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
+    first = load_shape(str(tmp_path / "model"))
+    assert first.num_layers == 3 and first.tied_embeddings and first.total_params == 1000 * 64 + 3 * first.layer_numel + 64
+    assert len(list((tmp_path / "cache" / "shapes").glob("*.json"))) == 1
+    monkeypatch.setattr(shapes, "read_shape", lambda mc: pytest.fail("read again instead of the cache"))
+    assert load_shape(str(tmp_path / "model")) == first
