@@ -4,7 +4,7 @@ Every configuration runs toolkit/train.py in its own process through the real `d
 (raw path, bf16, a few steps, a memory snapshot every step) with the planner's prediction copied into
 its run directory as plan.json, so `toolkit report RUN` shows the same comparison per rank.
 
-    # the calibration set: 14 configurations on one machine (2 need 2 GPUs and are skipped on 1 GPU)
+    # the calibration set: 12 one-GPU configurations, 2 on 2 GPUs and 2 on 4 (skipped where fewer GPUs exist)
     source .whl/setup.sh && python bench/plan_calibrate.py run --out /tmp/cal
         -> /tmp/cal/calibration.json and /tmp/cal/calibration.md (copy both to bench/results/)
     # the largest full fine-tune on one GPU: what `toolkit plan` chooses for Llama-3-8B on one H200
@@ -19,6 +19,8 @@ Device commands and time (the device machine allows 10 minutes per command; carr
     configurations three at a time (`--lanes 3`; each process's allocator peak is its own, so sharing
     a GPU does not change what is measured; NVML figures are then the device's and are marked shared).
   run on nvidia-h200-x2: the same 12 one-GPU configurations on both GPUs plus two on 2 GPUs, ~6 minutes.
+  run --only l-z2-s512-m4-4gpu,l-z3-s512-m4-4gpu on nvidia-h200-x4: ZeRO-2 vs ZeRO-3 per rank on 4 GPUs
+    (issue 11 item 4; the planner predicts ZeRO-3 lower), ~3 minutes.
   bigrun on nvidia-h200: about 5 minutes (op build ~1 min, 8B random init ~1 min, 10 steps of ~10 s).
 Each configuration has its own --timeout (default 240 s); one that fails is recorded with its rc and
 the tail of its log, and the others still run.
@@ -89,6 +91,9 @@ CONFIGS: tuple[Config, ...] = (
     Config("l-z3-lora-ckpt-s2048-m8", L, 2048, 8, 1, 3, ckpt=True, lora=True),
     Config("l-z2-s1024-m8-2gpu", L, 1024, 8, 1, 2, gpus=2),
     Config("l-z3-s1024-m8-2gpu", L, 1024, 8, 1, 3, gpus=2),
+    # issue 11 item 4: ZeRO-3 below ZeRO-2 per rank from 3 ranks on, on anatomy.md's workload (4 GPUs)
+    Config("l-z2-s512-m4-4gpu", L, 512, 4, 1, 2, gpus=4, liger=False, zero_sizes="memory"),
+    Config("l-z3-s512-m4-4gpu", L, 512, 4, 1, 3, gpus=4, liger=False, zero_sizes="memory"),
 )
 SMOKE: tuple[Config, ...] = (
     Config("tiny-z2", "tiny", 64, 2, 2, 2, gpus=2),
@@ -335,9 +340,10 @@ def cmd_bigrun(a: argparse.Namespace) -> int:
     print(printed.stdout + printed.stderr, flush=True)
     if printed.returncode != 0:
         return printed.returncode
-    if not a.smoke:
-        subprocess.call([sys.executable, "bench/prebuild_ops.py", "cpu_adam", "fused_adam"], cwd=ROOT)
     plan = json.loads((plan_dir / "plan.json").read_text())
+    if not a.smoke:  # only the op the chosen config uses: DeepSpeedCPUAdam with offload, else FusedAdam
+        op = "cpu_adam" if plan["chosen"]["offload"] != "none" else "fused_adam"
+        subprocess.call([sys.executable, "bench/prebuild_ops.py", op], cwd=ROOT)
     env = dict(os.environ) | {"PYTHONUNBUFFERED": "1"}
     launch = ["bash", "launch.sh", "--plan", str(plan_dir), "--path", "raw", "--master-port", str(a.port), "--",
               f"train.max_steps={a.steps}", f"train.run_dir={run_dir}", "train.export=false", "memory.every=1",
