@@ -26,11 +26,11 @@ class ModelConfig:
     """Recompute activations in backward; turns use_cache off."""
     liger: bool = True
     """Liger kernels (fused linear cross-entropy, RMSNorm, SwiGLU, RoPE) on CUDA for the families Liger
-    supports; the fused loss stays off under ZeRO-3 unless liger_fused_loss=true. The run prints what was
-    applied and why not."""
+    supports. The run prints what was applied and why not."""
     liger_fused_loss: str = "auto"
-    """auto (on below ZeRO-3), true, or false. On under ZeRO-3 registers lm_head.weight as an external
-    parameter of the model, so ZeRO-3 gathers it with the model's forward instead of blocking on it."""
+    """auto (= true), true, or false: Liger's fused linear cross-entropy (no logits tensor). Under ZeRO-3
+    lm_head.weight is registered as an external parameter of the model, so ZeRO-3 gathers it with the
+    model's forward instead of blocking on it."""
     tokenizer: str | None = None
     """Local tokenizer directory for text data; defaults to the model directory."""
 

@@ -13,10 +13,9 @@ def test_on_by_default_for_supported_causal_lm_below_zero3() -> None:
     assert c.describe().startswith("liger kernels on: rope, rms_norm, swiglu, fused_linear_cross_entropy")
 
 
-def test_zero3_keeps_the_fused_loss_off_and_says_why() -> None:
+def test_zero3_gets_the_fused_loss_with_the_head_declared_to_deepspeed() -> None:
     c = choose(True, cuda=True, model_type="qwen2", task="causal_lm", stage=3, supported=LIGER)
-    assert c.enabled and c.kwargs["fused_linear_cross_entropy"] is False
-    assert "fused_linear_cross_entropy off: ZeRO-3" in c.describe()
+    assert c.enabled and c.kwargs["fused_linear_cross_entropy"] and c.external_head
 
 
 def test_every_reason_for_off_is_named() -> None:
