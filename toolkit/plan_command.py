@@ -301,7 +301,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--grad-ckpt", action="store_true", help="only choices with gradient checkpointing")
     p.add_argument("--no-liger", action="store_true", help="plan without Liger's kernels (model.liger=false)")
     p.add_argument("--fused-loss", choices=("auto", "true", "false"), default="auto",
-                   help="model.liger_fused_loss (auto: the fused loss below ZeRO-3 only)")
+                   help="model.liger_fused_loss (auto, true: Liger's fused loss where Liger applies; false: off)")
     p.add_argument("--attn", choices=("sdpa", "eager", "flash_attention_2"), default="sdpa")
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=None, help="only this ZeRO stage")
     p.add_argument("--offload", choices=pl.OFFLOADS, default=None,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from toolkit.ds_config import SPEED_SIZES, ConfigError
@@ -75,11 +75,14 @@ GPU_PEAK_FLOPS = 989.4e12  # H100/H200 dense bf16 (toolkit/metrics.py GPU_PEAK_T
 # + Liger), micro 16 -> 64.5k (speed.json, 53.6% MFU; the fit gives 55.8%).
 MFU_MAX = 0.642
 MFU_HALF_TOKENS = 4963.0
-# Liger's kernels: bare loop llama-1b ZeRO-2 micro 4, 48.0k with vs 40.1k without (anchors.md).
+# Liger's kernels with the fused loss: bare loop llama-1b ZeRO-2 micro 4, 48.0k with vs 40.1k without
+# (anchors.md).
 LIGER_SPEEDUP = 1.20
-# ZeRO-3 cost per micro-step per billion parameters (gathers, hooks), from llama-1b on 2x H200: ZeRO-3
-# micro 8 ran 0.84x of ZeRO-2 micro 16 (speed.md, run s6), about 38 ms per micro-step for 1.24B.
-ZERO3_S_PER_GPARAM = 0.031
+# ZeRO-3 cost per micro-step per billion parameters (gathers, hooks), from llama-1b on 2x H200 with the
+# fused loss at micro 16: 0.517 s/step at ZeRO-3 against 0.502 at ZeRO-2 (bench/results/zero3_tuning.md),
+# 15 ms for 1.24B. The same constants give 0.71 s for ZeRO-3 without the fused loss at micro 8 x 2
+# (measured 0.714).
+ZERO3_S_PER_GPARAM = 0.012
 # train.zero_sizes=memory (h^2 buckets, ~2-layer live limit) against the speed sizes: llama-1b ZeRO-3
 # lost 35% of its tokens/s, GPT-2 ZeRO-2 a quarter (ds_config.py SPEED_SIZES comment).
 MEMORY_SIZES_SPEED = {3: 0.65, 2: 0.75, 1: 0.75, 0: 1.0}
@@ -125,7 +128,7 @@ class Workload:
     """Liger kernels wanted (model.liger); applied where toolkit/kernels.py would apply them."""
     attn: str = "sdpa"
     fused_loss: str = "auto"
-    """model.liger_fused_loss: auto (off at ZeRO-3), true or false."""
+    """model.liger_fused_loss: auto or true (on; at ZeRO-3 with the head as an external parameter), false."""
 
 
 @dataclass(frozen=True)
@@ -172,7 +175,7 @@ class Prediction:
     liger: bool
     """Liger kernels applied (RMSNorm, SwiGLU, RoPE)."""
     fused_loss: bool
-    """Liger's fused linear cross-entropy (stages 0-2; toolkit/kernels.py keeps it off at ZeRO-3)."""
+    """Liger's fused linear cross-entropy (toolkit/kernels.py: on unless model.liger_fused_loss=false)."""
     phase: str
     gpu: dict[str, float]
     """GiB per rank at the peak, by category."""
@@ -187,7 +190,6 @@ class Prediction:
     fits_host: bool
     step_time_s: float
     tokens_per_s_per_gpu: float
-    notes: list[str] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
@@ -349,7 +351,6 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     tokens = c.micro_batch * w.seq_len
     h, vocab = s.hidden_size, s.vocab_size
     largest = max(s.param_numels())
-    notes: list[str] = []
 
     # ---- what each rank holds between steps ------------------------------------------------------
     if stage < 3:
@@ -454,7 +455,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     host_node = host_rank * hw.gpus_per_node
     fits_gpu = need <= hw.gpu_mem_gib
     fits_host = hw.host_mem_gib is None or host_node <= hw.host_mem_gib
-    step_s = _step_time_s(w, c, hw, p_all=p_all, t_all=t_all, liger=liger, offload_opt=offload_opt,
+    step_s = _step_time_s(w, c, hw, p_all=p_all, t_all=t_all, fused_loss=flce, offload_opt=offload_opt,
                           offload_param=offload_param, cpu_params=sum(groups) - sum(gpu_groups) if stage == 3
                           else (t_all / n if offload_opt else 0.0))
     tps = c.micro_batch * c.grad_accum * w.seq_len / step_s
@@ -463,7 +464,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
         persistent={"params": params / GIB, "grads": grads / GIB, "optimizer": optimizer / GIB},
         peak_allocated_gib=peak_gib, gpu_need_gib=need, host={k: v / GIB for k, v in host.items()},
         host_rank_gib=host_rank, host_node_gib=host_node, fits_gpu=fits_gpu, fits_host=fits_host,
-        step_time_s=step_s, tokens_per_s_per_gpu=tps, notes=notes)
+        step_time_s=step_s, tokens_per_s_per_gpu=tps)
 
 
 def _host_bytes(s: ModelShape, c: Choice, hw: Hardware, *, stage: int, t_all: int, autocast: bool,
@@ -517,7 +518,7 @@ def _accumulated_grads_in_cpu(s: ModelShape, n: int) -> float:
     return total
 
 
-def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int, liger: bool,
+def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int, fused_loss: bool,
                  offload_opt: bool, offload_param: bool, cpu_params: float) -> float:
     """Seconds per optimizer step on one rank: compute per micro-step at an MFU that grows with the
     tokens per micro-step, ZeRO-3's per-micro-step cost, offload copies, and the CPU Adam step."""
@@ -528,7 +529,7 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     if c.grad_ckpt:
         flops += 2.0 * p_all + attn / 3  # one more forward
     mfu = MFU_MAX * tokens / (tokens + MFU_HALF_TOKENS)  # fitted on runs with Liger's kernels and fused loss
-    if not (liger and c.stage < 3):
+    if not fused_loss:
         mfu /= LIGER_SPEEDUP
     micro = flops * tokens / (mfu * GPU_PEAK_FLOPS)
     if c.stage == 3:
@@ -664,7 +665,3 @@ def _shape_of(model_config: Any) -> ModelShape:
     from toolkit.shapes import shape_of_config
 
     return shape_of_config(model_config)
-
-
-def with_choice(p: Prediction, **changes: Any) -> Choice:
-    return replace(p.choice, **changes)
