@@ -36,8 +36,6 @@ def _tensors(obj: Any, depth: int = 0) -> Iterator[Any]:
 
     if isinstance(obj, torch.Tensor):
         yield obj
-        if obj.grad is not None:
-            yield obj.grad
     elif depth < 3 and isinstance(obj, (list, tuple)):
         for x in obj:
             yield from _tensors(x, depth + 1)
@@ -78,17 +76,19 @@ def measure(engine: Any) -> dict[str, dict[str, int]]:
     zero = engine.optimizer
     inner = getattr(zero, "optimizer", None) if zero is not None else None
     opts = [o for o in (inner if inner is not None else zero, getattr(zero, "backup_optimizer", None)) if o is not None]
-    for opt in opts:
-        masters = [p for g in getattr(opt, "param_groups", []) for p in g["params"]]
-        states = [v for st in getattr(opt, "state", {}).values() for v in (st.values() if isinstance(st, dict) else [])]
-        c.add("grads", (p.grad for p in masters))
-        c.add("optimizer", _tensors(masters))
-        c.add("optimizer", _tensors(states))
+    # fp32 master copies: the inner optimizers' parameters, and ZeRO's own lists of them (ZeRO-3 empties
+    # the optimizer's param_groups between sub-group steps)
+    masters = [p for opt in opts for g in getattr(opt, "param_groups", []) for p in g["params"]]
     if zero is not None:
         for name in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups", "fp32_groups_flat",
                      "fp32_groups_flat_partition"):
-            c.add("optimizer", _tensors(getattr(zero, name, None)))
+            masters += list(_tensors(getattr(zero, name, None)))
+    c.add("grads", (t.grad for t in masters))  # their gradients (fp32, e.g. the offloaded or GPU-kept ones)
     c.add("grads", (p.grad for p in params))
+    c.add("optimizer", iter(masters))
+    for opt in opts:
+        c.add("optimizer", _tensors([v for st in getattr(opt, "state", {}).values()
+                                     for v in (st.values() if isinstance(st, dict) else [])]))
     if zero is not None:
         for name, value in list(vars(zero).items()):
             if "grad" in name.lower():
