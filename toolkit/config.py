@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 from toolkit.ds_config import ConfigError
 
@@ -75,8 +75,13 @@ class TrainConfig:
     """DeepSpeed JSON; "auto" values are filled from this config."""
     precision: str = "auto"
     """bf16, fp16, fp32, or auto: the DeepSpeed JSON's if it pins one, else bf16 on GPUs that support it, fp32 on CPU."""
-    micro_batch_size: int = 4
+    micro_batch_size: Union[int, str] = 4  # noqa: UP007 (omegaconf reads typing.Union, not int | str)
+    """Sequences per rank per forward, or auto: the fastest that fits train.global_batch_size, found by short
+    probe runs before training (toolkit/autotune.py), recorded in run_dir/micro_batch.json and reused."""
     grad_accum: int = 1
+    global_batch_size: int = 0
+    """Sequences per optimizer step over all ranks (needed with micro_batch_size=auto); 0: micro x accum x ranks.
+    When set with a number micro-batch, micro x accum x ranks must equal it."""
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -200,7 +205,9 @@ class Config:
             (t.zero_sizes in ("speed", "memory"), f"train.zero_sizes must be speed or memory, got {t.zero_sizes!r}"),
             (t.keep_checkpoints >= 0, "train.keep_checkpoints must be >= 0"),
             (t.collective_timeout_s >= 1, "train.collective_timeout_s must be >= 1"),
-            (t.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
+            (t.micro_batch_size == "auto" or (isinstance(t.micro_batch_size, int) and t.micro_batch_size >= 1),
+             f"train.micro_batch_size must be >= 1 or auto, got {t.micro_batch_size!r}"),
+            (t.global_batch_size >= 0, "train.global_batch_size must be >= 0"),
             (t.grad_accum >= 1, "train.grad_accum must be >= 1"),
             (t.max_steps >= 0, "train.max_steps must be >= 0"),
             (t.lr > 0, "train.lr must be > 0"),

@@ -7,6 +7,7 @@ the warmup+cosine schedule (transformers' own function), metrics, memory snapsho
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -16,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from toolkit import breakdown, console, dist, kernels, resume
+from toolkit import autotune, breakdown, console, dist, kernels, resume
 from toolkit.checkpoint import (
     DEFAULT_RUN_DIR,
+    atomic_write,
     claim_run_dir,
     export_model,
     mark_complete,
@@ -72,6 +74,8 @@ def run(p: Plan) -> int:
         note = breakdown.copy_plan(cfg.train.plan, p.run_dir)
         if note:
             print(note, flush=True)
+        if p.autotune:  # train.micro_batch_size=auto: the probes and the choice, reused by a later run
+            atomic_write(p.run_dir / autotune.RECORD, json.dumps(p.autotune, indent=1) + "\n")
     dist.barrier()
     with console.rank_log(p.run_dir, rank):
         return _run(p, liger)
@@ -108,6 +112,7 @@ def _run(p: Plan, liger: Any) -> int:
     if cfg.train.max_steps == 0:  # one epoch of the data actually loaded
         p.total_steps = steps_per_epoch(len(rows), cfg, p.world_size)
 
+    autotune.inject_fault_for_tests(cfg.train.micro_batch_size)
     keep_alive = _deepspeed_config_alive(p)  # must exist before the model under ZeRO-3
     model = build_model(cfg, p.model_config, frozen_bf16=p.adapter_autocast)
     kernels.apply(model, liger)

@@ -33,6 +33,7 @@ class Plan:
     adapter_autocast: bool = False  # LoRA under bf16: fp32 adapters, bf16 frozen base, torch autocast
     resume_from: Checkpoint | None = None  # train.resume: the complete checkpoint found
     reshard: Reshard | None = None  # ... written on another number of ranks: loaded as a universal checkpoint
+    autotune: dict[str, Any] | None = None  # train.micro_batch_size=auto: the probes and the choice
 
 
 def _precision(cfg: Config, ds: dict[str, Any]) -> str:
@@ -54,6 +55,10 @@ def plan(cfg: Config) -> Plan:
     world = dist.world_size()
     ds_raw = load_ds_config(cfg.train.ds_config)
     t = cfg.train
+    if t.global_batch_size and t.micro_batch_size * t.grad_accum * world != t.global_batch_size:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} but micro_batch_size {t.micro_batch_size} x "
+                          f"grad_accum {t.grad_accum} x {world} ranks = {t.micro_batch_size * t.grad_accum * world}; "
+                          "fix one, or set train.micro_batch_size=auto")
     ckpt, reshard, notes = _resume(cfg, world)
     warnings = notes + _run_checks(ds_raw, cfg, world)
     mc = model_config(cfg)

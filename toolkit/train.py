@@ -40,7 +40,17 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         if args.ds:
             cfg.train.ds_config = args.ds
+        auto_micro = cfg.train.micro_batch_size == "auto"
+        if auto_micro:
+            # the probes are child jobs coordinated over the process group, so it starts first here
+            dist.quiet_libraries()
+            dist.init_distributed(cfg.train.collective_timeout_s)
+            from toolkit.autotune import resolve
+
+            record = resolve(cfg, sys.argv[1:])
         p = plan(cfg)
+        if auto_micro:
+            p.autotune = record
     except ConfigError as e:
         if main_rank:
             print(f"error: {e}", file=sys.stderr)
@@ -48,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     if main_rank:
         for line in notes + p.warnings:
             print(line, flush=True)
-    dist.quiet_libraries()
-    dist.init_distributed(p.cfg.train.collective_timeout_s)
+    if not auto_micro:
+        dist.quiet_libraries()
+        dist.init_distributed(p.cfg.train.collective_timeout_s)
     from toolkit.loop import run
 
     return run(p)

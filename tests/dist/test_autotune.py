@@ -1,0 +1,60 @@
+"""train.micro_batch_size=auto on 2 CPU ranks through the real launcher (toolkit/autotune.py).
+
+CPU runs never run out of memory, so the test injects one: a probe child above micro 2 raises torch's
+OutOfMemoryError on its last rank before the engine starts, while rank 0 waits for it in a collective.
+That is the case the probes exist for. The other children must be stopped at once (not after the
+collective timeout), and the search must go on to the sizes that fit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from _net import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _train(run_dir: Path, tmp: Path, *extra: str) -> tuple[int, str, float]:
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "toolkit/train.py",
+           "train.path=raw", "train.micro_batch_size=auto", "train.global_batch_size=8", "train.max_steps=3",
+           "train.export=false", "memory.every=0", "metrics.tensorboard=false", f"train.run_dir={run_dir}", *extra]
+    env = os.environ | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", "TOOLKIT_CACHE": str(tmp / "cache"),
+                        "TOOLKIT_FAULT_OOM_ABOVE_MICRO": "2"}
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return p.returncode, p.stdout + p.stderr, time.monotonic() - t0
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(1000)
+def test_auto_micro_batch_survives_an_oom_probe_records_and_reuses_its_choice(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    rc, log, took = _train(run, tmp_path)
+    assert rc == 0, log[-5000:]
+    record = json.loads((run / "micro_batch.json").read_text())
+    outcomes = [(p["micro_batch"], p["outcome"]) for p in record["probes"]]
+    # 4 fails on rank 1; 2 fits; 1 is probed only to see whether it is faster, and it is not
+    assert outcomes[:2] == [(4, "out of memory"), (2, "ok")], outcomes
+    assert (record["micro_batch"], record["grad_accum"]) == (2, 2), record
+    assert record["probes"][1]["tokens_per_s"] > 0
+    ds = json.loads((run / "ds_config.json").read_text())
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (2, 2, 8)
+    assert json.loads((run / "status.json").read_text())["status"] == "completed"
+    # the failed probe's peer was stopped at once, not after its collective timeout (600 s)
+    assert took < 400, took
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if any("toolkit-autotune-" in a for a in (p.info["cmdline"] or []))], "a probe child outlived the run"
+    # again in the same run directory: the record is reused, nothing is probed
+    rc, log, _ = _train(run, tmp_path, "train.overwrite=true")
+    assert rc == 0, log[-5000:]
+    assert "probing" not in log and "micro_batch_size=auto: 2 (recorded in" in log, log[-3000:]
+    # global_batch_size is required with auto, and must agree with a number micro-batch
+    rc, log, _ = _train(tmp_path / "bad", tmp_path, "train.global_batch_size=0")
+    assert rc == 1 and "train.micro_batch_size=auto needs train.global_batch_size" in log, log[-2000:]
