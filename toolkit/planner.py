@@ -639,19 +639,23 @@ def choice_from_ds(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, gra
 
 
 def fitting_micro_batches(model_config: Any, ds_config: dict[str, Any], world_size: int, seq_len: int,
-                          per_rank_batch: int, gpu_mem_gib: float, *, lora: Lora | None = None,
+                          per_rank_batch: int, gpu_mem_gib: float, *, lora: Lora | bool | None = None,
                           grad_ckpt: bool = False, liger: bool = True, attn: str = "sdpa",
-                          zero_sizes: str = "speed", gpus_per_node: int | None = None) -> list[int]:
+                          zero_sizes: str = "speed", fused_loss: str = "auto",
+                          gpus_per_node: int | None = None) -> list[int]:
     """Micro-batch sizes (divisors of per_rank_batch = micro x grad_accum) predicted to fit in
     gpu_mem_gib per GPU for this DeepSpeed config, largest first; [] when none does.
 
     model_config: an HF config object (train.py's Plan.model_config) or a ModelShape. The stage,
     offload and ratio come from ds_config; its bucket/live sizes follow zero_sizes, as "auto" does.
+    lora: a Lora (r, target modules), True for the defaults (r=8 on q_proj, v_proj), or None/False.
+    fused_loss: model.liger_fused_loss. Raises ConfigError for a model type without an activation model.
     """
     shape = model_config if isinstance(model_config, ModelShape) else _shape_of(model_config)
     gpn = gpus_per_node or world_size
     hw = Hardware(gpus_per_node=gpn, nodes=max(1, world_size // gpn), gpu_mem_gib=gpu_mem_gib)
-    w = Workload(shape, seq_len, per_rank_batch * world_size, lora, liger, attn)
+    adapters = Lora() if lora is True else (lora or None)
+    w = Workload(shape, seq_len, per_rank_batch * world_size, adapters, liger, attn, fused_loss)
     out = []
     for m in sorted(divisors(per_rank_batch), reverse=True):
         c = choice_from_ds(ds_config, micro_batch=m, grad_accum=per_rank_batch // m, grad_ckpt=grad_ckpt,

@@ -233,6 +233,10 @@ def test_fitting_micro_batches_takes_the_training_model_config() -> None:
     assert by_config == pl.fitting_micro_batches(load_shape("qwen2-0.5b"), ds, 1, 1024, 32, 24.0, grad_ckpt=True,
                                                  lora=pl.Lora())
     assert by_config and by_config[0] > pl.fitting_micro_batches(load_shape("qwen2-0.5b"), ds, 1, 1024, 32, 24.0)[0]
+    assert pl.fitting_micro_batches(mc, ds, 1, 1024, 32, 24.0, lora=True) == pl.fitting_micro_batches(
+        mc, ds, 1, 1024, 32, 24.0, lora=pl.Lora(8, ("q_proj", "v_proj")))
+    unfused = pl.fitting_micro_batches(mc, ds, 1, 1024, 32, 24.0, fused_loss="false")
+    assert unfused[0] < pl.fitting_micro_batches(mc, ds, 1, 1024, 32, 24.0)[0]  # the logits cost memory
 
 
 def test_a_70b_plan_answers_fast() -> None:
