@@ -6,6 +6,8 @@
 #   bash bench/gpu_runs.sh anatomy OUT  # 2-GPU: live tensors at the peak (llama-1b ZeRO-2/3) + BERT/Qwen ZeRO-2/3/offload
 #   bash bench/gpu_runs.sh speed OUT --gpus 2 [bench/speed.py run options]   # bare vs toolkit vs HF, tokens/s
 #   bash bench/gpu_runs.sh lora-liger OUT  # 2-GPU: LoRA (adapter autocast) with Liger kernels, 3 steps
+#   bash bench/gpu_runs.sh paths-auto OUT  # 2-GPU: tests/gpu/test_gpu_speed_paths.py, llama-1b ZeRO-3 with
+#                                          # train.micro_batch_size=auto, Qwen2 ZeRO-2 raw vs Trainer speed
 set -uo pipefail
 mode=$1 out=$2
 mkdir -p "$out"
@@ -16,6 +18,16 @@ case $mode in
     python bench/speed.py run --out "$out" "${@:3}" 2>&1 | tee "$out/speed.log"
     python bench/speed.py table "$out"/*.json --json "$out/speed.json" --command "bash bench/gpu_runs.sh $*" \
       --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee "$out/speed.md"
+    exit 0 ;;
+  paths-auto)  # each part bounded, so one slow part cannot take the others' results with it
+    TOOLKIT_BENCH_OUT="$out" timeout 250 python -m pytest -q tests/gpu/test_gpu_speed_paths.py -p no:cacheprovider \
+      > "$out/gputest.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$out/gputest.log"
+    timeout 160 deepspeed --num_gpus 2 --master_port 29610 toolkit/train.py --ds ds_configs/zero3.json model.name=llama-1b \
+      data.seq_len=2048 data.num_samples=640 train.micro_batch_size=auto train.global_batch_size=32 train.max_steps=20 \
+      train.path=raw train.precision=bf16 train.export=false train.lr=1e-4 train.warmup_steps=1 \
+      train.run_dir="$out/auto-z3" > "$out/auto-z3.log" 2>&1; echo "auto rc=$?"; grep "micro_batch_size=auto\|  micro" "$out/auto-z3.log"
+    timeout 80 python bench/speed.py run --out "$out/qwen" --gpus 2 --only qwen2-0.5b-seq2048 --stages 2 \
+      --variants raw,trainer --warmup 3 --steps 6 --port 29640 > "$out/qwen.log" 2>&1; echo "qwen rc=$?"; tail -2 "$out/qwen.log"
     exit 0 ;;
   lora-liger)
     deepspeed --num_gpus 2 --master_port 29550 toolkit/train.py --ds ds_configs/zero2.json model.name=qwen2-0.5b \

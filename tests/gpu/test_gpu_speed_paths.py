@@ -3,13 +3,17 @@
 Same random init at every ZeRO stage on GPU (zero.Init used to draw from the CUDA generator), and over
 20 steps in bf16: ZeRO-2 vs ZeRO-3, raw vs Trainer, Liger on vs off.
 
-Bounds. Each logged loss is a mean over about 16k tokens. bf16 rounds each term to 2^-8 relative,
-and those errors are uncorrelated, so the two sides of a pair differ by far less than 1e-3 at
-step 1 (same weights, same batches); over 20 AdamW updates the trajectories can drift apart by the
-accumulated rounding of different reduction orders (ZeRO-2's reduce-scatter vs ZeRO-3's) or different
-kernels (Liger's fused loss vs eager logits). 2% relative per step bounds that drift with room, and
-still fails on any real difference: another init, another data order or a wrong loss scale moves the
-loss by far more (the CUDA-generator bug gave 10.18 vs 10.81 after 25 steps).
+Bounds. Each logged loss is a mean over about 16k tokens. At step 1 (same weights, same batches) only
+bf16 rounding separates two sides: 1e-3 relative. Over 20 AdamW updates the trajectories drift by the
+accumulated rounding of other reduction orders (ZeRO-2's reduce-scatter vs ZeRO-3's) or other kernels
+(Liger vs eager). Measured on llama-1b (bench/results/zero3_tuning.md): ZeRO-2 vs ZeRO-3 and fused
+loss vs eager logits stayed within 1e-4 relative at every one of 20 steps. So 2e-3 per step (5e-3 for
+Liger's whole kernel set vs none) leaves room for that drift, and stays below the step-to-step spread of
+the loss (about 2.5e-3), which another data order would show. Another init or a wrong loss scale
+moves it far more: the CUDA-generator bug gave 10.18 vs 10.81 after 25 steps.
+
+The tiny preset has an untied head, the case public reports of the fused loss under ZeRO-3 crash on
+(Liger #1048); Qwen2-0.5B ties it.
 
     TOOLKIT_BENCH_OUT=DIR pytest tests/gpu/test_gpu_speed_paths.py
 """
@@ -34,6 +38,8 @@ RUNS = {
     "trainer-z2": ("zero2", ["train.path=trainer"]),
     "raw-z2-noliger": ("zero2", ["train.path=raw", "model.liger=false"]),
     "raw-z3-noliger": ("zero3", ["train.path=raw", "model.liger=false"]),
+    "untied-z2": ("zero2", ["train.path=raw", "model.name=tiny"]),
+    "untied-z3": ("zero3", ["train.path=raw", "model.name=tiny"]),
 }
 
 
@@ -63,8 +69,9 @@ def test_same_init_at_every_stage_on_gpu(losses: dict[str, list[float]]) -> None
 
 @pytest.mark.timeout(900)
 def test_stages_paths_and_liger_agree_over_20_steps(losses: dict[str, list[float]]) -> None:
-    _close(losses["raw-z3"], losses["raw-z2"], 2e-2)
-    _close(losses["raw-z3-noliger"], losses["raw-z2-noliger"], 2e-2)
-    _close(losses["trainer-z2"], losses["raw-z2"], 2e-2)
-    _close(losses["raw-z2"], losses["raw-z2-noliger"], 2e-2)
+    _close(losses["raw-z3"], losses["raw-z2"], 2e-3)  # fused loss at both stages (head external at ZeRO-3)
+    _close(losses["raw-z3-noliger"], losses["raw-z2-noliger"], 2e-3)
+    _close(losses["trainer-z2"], losses["raw-z2"], 2e-3)
+    _close(losses["raw-z2"], losses["raw-z2-noliger"], 5e-3)
+    _close(losses["untied-z3"], losses["untied-z2"], 2e-3)
     assert losses["raw-z2"][-1] < losses["raw-z2"][0]  # and it trains
