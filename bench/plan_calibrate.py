@@ -211,6 +211,17 @@ def _gpu_count() -> int:
     return sum(line.startswith("GPU ") for line in out.splitlines())
 
 
+def _write(out: Path, a: argparse.Namespace, gpus: int, smoke: bool, t0: float, skipped: list[str],
+           rows: list[dict[str, Any]]) -> dict[str, Any]:
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": "python bench/plan_calibrate.py " + " ".join(sys.argv[1:]), "gpus": gpus,
+              "device": _device_name(), "smoke": smoke, "wall_s": round(time.perf_counter() - t0, 1),
+              "skipped_need_more_gpus": skipped, "rows": rows}
+    (out / "calibration.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "calibration.md").write_text(table(result))
+    return result
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -242,15 +253,12 @@ def cmd_run(a: argparse.Namespace) -> int:
         for fut in futures:
             rows.append(fut.result())
             _progress(rows[-1])
+            _write(out, a, gpus, smoke, t0, skipped, rows)  # after every row: a cut-off run keeps what it measured
     for j, c in enumerate(multis):  # every GPU at once: alone
         rows.append(run_one(c, out, a.steps, port + len(singles) + j, None, smoke, a.gpu_mem, a.timeout, False))
         _progress(rows[-1])
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": "python bench/plan_calibrate.py " + " ".join(sys.argv[1:]), "gpus": gpus,
-              "device": _device_name(), "smoke": smoke, "wall_s": round(time.perf_counter() - t0, 1),
-              "skipped_need_more_gpus": skipped, "rows": rows}
-    (out / "calibration.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "calibration.md").write_text(table(result))
+        _write(out, a, gpus, smoke, t0, skipped, rows)
+    result = _write(out, a, gpus, smoke, t0, skipped, rows)
     print(table(result))
     return 0 if all(r["rc"] == 0 for r in rows) else 1
 
