@@ -75,13 +75,14 @@ def candidates(cfg: Config, world: int, per_rank: int, gpu_gib: float | None) ->
     if gpu_gib is None:
         return every
     from toolkit.model import model_config
-    from toolkit.planner import fitting_micro_batches
+    from toolkit.planner import Lora, fitting_micro_batches
 
     try:
         fit = fitting_micro_batches(model_config(cfg), load_ds_config(cfg.train.ds_config), world, cfg.data.seq_len,
                                     per_rank, gpu_gib, grad_ckpt=cfg.model.gradient_checkpointing,
                                     liger=cfg.model.liger, attn=cfg.model.attn_implementation,
-                                    zero_sizes=cfg.train.zero_sizes)
+                                    zero_sizes=cfg.train.zero_sizes, fused_loss=cfg.model.liger_fused_loss,
+                                    lora=Lora(cfg.lora.r, tuple(cfg.lora.target_modules)) if cfg.lora.enabled else None)
     except Exception as e:  # a shape the planner refuses: the probes still find the answer
         print(f"micro_batch_size=auto: no prediction ({type(e).__name__}: {e}); probing every divisor", flush=True)
         return every
