@@ -6,11 +6,11 @@ Same random init at every ZeRO stage on GPU (zero.Init used to draw from the CUD
 Bounds. Each logged loss is a mean over about 16k tokens. At step 1 (same weights, same batches) only
 bf16 rounding separates two sides: 1e-3 relative. Over 20 AdamW updates the trajectories drift by the
 accumulated rounding of other reduction orders (ZeRO-2's reduce-scatter vs ZeRO-3's) or other kernels
-(Liger vs eager). Measured on llama-1b (bench/results/zero3_tuning.md): ZeRO-2 vs ZeRO-3 and fused
-loss vs eager logits stayed within 1e-4 relative at every one of 20 steps. So 2e-3 per step (5e-3 for
-Liger's whole kernel set vs none) leaves room for that drift, and stays below the step-to-step spread of
-the loss (about 2.5e-3), which another data order would show. Another init or a wrong loss scale
-moves it far more: the CUDA-generator bug gave 10.18 vs 10.81 after 25 steps.
+(Liger vs eager). Measured on 2 H200s with this file (bench/results/gpu_paths_auto.md): ZeRO-3 vs
+ZeRO-2 5.2e-5, Trainer vs raw 3.5e-5, Liger vs none 3.9e-5 at worst over 20 steps, while the loss moves
+5.8e-4 from one step to the next on average. So 5e-4 per step is ten times the drift and still below
+what another data order shows. Another init or a wrong loss scale moves it far more: the
+CUDA-generator bug gave 10.18 vs 10.81 after 25 steps.
 
 The tiny preset has an untied head, the case public reports of the fused loss under ZeRO-3 crash on
 (Liger #1048); Qwen2-0.5B ties it.
@@ -69,9 +69,9 @@ def test_same_init_at_every_stage_on_gpu(losses: dict[str, list[float]]) -> None
 
 @pytest.mark.timeout(900)
 def test_stages_paths_and_liger_agree_over_20_steps(losses: dict[str, list[float]]) -> None:
-    _close(losses["raw-z3"], losses["raw-z2"], 2e-3)  # fused loss at both stages (head external at ZeRO-3)
-    _close(losses["raw-z3-noliger"], losses["raw-z2-noliger"], 2e-3)
-    _close(losses["trainer-z2"], losses["raw-z2"], 2e-3)
-    _close(losses["raw-z2"], losses["raw-z2-noliger"], 5e-3)
-    _close(losses["untied-z3"], losses["untied-z2"], 2e-3)
+    _close(losses["raw-z3"], losses["raw-z2"], 5e-4)  # fused loss at both stages (head external at ZeRO-3)
+    _close(losses["raw-z3-noliger"], losses["raw-z2-noliger"], 5e-4)
+    _close(losses["trainer-z2"], losses["raw-z2"], 5e-4)
+    _close(losses["raw-z2"], losses["raw-z2-noliger"], 5e-4)
+    _close(losses["untied-z3"], losses["untied-z2"], 5e-4)
     assert losses["raw-z2"][-1] < losses["raw-z2"][0]  # and it trains
