@@ -45,11 +45,12 @@ STAGES: dict[str, list[tuple[int, str]]] = {
     "llama-1b-seq2048": [(2, "none"), (3, "none"), (3, "optimizer")],
     "tiny-seq64": [(2, "none"), (3, "none")],
 }
-# The toolkit's micro-batch per workload and stage (capped at the per-rank batch). The fused loss
-# frees the 128k-152k-vocabulary logits, which is what makes micro 8-16 fit at ZeRO-2; ZeRO-3 keeps
-# the logits (no fused loss there), so llama-1b stays at 8. GPT-2 has no Liger kernels: the docs' 16.
+# The toolkit's micro-batch per workload and stage (capped at the per-rank batch), as the rows in
+# bench/results/speed.md ran. The fused loss frees the 128k-152k-vocabulary logits, which is what makes
+# micro 8-16 fit. llama-1b ZeRO-3 ran at 8 there, before the fused loss came to ZeRO-3; 16 since
+# (zero3_tuning.md, and what train.micro_batch_size=auto chose). GPT-2 has no Liger kernels: the docs' 16.
 TOOLKIT_MICRO: dict[str, dict[int, int]] = {"gpt2-124m-seq1024": {2: 16, 3: 16}, "qwen2-0.5b-seq2048": {2: 8, 3: 8},
-                                            "llama-1b-seq2048": {2: 16, 3: 8}, "tiny-seq64": {2: 4, 3: 4}}
+                                            "llama-1b-seq2048": {2: 16, 3: 16}, "tiny-seq64": {2: 4, 3: 4}}
 VARIANTS = ("bare", "raw", "trainer", "hf")
 # --tune NAME,...: extra toolkit rows at ZeRO-3 that try one lever each (../shared/notes/zero3_speed.md §3, §6):
 # (training overrides, DeepSpeed zero_optimization values written over the preset, micro-batch or None).
