@@ -183,7 +183,9 @@ def render(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predictio
     gpu = ", ".join(f"{k} {v:.2f}" for k, v in chosen.gpu.items() if v >= 0.005)
     lines.append(f"  GPU at its peak ({chosen.phase}): {gpu} = {chosen.peak_allocated_gib:.2f} GiB allocated")
     host_parts = ", ".join(f"{k} {v:.2f}" for k, v in chosen.host.items())
-    lines.append(f"  host per rank: {host_parts} = {chosen.host_rank_gib:.2f} GiB")
+    build = (f"; {chosen.host_build_rank_gib:.2f} GiB while the model is built in fp32"
+             if chosen.host_build_rank_gib > chosen.host_rank_gib else "")
+    lines.append(f"  host per rank: {host_parts} = {chosen.host_rank_gib:.2f} GiB{build}")
     return "\n".join(lines)
 
 

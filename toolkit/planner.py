@@ -185,7 +185,14 @@ class Prediction:
     gpu_need_gib: float
     host: dict[str, float]
     host_rank_gib: float
+    """Host RSS per rank at its largest phase boundary (model loaded, engine ready, steps): what the
+    memory snapshots of a run measure."""
+    host_build_rank_gib: float
+    """Host RSS per rank while build_model runs: stages 0-2 build the whole model in fp32 on the CPU,
+    also under adapter autocast, which casts the frozen base to bf16 only once it exists. Snapshots do
+    not see it when it is above host_rank_gib; host_node_gib and fits_host count it."""
     host_node_gib: float
+    """Host RAM the node needs: its ranks at the larger of host_rank_gib and host_build_rank_gib."""
     fits_gpu: bool
     fits_host: bool
     step_time_s: float
@@ -250,7 +257,7 @@ def _cpu_groups(n_groups: int, ratio: float) -> int:
 
 
 def layer_activation_bytes(shape: ModelShape, *, seq_len: int, attn: str, liger: bool,
-                           lora: Lora | None) -> float:
+                           lora: Lora | None, autocast: bool = False) -> float:
     """Bytes one decoder layer saves for backward, per token (bf16 activations).
 
     Counted tensor by tensor from what autograd keeps in transformers' Llama/Qwen2 layer, and checked
@@ -265,6 +272,14 @@ def layer_activation_bytes(shape: ModelShape, *, seq_len: int, attn: str, liger:
       MLP (HF): gate output, SiLU output, up output, and their product when down_proj saves its input;
       MLP (Liger): gate and up outputs (the SiLU-mul kernel recomputes the rest), and the product.
     A linear saves its input only when its weight trains (full fine-tune) or it carries a LoRA adapter.
+    autocast (LoRA in adapter autocast mode: fp32 adapters, bf16 activations): PEFT's lora.Linear casts
+    its input to the adapter's dtype (`x = self._cast_input_dtype(x, lora_A.weight.dtype)`, fp32) and
+    autocast casts that back to bf16 for lora_A's matmul, a new tensor per adapter, which lora_A saves.
+    So each targeted linear keeps its own bf16 copy of its input, and the input the targeted linears
+    share (the norm's output) is not kept by anyone: 2 x in_features per targeted linear, q_proj and
+    v_proj together 4h where DeepSpeed's bf16 mode keeps one 2h. Counted with saved_tensors_hooks on a
+    Qwen2-0.5B layer under CPU autocast (peft 0.21): two (tokens, 896) bf16 tensors, one with the cast
+    disabled (cast_input_dtype_enabled=False).
     """
     h, inter = shape.hidden_size, shape.intermediate_size
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
@@ -273,14 +288,22 @@ def layer_activation_bytes(shape: ModelShape, *, seq_len: int, attn: str, liger:
     def saves_input(*names: str) -> bool:
         return full or any(n in lora.targets for n in names)
 
+    def inputs_saved(*names: str) -> int:
+        """Copies kept of the input these linears share: one, or one per adapter under autocast."""
+        if autocast and lora is not None:
+            return sum(n in lora.targets for n in names)
+        return 1 if saves_input(*names) else 0
+
     norm = 2 * h if liger else 4 * h + (2 * h if full else 0)
     total = 2 * norm
-    total += 2 * h if saves_input("q_proj", "k_proj", "v_proj") else 0
-    total += 2 * h if saves_input("gate_proj", "up_proj") else 0
+    total += 2 * h * inputs_saved("q_proj", "k_proj", "v_proj")
+    total += 2 * h * inputs_saved("gate_proj", "up_proj")
     if attn == "eager":
-        total += 3 * 2 * q + 6 * shape.num_heads * seq_len + (2 * q if saves_input("o_proj") else 0)
+        total += 3 * 2 * q + 6 * shape.num_heads * seq_len + 2 * q * inputs_saved("o_proj")
     else:
+        # sdpa/flash keep their output themselves; an o_proj adapter under autocast keeps its own copy
         total += 2 * q + 2 * 2 * kv + 2 * q + 4 * shape.num_heads
+        total += 2 * q if (autocast and lora is not None and "o_proj" in lora.targets) else 0
     total += (2 if liger else 3) * 2 * inter + (2 * inter if saves_input("down_proj") else 0)
     if lora is not None:  # lora_A's output, saved by lora_B: r values per targeted linear
         total += sum(2 * lora.r for name, _, _ in shape.linears if name.rsplit(".", 1)[-1] in lora.targets)
@@ -385,7 +408,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
         held = (4.0 if autocast else 2.0) * t_all / (1 if stage == 0 else n)
 
     # ---- activations ---------------------------------------------------------------------------------
-    per_layer = layer_activation_bytes(s, seq_len=w.seq_len, attn=w.attn, liger=liger, lora=lora)
+    per_layer = layer_activation_bytes(s, seq_len=w.seq_len, attn=w.attn, liger=liger, lora=lora, autocast=autocast)
     head_saves_input = full and not flce
     final = _final_norm_bytes(s, liger=liger, full=full, head_saves_input=head_saves_input) * tokens
     if c.grad_ckpt:
@@ -411,7 +434,12 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
         loss_bwd = float(LOGIT_BYTES) * vocab * tokens
     # the tied (or any trained) head's gradient waits for the embedding's at the end of backward
     head_grad = 2.0 * vocab * h if (full and s.tied_embeddings and not flce) else 0.0
-    buckets = 2 * 2.0 * sizes.reduce_bucket if stage in (1, 2) else 0.0  # setup_buckets: double buffer
+    # stage_1_and_2.py setup_buckets: two reduce_bucket_size buffers (overlap_comm double buffer) of
+    # _gradient_reduction_buffer_dtype(), which is self.dtype, the dtype of the optimizer's first
+    # parameter: bf16 in DeepSpeed's bf16 mode, fp32 for the fp32 adapters under autocast (whatever
+    # the adapters' size: the buffers are allocated whole). q-z2-lora-s2048-m4 (calibration.md) measured
+    # 9.29 GiB besides parameters and states at its peak where 2-byte buckets predicted 7.31.
+    buckets = 2 * (4.0 if autocast else 2.0) * sizes.reduce_bucket if stage in (1, 2) else 0.0
     gathered = _gathered_bytes(s, n, sizes, offload_param) if stage == 3 else 0.0
 
     # ---- optimizer step transients (activations gone) -------------------------------------------------
@@ -449,10 +477,12 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     need = peak_gib * (1 + ALLOC_MARGIN) + CUDA_CONTEXT_GIB
 
     # ---- host ------------------------------------------------------------------------------------------
-    host = _host_bytes(s, c, hw, stage=stage, t_all=t_all, autocast=autocast, offload_opt=offload_opt,
-                       offload_param=offload_param, groups=groups, n_gpu_groups=len(gpu_groups), sizes=sizes)
+    host, build_bytes = _host_bytes(s, c, hw, stage=stage, t_all=t_all, autocast=autocast,
+                                    offload_opt=offload_opt, offload_param=offload_param, groups=groups,
+                                    n_gpu_groups=len(gpu_groups), sizes=sizes)
     host_rank = sum(host.values()) / GIB
-    host_node = host_rank * hw.gpus_per_node
+    host_build = build_bytes / GIB
+    host_node = max(host_rank, host_build) * hw.gpus_per_node
     fits_gpu = need <= hw.gpu_mem_gib
     fits_host = hw.host_mem_gib is None or host_node <= hw.host_mem_gib
     step_s = _step_time_s(w, c, hw, p_all=p_all, t_all=t_all, fused_loss=flce, offload_opt=offload_opt,
@@ -463,14 +493,15 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
         choice=c, liger=liger, fused_loss=flce, phase=phase, gpu=gpu,
         persistent={"params": params / GIB, "grads": grads / GIB, "optimizer": optimizer / GIB},
         peak_allocated_gib=peak_gib, gpu_need_gib=need, host={k: v / GIB for k, v in host.items()},
-        host_rank_gib=host_rank, host_node_gib=host_node, fits_gpu=fits_gpu, fits_host=fits_host,
+        host_rank_gib=host_rank, host_build_rank_gib=host_build, host_node_gib=host_node, fits_gpu=fits_gpu, fits_host=fits_host,
         step_time_s=step_s, tokens_per_s_per_gpu=tps)
 
 
 def _host_bytes(s: ModelShape, c: Choice, hw: Hardware, *, stage: int, t_all: int, autocast: bool,
                 offload_opt: bool, offload_param: bool, groups: list[int], n_gpu_groups: int,
-                sizes: ZeroSizes) -> dict[str, float]:
-    """Host RSS of one rank by category (bytes)."""
+                sizes: ZeroSizes) -> tuple[dict[str, float], float]:
+    """Host RSS of one rank by category at its largest phase boundary, and the RSS while the model is
+    built (bytes)."""
     n = hw.world
     late = (HOST_BASELINE_CPU_GIB if hw.cpu_ranks else HOST_BASELINE_GIB) * GIB
     early = (HOST_BASELINE_CPU_GIB if hw.cpu_ranks else HOST_EARLY_GIB) * GIB
@@ -478,6 +509,14 @@ def _host_bytes(s: ModelShape, c: Choice, hw: Hardware, *, stage: int, t_all: in
         # every rank builds the model in fp32 on the CPU (toolkit/model.py) before DeepSpeed moves it;
         # that memory returns to the system before offloaded states are allocated: the larger counts
         build = 4.0 * s.total_params
+        # Adapter autocast: build_model(frozen_bf16=True) casts every frozen parameter to bf16 before it
+        # returns, so from model_loaded on the rank holds 2 bytes per frozen parameter and 4 per adapter
+        # parameter; the fp32 storage is returned to the system (q-z2-lora-s2048-m4 in calibration.md:
+        # 2.31 GiB at model_loaded, its largest snapshot, against 1.32 + 0.92 = 2.24 here; the fp32
+        # count gave 3.16). The fp32 model existed inside build_model all the same: the build's RSS.
+        # Checked on the CPU with toolkit.model.build_model for Qwen2-0.5B + LoRA: VmRSS 0.39 -> 1.32
+        # GiB across the build with frozen_bf16, 2.24 without; VmHWM 2.74 GiB for both.
+        loaded = 2.0 * (s.total_params - t_all) + 4.0 * t_all if autocast else build
         states = 0.0
         if offload_opt:
             part = t_all / n
@@ -485,9 +524,10 @@ def _host_bytes(s: ModelShape, c: Choice, hw: Hardware, *, stage: int, t_all: in
                       + 8.0 * part + _pow2(2 * max(s.param_numels())))       # master, bf16 temp, fp32 grad;
             if c.grad_accum > 1:                                            # Adam m, v; grad staging
                 states += _accumulated_grads_in_cpu(s, n)
-        if early + build > late + states:
-            return {"process": early, "model build (fp32)": build}
-        return {"process": late, "offloaded states": states} if states else {"process": late}
+        model = {"process": early, "model (bf16 base, fp32 adapters)" if autocast else "model build (fp32)": loaded}
+        if early + loaded > late + states:
+            return model, early + build
+        return ({"process": late, "offloaded states": states} if states else {"process": late}), early + build
     # ZeRO-3 builds inside zero.Init, on the GPU. The toolkit's random init copies one module's
     # parameters to the CPU in fp32 at a time (toolkit/model.py _init_zero3_on_cpu), freed before the
     # engine exists: not in the measured RSS of any snapshot (speed.json ZeRO-3 rows), left out.
@@ -502,7 +542,7 @@ def _host_bytes(s: ModelShape, c: Choice, hw: Hardware, *, stage: int, t_all: in
         # copies them into one pinned flat buffer; the freed blocks stay in the pinned cache
         out["params (bf16, pinned)"] = _pow2(2.0 * s.total_params / n) + sum(
             _pow2(2.0 * math.ceil(x / n)) for x in s.param_numels())
-    return out
+    return out, 0.0
 
 
 def _accumulated_grads_in_cpu(s: ModelShape, n: int) -> float:
