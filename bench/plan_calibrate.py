@@ -13,6 +13,8 @@ its run directory as plan.json, so `toolkit report RUN` shows the same compariso
         [--model llama-2-7b --global-batch 8]   # the 6.7B shape of issue 11 (3,180 tokens/s to beat)
     # CPU smoke test of this script (tests/dist/test_plan_calibrate.py): tiny model, 2 CPU ranks
     python bench/plan_calibrate.py run --smoke --out /tmp/smoke
+    # the stored measurements against the planner as it is now (no GPU; after a formula change)
+    python bench/plan_calibrate.py repredict bench/results/calibration/calibration.json
 
 Device commands and time (the device machine allows 10 minutes per command; carry [".whl"]):
   run on nvidia-h200 (1 GPU, 139 GiB): about 6-7 minutes: op builds ~1.5 min, then 12 one-GPU
@@ -181,12 +183,7 @@ def run_one(c: Config, out: Path, steps: int, port: int, include: str | None, sm
             rc = 124
     row: dict[str, Any] = {"config": c.__dict__ | {"extra": list(c.extra)}, "rc": rc,
                            "wall_s": round(time.perf_counter() - t0, 1), "argv": " ".join(cmd),
-                           "shared_gpu": shared_gpu,
-                           "predicted": {"peak_allocated_gib": p.peak_allocated_gib, "gpu_need_gib": p.gpu_need_gib,
-                                         "phase": p.phase, "gpu_gib": p.gpu, "persistent_gib": p.persistent,
-                                         "host_rank_gib": p.host_rank_gib, "host_gib": p.host,
-                                         "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu,
-                                         "liger": p.liger, "fused_loss": p.fused_loss}}
+                           "shared_gpu": shared_gpu}
     try:
         row["measured"] = measure(run_dir)
     except (OSError, ValueError, KeyError) as e:
@@ -194,13 +191,23 @@ def run_one(c: Config, out: Path, steps: int, port: int, include: str | None, sm
         row["error"] = f"{type(e).__name__}: {e}"
     if rc != 0:
         row["log_tail"] = log.read_text()[-3000:]
-    if row["measured"]:
+    _set_prediction(row, p)
+    return row
+
+
+def _set_prediction(row: dict[str, Any], p: pl.Prediction) -> None:
+    """The row's predicted block and its errors against the row's measured peaks (every rank's)."""
+    row["predicted"] = {"peak_allocated_gib": p.peak_allocated_gib, "gpu_need_gib": p.gpu_need_gib,
+                        "phase": p.phase, "gpu_gib": p.gpu, "persistent_gib": p.persistent,
+                        "host_rank_gib": p.host_rank_gib, "host_gib": p.host,
+                        "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu,
+                        "liger": p.liger, "fused_loss": p.fused_loss}
+    if row.get("measured"):
         per = row["measured"]["per_rank"].values()
         gpu = [r["peak_allocated_gib"] for r in per if r.get("peak_allocated_gib") is not None]
         host = [r["host_rss_gib"] for r in per if r.get("host_rss_gib") is not None]
         row["gpu_error"] = max((_err(p.peak_allocated_gib, m) for m in gpu), key=abs, default=None)
         row["host_error"] = max((_err(p.host_rank_gib, m) for m in host), key=abs, default=None)
-    return row
 
 
 def _gpu_count() -> int:
@@ -338,6 +345,25 @@ def cmd_table(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_repredict(a: argparse.Namespace) -> int:
+    """A calibration.json's measurements against the planner as it is now (no GPU): the table, then each
+    row's errors before (the predictions stored at the run) and now."""
+    result = json.loads(Path(a.json).read_text())
+    by_name = {c.name: c for c in (*CONFIGS, *SMOKE)}
+    before = {}
+    for r in result["rows"]:
+        before[r["config"]["name"]] = (r.get("gpu_error"), r.get("host_error"))
+        _set_prediction(r, predict(by_name[r["config"]["name"]], a.gpu_mem, bool(result.get("smoke"))))
+    lines = [table(result), "| config | GPU error at the run | GPU error now | host error at the run | host error now |",
+             "|---|---|---|---|---|"]
+    for r in result["rows"]:
+        g, h = before[r["config"]["name"]]
+        lines.append(f"| {r['config']['name']} | {_pct(g)} | {_pct(r.get('gpu_error'))} | {_pct(h)} | "
+                     f"{_pct(r.get('host_error'))} |")
+    print("\n".join(lines))
+    return 0
+
+
 def cmd_bigrun(a: argparse.Namespace) -> int:
     """The plan's choice for the largest model on one GPU, trained through ./launch.sh --plan."""
     out = Path(a.out)
@@ -408,6 +434,10 @@ def main() -> int:
     t = sub.add_parser("table", help="the markdown table of a calibration.json")
     t.add_argument("json")
     t.set_defaults(func=cmd_table)
+    rp = sub.add_parser("repredict", help="a calibration.json's measurements against the planner as it is now")
+    rp.add_argument("json")
+    rp.add_argument("--gpu-mem", type=float, default=139.0)
+    rp.set_defaults(func=cmd_repredict)
     b = sub.add_parser("bigrun", help="the largest full fine-tune on one GPU, as toolkit plan chooses it")
     b.add_argument("--out", required=True)
     b.add_argument("--model", default="llama-3-8b")
