@@ -33,7 +33,7 @@ from toolkit.ds_config import ConfigError, load_ds_config
 PROBE_STEPS = 4  # optimizer steps per probe; the median tokens/s of steps 2.. is its speed
 RECORD = "micro_batch.json"
 CACHE = Path(os.environ.get("TOOLKIT_CACHE", Path.home() / ".cache" / "toolkit")) / RECORD
-OOM_MARKS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
+OOM_MARKS = ("OutOfMemoryError", "CUDA out of memory", "out of memory", "Cannot allocate memory")
 # Tests only: a child whose micro-batch is above this raises an out-of-memory error on its last rank
 # (CPU runs never run out of memory); see tests/dist/test_autotune.py.
 FAULT_ENV = "TOOLKIT_FAULT_OOM_ABOVE_MICRO"
@@ -51,7 +51,25 @@ def key_of(cfg: Config, world: int, gpu: str) -> dict[str, Any]:
             "attn": m.attn_implementation, "grad_ckpt": m.gradient_checkpointing, "liger": m.liger,
             "fused_loss": m.liger_fused_loss, "lora": cfg.lora.enabled and [cfg.lora.r, *cfg.lora.target_modules],
             "precision": t.precision, "zero_sizes": t.zero_sizes, "path": t.path, "world": world, "gpu": gpu,
-            "global_batch": t.global_batch_size, "ds": hashlib.sha256(json.dumps(ds, sort_keys=True).encode()).hexdigest()[:16]}
+            "global_batch": t.global_batch_size, "ds": hashlib.sha256(json.dumps(ds, sort_keys=True).encode()).hexdigest()[:16],
+            "data": _data_identity(cfg.data.source), "versions": _versions()}
+
+
+def _data_identity(source: str) -> str:
+    """A data file pads batches to its longest rows: another file (or the same one changed) is another answer."""
+    f = Path(source)
+    if source == "synthetic" or not f.is_file():
+        return source
+    st = f.stat()
+    return f"{f.resolve()}:{st.st_size}:{int(st.st_mtime)}"
+
+
+def _versions() -> str:
+    from toolkit import __version__
+    from toolkit.checkpoint import versions
+
+    v = versions()
+    return f"toolkit {__version__}, torch {v['torch']}, deepspeed {v['deepspeed']}, liger {v['liger-kernel']}"
 
 
 def gpu_name_and_gib() -> tuple[str, float | None]:
@@ -102,32 +120,57 @@ def resolve(cfg: Config, argv: list[str]) -> dict[str, Any]:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} does not split over {world} ranks")
     per_rank = t.global_batch_size // world
     gpu, gib = gpu_name_and_gib()
+    # Rank 0 decides from the smallest GPU of the job and tells everyone, so every rank runs the same probes
+    # in the same order (each rank asking NVML for itself could disagree: MIG, mixed nodes, a failed NVML).
+    import torch.distributed as tdist
+
+    group = tdist.new_group(backend="gloo")  # CPU agreement: NVML figures, then the probes' states
+    smallest = _all_min(gib, group)
     key = key_of(cfg, world, gpu)
-    record = dist.broadcast_object([_reuse(Path(t.run_dir), key) if dist.rank() == 0 else None])[0]
+    record, order, error = None, None, None
+    if dist.rank() == 0:
+        try:
+            record = _reuse(Path(t.run_dir), key, per_rank)
+            order = None if record else candidates(cfg, world, per_rank, smallest)
+        except Exception as e:  # raised on rank 0 alone, the others would wait in the broadcast below
+            error = f"micro_batch_size=auto: {type(e).__name__}: {e}"
+    record, order, error = dist.broadcast_object([record, order, error])
+    if error:
+        raise RuntimeError(error)
     if record is None:
-        record = _search(cfg, argv, key, per_rank, candidates(cfg, world, per_rank, gib))
+        record = _search(cfg, argv, key, per_rank, order, group)
     t.micro_batch_size = int(record["micro_batch"])
     t.grad_accum = per_rank // t.micro_batch_size
     return record
 
 
-def _reuse(run_dir: Path, key: dict[str, Any]) -> dict[str, Any] | None:
+def _all_min(gib: float | None, group: Any) -> float | None:
+    """The smallest GPU memory over the ranks (None when any rank cannot tell)."""
+    import torch
+    import torch.distributed as tdist
+
+    value = torch.tensor([-1.0 if gib is None else -gib], dtype=torch.float64)
+    tdist.all_reduce(value, op=tdist.ReduceOp.MAX, group=group)  # max of -gib: the smallest; -1 if unknown
+    return None if float(value) == -1.0 else -float(value)
+
+
+def _reuse(run_dir: Path, key: dict[str, Any], per_rank: int) -> dict[str, Any] | None:
     for source in (run_dir / RECORD, CACHE):
         try:
             found = json.loads(source.read_text())
         except (OSError, ValueError):
             continue
         for rec in found if isinstance(found, list) else [found]:
-            if rec.get("key") == key:
+            micro = rec.get("micro_batch") if isinstance(rec, dict) else None
+            # only a record this job can run: an edited or foreign one is ignored, never truncated
+            if rec.get("key") == key and isinstance(micro, int) and micro >= 1 and per_rank % micro == 0:
                 print(f"micro_batch_size=auto: {rec['micro_batch']} (recorded in {source})", flush=True)
                 return rec | {"reused_from": str(source)}
     return None
 
 
-def _search(cfg: Config, argv: list[str], key: dict[str, Any], per_rank: int, order: list[int]) -> dict[str, Any]:
-    import torch.distributed as tdist
-
-    group = tdist.new_group(backend="gloo")  # the agreement between probes is on the CPU
+def _search(cfg: Config, argv: list[str], key: dict[str, Any], per_rank: int, order: list[int],
+            group: Any) -> dict[str, Any]:
     root = dist.broadcast_object([tempfile.mkdtemp(prefix="toolkit-autotune-") if dist.rank() == 0 else None])[0]
     Path(root).mkdir(parents=True, exist_ok=True)  # other nodes: the same path in their own temp directory
     if dist.rank() == 0:
@@ -175,7 +218,7 @@ def _remember(record: dict[str, Any]) -> None:
 
 def _probe(cfg: Config, argv: list[str], micro: int, accum: int, run_dir: Path, index: int,
            group: Any) -> dict[str, Any]:
-    """All ranks: one child per rank; the children form their own job on another port."""
+    """All ranks: one child per rank; the children form their own job on a port rank 0 found free."""
     import torch
     import torch.distributed as tdist
 
@@ -183,7 +226,7 @@ def _probe(cfg: Config, argv: list[str], micro: int, accum: int, run_dir: Path, 
             f"train.run_dir={run_dir}", "train.overwrite=true", "train.resume=null", "train.export=false",
             "train.save_every=0", "train.stop_after=0", "train.log_every=1", "eval.generate=false",
             "memory.every=1", "metrics.tensorboard=false", "train.warmup_steps=1"]
-    port = int(os.environ.get("MASTER_PORT", "29500")) + 1 + index
+    port = dist.broadcast_object([_free_port() if dist.rank() == 0 else None])[0]
     env = os.environ | {"MASTER_PORT": str(port), "TOOLKIT_AUTOTUNE_PROBE": "1"}
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     out = run_dir.parent / f"micro{micro}.rank{dist.rank()}.log"
@@ -192,22 +235,28 @@ def _probe(cfg: Config, argv: list[str], micro: int, accum: int, run_dir: Path, 
                                  env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + cfg.train.collective_timeout_s + 600  # start-up, then PROBE_STEPS steps
     outcome = "ok"
-    while True:
-        time.sleep(1.0)
-        rc = child.poll()
-        late = time.monotonic() > deadline
-        mine = 0 if rc is None and not late else 0 if rc == 0 else 3 if late else 1 if _oom(out) else 2
-        state = torch.tensor([mine, int(rc is None)], dtype=torch.int64)
-        tdist.all_reduce(state, op=tdist.ReduceOp.MAX, group=group)
-        worst, running = int(state[0]), int(state[1])
-        if worst:  # one child failed: stop every other child now instead of at its collective timeout
-            outcome = {1: "out of memory", 2: "failed", 3: "timed out"}[worst]
-            if child.poll() is None:
-                os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
-            break
-        if not running:
-            break
+    try:
+        while True:
+            time.sleep(1.0)
+            rc = child.poll()
+            late = rc is None and time.monotonic() > deadline
+            failed = rc not in (None, 0)
+            # [out of memory, other failure, timed out, running], OR-ed over the ranks. Out of memory
+            # anywhere wins: its peers then fail too (connection closed by peer), and that is not a
+            # reason to stop the search. A child the kernel's OOM killer took has no text: SIGKILL.
+            oom = _oom(out) or (failed and rc == -signal.SIGKILL)
+            state = torch.tensor([oom, failed and not oom, late, rc is None], dtype=torch.int64)
+            tdist.all_reduce(state, op=tdist.ReduceOp.MAX, group=group)
+            any_oom, any_failed, any_late, running = (bool(x) for x in state.tolist())
+            if any_oom or any_failed or any_late:  # stop every other child now, not at its collective timeout
+                outcome = "out of memory" if any_oom else "timed out" if any_late else "failed"
+                break
+            if not running:
+                break
+    finally:  # also when this loop raises (a peer parent gone): never leave a child holding the GPU
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
     if outcome == "failed":
         tail = out.read_text()[-3000:] if child.returncode else ""
         # every rank raises; the one whose child failed for a reason other than memory shows its log
@@ -215,8 +264,19 @@ def _probe(cfg: Config, argv: list[str], micro: int, accum: int, run_dir: Path, 
                            f"rank {dist.rank()} log {out}" + (f":\n{tail}" if tail else ""))
     result: dict[str, Any] = {"micro_batch": micro, "fits": outcome == "ok", "outcome": outcome}
     if outcome == "ok" and dist.rank() == 0:
-        result |= _measured(run_dir)
+        try:
+            result |= _measured(run_dir)
+        except (OSError, ValueError, KeyError) as e:  # rank 0 alone: report it, do not leave the others waiting
+            result |= {"fits": False, "outcome": f"no measurement ({type(e).__name__}: {e})"}
     return dist.broadcast_object([result])[0]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
 
 
 def _oom(log: Path) -> bool:

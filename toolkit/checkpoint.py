@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import shutil
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -131,17 +132,30 @@ def prune(root: Path, prefix: str, keep: int) -> list[Path]:
     return gone
 
 
+def clear_stale(ckpt: Path) -> None:
+    """All ranks, before a save into `ckpt`: a directory of that name left by a killed run (or a run
+    resumed from an earlier step) would keep its extra shards and its old complete.json beside the new
+    files, so rank 0 removes it (with its universal conversion) first."""
+    if dist.rank() == 0:
+        for d in (ckpt, ckpt.with_name(ckpt.name + "_universal")):
+            shutil.rmtree(d, ignore_errors=True)
+    dist.barrier()
+
+
 def save_deepspeed_checkpoint(engine: Any, root: Path, step: int, keep: int,
-                              record: dict[str, Any] | None = None) -> Path:
+                              record: Callable[[], dict[str, Any]] | None = None) -> Path:
     """All ranks call. DeepSpeed's own `save_checkpoint` writes `latest` on rank 0 as soon as rank 0's
     files are written, before the other ranks finish, and without a rename (../shared/notes/faults.md
     (c)); so `latest` is written here instead, after a barrier, atomically, with a completion marker."""
     tag = f"global_step{step}"
+    clear_stale(root / tag)
     # save_checkpoint ends with a barrier (deepspeed/runtime/engine.py save_checkpoint): once it
     # returns, every rank's shard is written.
     engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
+    # after the save: a failure here (e.g. the fixed-batch forward) must not cost the checkpoint's files
+    fields = record() if record else None  # every rank: a collective under ZeRO-3
     if dist.rank() == 0:
-        mark_complete(root / tag, step, record)
+        mark_complete(root / tag, step, fields)
         atomic_write(root / "latest", tag)
         prune(root, "global_step", keep)
     dist.barrier()

@@ -22,6 +22,7 @@ from toolkit.checkpoint import (
     DEFAULT_RUN_DIR,
     atomic_write,
     claim_run_dir,
+    clear_stale,
     export_model,
     mark_complete,
     save_deepspeed_checkpoint,
@@ -74,6 +75,10 @@ def run(p: Plan) -> int:
         note = breakdown.copy_plan(cfg.train.plan, p.run_dir)
         if note:
             print(note, flush=True)
+        if p.resume_from:
+            note = resume.set_aside_newer(p.resume_from, cfg.train.path)
+            if note:
+                print(note, flush=True)
         if p.autotune:  # train.micro_batch_size=auto: the probes and the choice, reused by a later run
             atomic_write(p.run_dir / autotune.RECORD, json.dumps(p.autotune, indent=1) + "\n")
     dist.barrier()
@@ -262,6 +267,8 @@ def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator:
                 control.should_save = True
                 control.should_training_stop = True
                 state["preempted"] = True
+            if control.should_save:  # the Trainer saves right after this hook, into checkpoint-<step>
+                clear_stale(Path(args.output_dir) / f"checkpoint-{st.global_step}")
             return control
 
         def on_save(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
@@ -401,8 +408,8 @@ def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: Collator, orde
         saving = bool((t.save_every and step % t.save_every == 0) or (t.stop_after and step == last and step < total))
         preempted = logged and step < last and state["preempt"].agreed()  # SIGTERM: stop here, with a checkpoint
         if saving or preempted:
-            record = resume.save_record(engine, state["fixed_batch"], world, global_batch)
-            save_deepspeed_checkpoint(engine, ckpt_dir, step, t.keep_checkpoints, record)
+            save_deepspeed_checkpoint(engine, ckpt_dir, step, t.keep_checkpoints,
+                                      lambda: resume.save_record(engine, state["fixed_batch"], world, global_batch))
         if preempted:
             state["preempted"] = True
             break

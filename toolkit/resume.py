@@ -79,6 +79,25 @@ def find(run_dir: Path, path: str, resume: str) -> Checkpoint:
     return Checkpoint(ckpt, tag_dir, step, record)
 
 
+def set_aside_newer(ckpt: Checkpoint, path: str) -> str | None:
+    """Rank 0, resuming from a checkpoint older than the newest: the newer ones belong to the abandoned
+    continuation. Left in place, `latest` and pruning (both by step) would prefer them over what this run
+    writes, so they move to checkpoints/abandoned-<time>/, kept, not deleted."""
+    root = ckpt.dir.parent
+    prefix = "checkpoint-" if path == "trainer" else "global_step"
+    newer = [d for d in root.glob(f"{prefix}*") if d.is_dir() and d.name[len(prefix):].isdigit()
+             and int(d.name[len(prefix):]) > ckpt.step]
+    if not newer:
+        return None
+    aside = root / time.strftime("abandoned-%Y%m%d-%H%M%S")
+    aside.mkdir(exist_ok=True)
+    for d in newer:
+        for x in (d, d.with_name(d.name + UNIVERSAL_SUFFIX)):
+            if x.is_dir():
+                x.rename(aside / x.name)
+    return f"train.resume: {len(newer)} checkpoint(s) newer than {ckpt.dir.name} moved to {aside}"
+
+
 @dataclass(frozen=True)
 class Reshard:
     """A resume onto another number of ranks than the checkpoint was written on."""
@@ -202,17 +221,34 @@ def verify(model: Any, batch: dict[str, Any], ckpt: Checkpoint, run_dir: Path, p
     Rank 0 appends the evidence to resumes.jsonl. Every rank sees the same loss, so every rank raises."""
     saved = ckpt.record.get("fixed_batch_loss")
     same_batch = ckpt.record.get("fixed_batch") == batch_digest(batch)
-    loaded = fixed_batch_loss(model, batch) if saved is not None and same_batch else None
+    why_not = None if saved is not None and same_batch else (
+        "the checkpoint has no fixed-batch loss (an older toolkit)" if saved is None else "the data changed")
+    loaded = fixed_batch_loss(model, batch) if why_not is None else None
+    # decided on the largest difference over the ranks, so every rank stops or none does (NaN counts as inf)
+    diff = float("inf") if loaded is None or loaded != loaded else abs(loaded - saved)
+    worst = _all_max(0.0 if why_not else diff)
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "checkpoint": ckpt.dir.name, "step": ckpt.step,
              "saved_world_size": ckpt.world_size, "world_size": world, "grad_accum": grad_accum,
-             "universal": universal, "fixed_batch_loss_saved": saved, "fixed_batch_loss_loaded": loaded}
+             "universal": universal, "fixed_batch_loss_saved": saved, "fixed_batch_loss_loaded": loaded,
+             "not_verified": why_not}
     if dist.rank() == 0:
         with (run_dir / RESUMES).open("a") as f:
             f.write(json.dumps(entry) + "\n")
         how = f", resharded {ckpt.world_size} -> {world} ranks through {universal}" if universal else ""
-        seen = (f"; loss on a fixed batch {saved:.6f} at the save, {loaded:.6f} after the load"
-                if loaded is not None else "")
+        seen = (f"; not verified: {why_not}" if why_not else
+                f"; loss on a fixed batch {saved:.6f} at the save, {loaded:.6f} after the load")
         print(f"resumed {ckpt.dir.name} at step {ckpt.step}{how}{seen}", flush=True)
-    if loaded is not None and abs(loaded - saved) > tolerance(precision) * max(1.0, abs(saved)):
+    if not worst <= tolerance(precision) * max(1.0, abs(saved or 0.0)):
         raise RuntimeError(f"resume from {ckpt.dir}: the loss on a fixed batch was {saved:.6f} when it was saved and is "
-                           f"{loaded:.6f} after the load: the weights did not load as saved; not training on them")
+                           f"{loaded} after the load on rank {dist.rank()} (largest difference over the ranks "
+                           f"{worst:.3g}): the weights did not load as saved; not training on them")
+
+
+def _all_max(x: float) -> float:
+    import torch
+    import torch.distributed as tdist
+
+    t = torch.tensor([x], dtype=torch.float64, device=dist.device())
+    if tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    return float(t)

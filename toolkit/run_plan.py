@@ -55,18 +55,20 @@ def plan(cfg: Config) -> Plan:
     world = dist.world_size()
     ds_raw = load_ds_config(cfg.train.ds_config)
     t = cfg.train
-    if t.global_batch_size and t.micro_batch_size * t.grad_accum * world != t.global_batch_size:
-        raise ConfigError(f"train.global_batch_size={t.global_batch_size} but micro_batch_size {t.micro_batch_size} x "
-                          f"grad_accum {t.grad_accum} x {world} ranks = {t.micro_batch_size * t.grad_accum * world}; "
-                          "fix one, or set train.micro_batch_size=auto")
-    ckpt, reshard, notes = _resume(cfg, world)
-    warnings = notes + _run_checks(ds_raw, cfg, world)
-    mc = model_config(cfg)
-    check_data_file(cfg)
     precision = _precision(cfg, ds_raw)
     autocast = adapter_autocast(ds_raw, precision, cfg.lora.enabled)
     if t.resume:
         _check_resume_mode(Path(t.run_dir), autocast)
+    # before the batch checks: on another rank count, resume changes grad_accum to keep the global batch
+    ckpt, reshard, notes = _resume(cfg, world, ds_raw)
+    batch = t.micro_batch_size * t.grad_accum * world
+    if t.global_batch_size and batch != t.global_batch_size:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} but micro_batch_size {t.micro_batch_size} x "
+                          f"grad_accum {t.grad_accum} x {world} ranks = {batch}; "
+                          "fix one, or set train.micro_batch_size=auto")
+    warnings = notes + _run_checks(ds_raw, cfg, world)
+    mc = model_config(cfg)
+    check_data_file(cfg)
     # max_steps=0 means one epoch: known here for synthetic data, after tokenizing for a file
     # (loop.run fills it then; a DeepSpeed scheduler "auto" needing it is reported as unfillable).
     synthetic = cfg.data.source == "synthetic"
@@ -82,7 +84,7 @@ def plan(cfg: Config) -> Plan:
     return Plan(cfg, ds, mc, Path(t.run_dir), world, precision, total, warnings, autocast, ckpt, reshard)
 
 
-def _resume(cfg: Config, world: int) -> tuple[Checkpoint | None, Reshard | None, list[str]]:
+def _resume(cfg: Config, world: int, ds: dict[str, Any]) -> tuple[Checkpoint | None, Reshard | None, list[str]]:
     """The checkpoint train.resume names, and on another rank count the accumulation that keeps its global
     batch (set on cfg, so the checks, the DeepSpeed dict and config.yaml all see what runs)."""
     t = cfg.train
@@ -94,7 +96,22 @@ def _resume(cfg: Config, world: int) -> tuple[Checkpoint | None, Reshard | None,
         raise ConfigError(str(e)) from None
     reshard = reshard_for(ckpt, t.micro_batch_size, t.grad_accum, world)
     if not reshard:
+        saved = ckpt.record.get("global_batch")
+        if saved and saved != t.micro_batch_size * t.grad_accum * world:
+            # the batch order and the schedule continue from step x global batch: another batch breaks both
+            raise ConfigError(f"train.resume: {ckpt.dir.name} trained a global batch of {saved}; this run would use "
+                              f"micro_batch_size {t.micro_batch_size} x grad_accum {t.grad_accum} x {world} ranks = "
+                              f"{t.micro_batch_size * t.grad_accum * world}; keep {saved} to continue the same run")
         return ckpt, None, []
+    if ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "nvme":
+        # DeepSpeed skips the ZeRO load under NVMe offload and reads offloaded_tensors/, which the
+        # universal converter never writes (engine.py load_checkpoint): it would fail after converting
+        raise ConfigError(f"train.resume: {ckpt.dir.name} was written on {reshard.saved_world} ranks; resuming on "
+                          f"{world} needs a universal checkpoint, which DeepSpeed cannot load with NVMe optimizer "
+                          f"offload; resume on {reshard.saved_world} ranks or offload to cpu")
+    if t.global_batch_size and t.global_batch_size != reshard.global_batch:
+        raise ConfigError(f"train.resume: {ckpt.dir.name} trained a global batch of {reshard.global_batch}, "
+                          f"train.global_batch_size asks for {t.global_batch_size}; keep {reshard.global_batch}")
     t.grad_accum = reshard.grad_accum
     return ckpt, reshard, [f"train.resume: {ckpt.dir.name} was written on {reshard.saved_world} ranks (global batch "
                            f"{reshard.global_batch}); on {world} rank{'s' * (world > 1)} grad_accum is {reshard.grad_accum}: the same "

@@ -77,6 +77,9 @@ def test_resume_across_precision_modes_is_refused_with_the_fix(
     run = tmp_path / "run"
     run.mkdir()
     (run / "versions.json").write_text(json.dumps({"adapter_autocast": before}))
+    ckpt = run / "checkpoints" / "checkpoint-2"
+    (ckpt / "global_step2").mkdir(parents=True)  # a complete Trainer checkpoint (no shards: ZeRO-0-like)
+    (ckpt / "complete.json").write_text(json.dumps({"step": 2}))
     cfg = load_config(None, ["model.name=tiny", "lora.enabled=true", "train.precision=bf16", "train.resume=latest",
                              f"train.ds_config={tmp_path / 'ds.json'}", f"train.run_dir={run}"])
     with pytest.raises(dc.ConfigError, match=f"adapter_autocast={before}.*would use {autocast_now}"):

@@ -87,3 +87,39 @@ def test_prune_takes_a_checkpoints_universal_conversion_with_it(tmp_path: Path) 
     removed = prune(tmp_path / "checkpoints", "global_step", keep=1)
     assert {d.name for d in removed} == {"global_step2", "global_step2_universal"}
     assert sorted(d.name for d in (tmp_path / "checkpoints").iterdir()) == ["global_step4"]
+
+
+def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path: Path) -> None:
+    from toolkit.resume import set_aside_newer
+
+    for step in (2, 4, 6):
+        _raw_checkpoint(tmp_path, step, ranks=2)
+    (tmp_path / "checkpoints" / "global_step6_universal").mkdir()
+    note = set_aside_newer(find(tmp_path, "raw", "global_step4"), "raw")
+    assert note and "1 checkpoint(s) newer than global_step4" in note
+    (aside,) = (tmp_path / "checkpoints").glob("abandoned-*")
+    assert sorted(d.name for d in aside.iterdir()) == ["global_step6", "global_step6_universal"]  # kept, not deleted
+    assert find(tmp_path, "raw", "latest").step == 4  # what the resumed run writes next now wins
+
+
+def test_a_save_into_a_stale_directory_starts_empty(tmp_path: Path) -> None:
+    from toolkit.checkpoint import clear_stale
+
+    stale = _raw_checkpoint(tmp_path, 4, ranks=4)  # a killed 4-rank run's files, marked complete
+    (stale.with_name("global_step4_universal")).mkdir()
+    clear_stale(stale)
+    assert not stale.exists() and not stale.with_name("global_step4_universal").exists()
+
+
+def test_resume_keeps_the_checkpoints_global_batch(tmp_path: Path) -> None:
+    from toolkit.config import load_config
+    from toolkit.run_plan import _resume
+
+    _raw_checkpoint(tmp_path, 4, ranks=2, global_batch=8)
+    cfg = load_config(None, ["train.path=raw", "train.resume=latest", f"train.run_dir={tmp_path}",
+                             "train.micro_batch_size=2", "train.grad_accum=4"])  # 16 on 2 ranks
+    with pytest.raises(ConfigError, match=r"trained a global batch of 8.*= 16; keep 8"):
+        _resume(cfg, 2, {})
+    nvme = {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}
+    with pytest.raises(ConfigError, match="NVMe"):
+        _resume(cfg, 1, nvme)
