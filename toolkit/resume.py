@@ -80,13 +80,13 @@ def find(run_dir: Path, path: str, resume: str) -> Checkpoint:
 
 
 def set_aside_newer(ckpt: Checkpoint, path: str) -> str | None:
-    """Rank 0, resuming from a checkpoint older than the newest: the newer ones belong to the abandoned
-    continuation. Left in place, `latest` and pruning (both by step) would prefer them over what this run
+    """Rank 0, resuming from a checkpoint older than the newest complete one: the newer complete ones belong
+    to the abandoned continuation. Left in place, `latest` and pruning (both by step) would prefer them over what this run
     writes, so they move to checkpoints/abandoned-<time>/, kept, not deleted."""
     root = ckpt.dir.parent
     prefix = "checkpoint-" if path == "trainer" else "global_step"
-    newer = [d for d in root.glob(f"{prefix}*") if d.is_dir() and d.name[len(prefix):].isdigit()
-             and int(d.name[len(prefix):]) > ckpt.step]
+    # complete ones only: a newer partial save is pruned by the next save (checkpoint.prune), as before
+    newer = [d for step, d in complete_checkpoints(root, prefix) if step > ckpt.step]
     if not newer:
         return None
     aside = root / time.strftime("abandoned-%Y%m%d-%H%M%S")

@@ -94,12 +94,14 @@ def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path: Path) 
 
     for step in (2, 4, 6):
         _raw_checkpoint(tmp_path, step, ranks=2)
+    _raw_checkpoint(tmp_path, 8, ranks=2, complete=False)  # a partial save stays for prune to handle
     (tmp_path / "checkpoints" / "global_step6_universal").mkdir()
     note = set_aside_newer(find(tmp_path, "raw", "global_step4"), "raw")
     assert note and "1 checkpoint(s) newer than global_step4" in note
     (aside,) = (tmp_path / "checkpoints").glob("abandoned-*")
     assert sorted(d.name for d in aside.iterdir()) == ["global_step6", "global_step6_universal"]  # kept, not deleted
     assert find(tmp_path, "raw", "latest").step == 4  # what the resumed run writes next now wins
+    assert (tmp_path / "checkpoints" / "global_step8").is_dir()
 
 
 def test_a_save_into_a_stale_directory_starts_empty(tmp_path: Path) -> None:
