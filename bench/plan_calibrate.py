@@ -35,6 +35,7 @@ import concurrent.futures as cf
 import datetime
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -177,10 +178,7 @@ def run_one(c: Config, out: Path, steps: int, port: int, include: str | None, sm
     log = out / "logs" / f"{c.name}.log"
     log.parent.mkdir(exist_ok=True)
     with log.open("w") as f:
-        try:
-            rc = subprocess.call(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = 124
+        rc = call_group(cmd, env, f, timeout)
     row: dict[str, Any] = {"config": c.__dict__ | {"extra": list(c.extra)}, "rc": rc,
                            "wall_s": round(time.perf_counter() - t0, 1), "argv": " ".join(cmd),
                            "shared_gpu": shared_gpu}
@@ -193,6 +191,27 @@ def run_one(c: Config, out: Path, steps: int, port: int, include: str | None, sm
         row["log_tail"] = log.read_text()[-3000:]
     _set_prediction(row, p)
     return row
+
+
+def call_group(cmd: list[str], env: dict[str, str], log: Any, timeout: int) -> int:
+    """Run a launcher in its own process group; past `timeout`, the whole group goes (rc 124).
+
+    subprocess's own timeout kills only the launcher: its rank processes would keep the GPU (and the
+    next configuration would measure next to them, or OOM)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=wait)
+                break
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        return 124
 
 
 def _set_prediction(row: dict[str, Any], p: pl.Prediction) -> None:
@@ -372,7 +391,7 @@ def cmd_bigrun(a: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     plan_cmd = [sys.executable, "-m", "toolkit", "plan", "--model", a.model, "--gpus", "1", "--gpu-mem", f"{a.gpu_mem:g}",
                 "--host-mem", f"{a.host_mem:g}", "--seq", str(a.seq), "--global-batch", str(a.global_batch),
-                "-o", str(plan_dir), "--force"]
+                "-o", str(plan_dir), "--force", *(["--micro-batch", str(a.micro_batch)] if a.micro_batch else [])]
     printed = subprocess.run(plan_cmd, cwd=ROOT, capture_output=True, text=True)
     plan_s = time.perf_counter() - t0
     print(printed.stdout + printed.stderr, flush=True)
@@ -387,14 +406,14 @@ def cmd_bigrun(a: argparse.Namespace) -> int:
     # fragmentation from eating that margin on a GPU filled to ~90% (recorded in the result).
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     launch = ["bash", "launch.sh", "--plan", str(plan_dir), "--path", "raw", "--master-port", str(a.port), "--",
-              f"train.max_steps={a.steps}", f"train.run_dir={run_dir}", "train.export=false", "memory.every=1",
+              f"train.max_steps={a.steps}", f"train.run_dir={run_dir}", "train.export=false", "memory.every=1", "train.log_every=1",
               f"data.num_samples={a.global_batch * (a.steps + 1)}", "train.warmup_steps=2", "train.lr=1e-4",
               "train.overwrite=true", "metrics.tensorboard=false"]
     if a.smoke:
         env["DS_ACCELERATOR"] = "cpu"
     t1 = time.perf_counter()
     with (out / "bigrun.log").open("w") as f:
-        rc = subprocess.call(launch, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=a.timeout)
+        rc = call_group(launch, env, f, a.timeout)
     result: dict[str, Any] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                               "device": _device_name(), "plan_command": " ".join(plan_cmd[2:]), "plan_s": round(plan_s, 2),
                               "launch": " ".join(launch), "rc": rc,
@@ -444,6 +463,7 @@ def main() -> int:
     b.add_argument("--seq", type=int, default=2048)
     b.add_argument("--global-batch", type=int, default=16)
     b.add_argument("--steps", type=int, default=10)
+    b.add_argument("--micro-batch", type=int, default=None, help="passed to toolkit plan (default: the plan chooses)")
     b.add_argument("--gpu-mem", type=float, default=139.0)
     b.add_argument("--host-mem", type=float, default=125.0, help="GiB the H200 machine shows (128 GiB installed)")
     b.add_argument("--port", type=int, default=29690)
