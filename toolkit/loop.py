@@ -247,6 +247,22 @@ def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator:
             counter.add(inputs)  # on the device, no sync: collation runs in loader workers
             return super().training_step(model, inputs, num_items_in_batch)
 
+        # Under DeepSpeed, accelerate's clip_grad_norm_ returns the engine's norm as a float (.item()),
+        # and the Trainer reads it that way again: a GPU->host wait every optimizer step, which keeps
+        # the host from queueing the next step's kernels (it cost Qwen2-0.5B ZeRO-2 7% on 2 H200s).
+        # DeepSpeed has clipped already; the norm stays a device tensor, read on log steps only (the
+        # Trainer's log converts tensors). Both methods exist in transformers 5.x; where they do not,
+        # these overrides are never called and the Trainer behaves as before.
+        def _clip_grad_norm(self, model: Any) -> Any:
+            if self.is_deepspeed_enabled:
+                return self.model_wrapped.get_global_grad_norm()
+            return super()._clip_grad_norm(model)
+
+        def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+            if self.is_deepspeed_enabled and grad_norm is not None:
+                return grad_norm
+            return super()._get_grad_norm(model, grad_norm=grad_norm)
+
     class Hooks(TrainerCallback):
         def on_train_begin(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
             if p.resume_from:  # the Trainer has loaded the checkpoint by now
