@@ -63,7 +63,9 @@ TUNES: dict[str, tuple[list[str], dict[str, Any], int | None]] = {
     "sizes": ([], SIZES, None),  # prefetch 2 layers ahead, small k/v projections and norms stay resident
     "leaf": ([], LEAF, None),  # one fetch per decoder layer instead of one per linear
     "all": (["model.liger_fused_loss=true"], SIZES | LEAF, 16),
+    "compile": (["train.compile=torch"], {}, None),  # torch.compile through DeepSpeed's engine.compile()
 }
+ANY_STAGE = {"compile"}  # the other levers are ZeRO-3's
 
 
 def _ds_preset(stage: int, offload: str) -> str:
@@ -161,13 +163,15 @@ def _extras(variant: str, workload: str, stage: int, offload: str,
     """Rows per variant: (name tag, training overrides, micro-batch or None, zero_optimization values).
 
     --overhead: instead of the plain toolkit row, metrics and snapshots every step vs (almost) off.
-    --tune: after the plain toolkit row at ZeRO-3, one row per named lever (TUNES)."""
+    --tune: after the plain toolkit row, one row per named lever (TUNES; at ZeRO-3 only, except ANY_STAGE)."""
     if variant in ("raw", "trainer") and args.overhead:
         return [("-metrics-on", ["memory.every=1"], None, {}),
                 ("-metrics-off", ["memory.every=0", f"train.log_every={args.warmup + args.steps}"], None, {})]
     rows: list[tuple[str, list[str], int | None, dict[str, Any]]] = [("", [], None, {})]
-    if variant in ("raw", "trainer") and stage == 3 and args.tune:
+    if variant in ("raw", "trainer") and args.tune:
         for name in args.tune.split(","):
+            if stage != 3 and name not in ANY_STAGE:
+                continue
             over, zero, micro = TUNES[name]
             rows.append((f"-{name}", over, min(micro, GLOBAL_BATCH // args.gpus) if micro else None, zero))
     return rows

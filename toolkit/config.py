@@ -118,6 +118,10 @@ class TrainConfig:
     """How "auto" ZeRO bucket, prefetch and live-parameter sizes resolve: speed (DeepSpeed's defaults,
     measured fastest) or memory (h^2-based rules: about 2 GiB less per rank on a 1B model at ZeRO-3,
     at a third of its speed)."""
+    compile: str = "off"
+    """torch: compile the model with torch.compile (inductor) through DeepSpeed's engine.compile() on the
+    raw path, TrainingArguments(torch_compile=True) on the Trainer path; the first steps pay the compile.
+    off (default): eager. bench/results/compile.md has the measurement behind the default."""
     stop_after: int = 0
     """Stop (with a checkpoint) after this many steps, keeping the schedule of max_steps: for resume tests."""
     plan: str | None = None
@@ -196,6 +200,8 @@ class Config:
         t = self.train
         # YAML reads on/off/true/false as booleans, which the str field then holds as "True"/"False"
         self.model.liger_fused_loss = str(self.model.liger_fused_loss).lower()
+        c = str(t.compile).lower()  # off/on arrive as booleans too: off -> off, true -> torch
+        t.compile = {"false": "off", "true": "torch"}.get(c, c)
         checks = [
             (self.model.liger_fused_loss in ("auto", "true", "false"),
              f"model.liger_fused_loss must be auto, true or false, got {self.model.liger_fused_loss!r}"),
@@ -203,6 +209,7 @@ class Config:
             (t.precision in ("auto", "bf16", "fp16", "fp32"),
              f"train.precision must be auto, bf16, fp16 or fp32, got {t.precision!r}"),
             (t.zero_sizes in ("speed", "memory"), f"train.zero_sizes must be speed or memory, got {t.zero_sizes!r}"),
+            (t.compile in ("off", "torch"), f"train.compile must be off or torch, got {t.compile!r}"),
             (t.keep_checkpoints >= 0, "train.keep_checkpoints must be >= 0"),
             (t.collective_timeout_s >= 1, "train.collective_timeout_s must be >= 1"),
             (t.micro_batch_size == "auto" or (isinstance(t.micro_batch_size, int) and t.micro_batch_size >= 1),

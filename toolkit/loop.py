@@ -209,10 +209,20 @@ def _training_args(p: Plan) -> Any:
         bf16=p.precision == "bf16" and not p.adapter_autocast, fp16=p.precision == "fp16",
         seed=t.seed, data_seed=t.seed, report_to=[], disable_tqdm=True, dataloader_drop_last=True,
         remove_unused_columns=False, deepspeed=p.ds, use_cpu=dist.on_cpu(), ddp_timeout=t.collective_timeout_s,
+        torch_compile=t.compile == "torch",  # accelerate then calls DeepSpeed's engine.compile(), as raw does
         **{f"dataloader_{k}": v for k, v in loader_kwargs().items()},
         # accelerate copies batches with non_blocking=False by default: a wait per copy
         accelerator_config={"non_blocking": bool(loader_kwargs().get("pin_memory"))},
     )
+
+
+def _say_compiled(engine: Any) -> None:
+    """train.compile=torch: say what the engine reports (accelerate compiles on the Trainer path)."""
+    if not getattr(engine, "is_compiled", False):
+        raise RuntimeError("train.compile=torch: the DeepSpeed engine is not compiled (DeepSpeed >= 0.14.4 "
+                           "and accelerate's torch_compile are needed)")
+    if dist.rank() == 0:
+        print("torch.compile: the engine is compiled (inductor); the first steps include compiling", flush=True)
 
 
 def _first_step(p: Plan, step: int, loss: float, mem: MemoryMonitor) -> None:
@@ -265,6 +275,8 @@ def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator:
 
     class Hooks(TrainerCallback):
         def on_train_begin(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
+            if t.compile == "torch":
+                _say_compiled(trainer.model_wrapped)
             if p.resume_from:  # the Trainer has loaded the checkpoint by now
                 resume.verify(trainer.model_wrapped, state["fixed_batch"], p.resume_from, p.run_dir, p.precision,
                               p.world_size, t.grad_accum, universal)
@@ -356,6 +368,9 @@ def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: Collator, orde
     universal = resume.prepare(p.reshard, t.collective_timeout_s)  # another rank count: convert first
     engine, _, _, scheduler = deepspeed.initialize(model=model, model_parameters=params, config=p.ds,
                                                    lr_scheduler=_lr_schedule(p))
+    if t.compile == "torch":
+        engine.compile()  # DeepSpeed compiles the wrapped module in place (inductor); hooks stay outside
+        _say_compiled(engine)
     ckpt_dir = p.run_dir / "checkpoints"
     global_batch = t.micro_batch_size * t.grad_accum * world
     step = 0
