@@ -178,8 +178,8 @@ def _search(cfg: Config, argv: list[str], key: dict[str, Any], per_rank: int, or
               f"global batch {cfg.train.global_batch_size}) in {root}", flush=True)
     probes: list[dict[str, Any]] = []
     best: dict[str, Any] | None = None
-    for i, micro in enumerate(order):
-        probe = _probe(cfg, argv, micro, per_rank // micro, Path(root) / f"micro{micro}", i, group)
+    for micro in order:
+        probe = _probe(cfg, argv, micro, per_rank // micro, Path(root) / f"micro{micro}", group)
         probes.append(probe)
         if dist.rank() == 0:
             speed = f"{probe['tokens_per_s']:,.0f} tokens/s" if probe["fits"] else probe["outcome"]
@@ -216,8 +216,7 @@ def _remember(record: dict[str, Any]) -> None:
         print(f"micro_batch_size=auto: not cached ({e})", flush=True)
 
 
-def _probe(cfg: Config, argv: list[str], micro: int, accum: int, run_dir: Path, index: int,
-           group: Any) -> dict[str, Any]:
+def _probe(cfg: Config, argv: list[str], micro: int, accum: int, run_dir: Path, group: Any) -> dict[str, Any]:
     """All ranks: one child per rank; the children form their own job on a port rank 0 found free."""
     import torch
     import torch.distributed as tdist

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -37,6 +38,15 @@ DEFAULT_NVME_PATH = "/local_nvme"
 
 class ConfigError(ValueError):
     """A config the toolkit refuses; the message says what to change."""
+
+
+def run_command(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
+    """A command-line entry point: a refusal or an unreadable file is one `error:` line and exit 1."""
+    try:
+        return main(argv)
+    except (ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 def _offload_block(device: Offload, nvme_path: str, *, param: bool) -> dict[str, Any]:

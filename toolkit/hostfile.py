@@ -25,7 +25,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from toolkit.ds_config import ConfigError
+from toolkit.ds_config import ConfigError, run_command
 
 
 class HostfileError(ConfigError):
@@ -395,14 +395,7 @@ def _main(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return _main(argv)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    return run_command(_main, argv)
 
 
 if __name__ == "__main__":

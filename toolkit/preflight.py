@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from toolkit.ds_config import ConfigError
+from toolkit.ds_config import ConfigError, run_command
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -375,11 +375,7 @@ def _main(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return _main(argv)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    return run_command(_main, argv)
 
 
 if __name__ == "__main__":
