@@ -43,7 +43,7 @@ def test_compiled_engine_trains_the_eager_losses(tmp_path: Path, path: str) -> N
 def test_compile_value_is_checked() -> None:
     from toolkit.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match="train.compile must be off or torch"):
+    with pytest.raises(ConfigError, match=r"train\.compile must be off or torch"):
         load_config(None, ["train.compile=inductor"])
     assert load_config(None, ["train.compile=off"]).train.compile == "off"
     assert load_config(None, ["train.compile=true"]).train.compile == "torch"
