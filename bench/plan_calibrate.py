@@ -35,7 +35,6 @@ import concurrent.futures as cf
 import datetime
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from _proc import call_group  # bench/, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -178,7 +179,7 @@ def run_one(c: Config, out: Path, steps: int, port: int, include: str | None, sm
     log = out / "logs" / f"{c.name}.log"
     log.parent.mkdir(exist_ok=True)
     with log.open("w") as f:
-        rc = call_group(cmd, env, f, timeout)
+        rc = call_group(cmd, ROOT, env, f, timeout)
     row: dict[str, Any] = {"config": c.__dict__ | {"extra": list(c.extra)}, "rc": rc,
                            "wall_s": round(time.perf_counter() - t0, 1), "argv": " ".join(cmd),
                            "shared_gpu": shared_gpu}
@@ -191,27 +192,6 @@ def run_one(c: Config, out: Path, steps: int, port: int, include: str | None, sm
         row["log_tail"] = log.read_text()[-3000:]
     _set_prediction(row, p)
     return row
-
-
-def call_group(cmd: list[str], env: dict[str, str], log: Any, timeout: int) -> int:
-    """Run a launcher in its own process group; past `timeout`, the whole group goes (rc 124).
-
-    subprocess's own timeout kills only the launcher: its rank processes would keep the GPU (and the
-    next configuration would measure next to them, or OOM)."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
-            try:
-                os.killpg(proc.pid, sig)
-                proc.wait(timeout=wait)
-                break
-            except ProcessLookupError:
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        return 124
 
 
 def _set_prediction(row: dict[str, Any], p: pl.Prediction) -> None:
@@ -413,7 +393,7 @@ def cmd_bigrun(a: argparse.Namespace) -> int:
         env["DS_ACCELERATOR"] = "cpu"
     t1 = time.perf_counter()
     with (out / "bigrun.log").open("w") as f:
-        rc = call_group(launch, env, f, a.timeout)
+        rc = call_group(launch, ROOT, env, f, a.timeout)
     result: dict[str, Any] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                               "device": _device_name(), "plan_command": " ".join(plan_cmd[2:]), "plan_s": round(plan_s, 2),
                               "launch": " ".join(launch), "rc": rc,

@@ -20,11 +20,12 @@ import itertools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from _proc import call_group  # bench/, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 GLOBAL_BATCH = 32
@@ -52,7 +53,7 @@ STAGES: dict[str, list[tuple[int, str]]] = {
 TOOLKIT_MICRO: dict[str, dict[int, int]] = {"gpt2-124m-seq1024": {2: 16, 3: 16}, "qwen2-0.5b-seq2048": {2: 8, 3: 8},
                                             "llama-1b-seq2048": {2: 16, 3: 16}, "tiny-seq64": {2: 4, 3: 4}}
 VARIANTS = ("bare", "raw", "trainer", "hf")
-# --tune NAME,...: extra toolkit rows at ZeRO-3 that try one lever each (../shared/notes/zero3_speed.md §3, §6):
+# --tune NAME,...: extra toolkit rows that try one lever each (at ZeRO-3; ANY_STAGE ones at every stage) (../shared/notes/zero3_speed.md §3, §6):
 # (training overrides, DeepSpeed zero_optimization values written over the preset, micro-batch or None).
 # llama-1b: a decoder layer is 60.8M parameters, about 5.1e6 per leaf module; 1.2e8 prefetch = 2 layers.
 SIZES = {"stage3_prefetch_bucket_size": 120_000_000, "stage3_param_persistence_threshold": 1_000_000}
@@ -118,6 +119,10 @@ def _toolkit_result(run_dir: Path, variant: str, warmup: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    unknown = [n for n in args.tune.split(",") if n and n not in TUNES]
+    if unknown:
+        print(f"error: unknown --tune {', '.join(unknown)}; known: {', '.join(TUNES)}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
@@ -141,8 +146,7 @@ def run(args: argparse.Namespace) -> int:
                     port += 1
                     t0 = time.perf_counter()
                     with (out / f"{name}.log").open("w") as log:
-                        rc = subprocess.call(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                             timeout=args.timeout)
+                        rc = call_group(cmd, ROOT, env, log, args.timeout)
                     wall = time.perf_counter() - t0
                     row: dict[str, Any] = {"workload": workload, "stage": stage, "offload": offload,
                                            "gpus": args.gpus, "variant": variant + tag, "rc": rc,
@@ -169,7 +173,7 @@ def _extras(variant: str, workload: str, stage: int, offload: str,
                 ("-metrics-off", ["memory.every=0", f"train.log_every={args.warmup + args.steps}"], None, {})]
     rows: list[tuple[str, list[str], int | None, dict[str, Any]]] = [("", [], None, {})]
     if variant in ("raw", "trainer") and args.tune:
-        for name in args.tune.split(","):
+        for name in filter(None, args.tune.split(",")):
             if stage != 3 and name not in ANY_STAGE:
                 continue
             over, zero, micro = TUNES[name]
@@ -284,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--steps", type=int, default=5)
     r.add_argument("--port", type=int, default=29700)
     r.add_argument("--timeout", type=int, default=420, help="seconds per variant")
-    r.add_argument("--tune", default="", help=f"comma-separated ZeRO-3 levers to add as toolkit rows: {', '.join(TUNES)}")
+    r.add_argument("--tune", default="", help=f"comma-separated levers to add as toolkit rows (ZeRO-3 only except {', '.join(sorted(ANY_STAGE))}): "
+                        f"{', '.join(TUNES)}")
     r.add_argument("--overhead", action="store_true",
                    help="toolkit rows as metrics+snapshots every step vs (almost) off, in place of the plain row")
     t = sub.add_parser("table")

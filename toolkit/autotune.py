@@ -50,7 +50,7 @@ def key_of(cfg: Config, world: int, gpu: str) -> dict[str, Any]:
     return {"model": m.name, "seq_len": cfg.data.seq_len, "packing": cfg.data.packing, "task": m.task,
             "attn": m.attn_implementation, "grad_ckpt": m.gradient_checkpointing, "liger": m.liger,
             "fused_loss": m.liger_fused_loss, "lora": cfg.lora.enabled and [cfg.lora.r, *cfg.lora.target_modules],
-            "precision": t.precision, "zero_sizes": t.zero_sizes, "path": t.path, "world": world, "gpu": gpu,
+            "precision": t.precision, "zero_sizes": t.zero_sizes, "compile": t.compile, "path": t.path, "world": world, "gpu": gpu,
             "global_batch": t.global_batch_size, "ds": hashlib.sha256(json.dumps(ds, sort_keys=True).encode()).hexdigest()[:16],
             "data": _data_identity(cfg.data.source), "versions": _versions()}
 

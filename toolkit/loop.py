@@ -210,6 +210,8 @@ def _training_args(p: Plan) -> Any:
         seed=t.seed, data_seed=t.seed, report_to=[], disable_tqdm=True, dataloader_drop_last=True,
         remove_unused_columns=False, deepspeed=p.ds, use_cpu=dist.on_cpu(), ddp_timeout=t.collective_timeout_s,
         torch_compile=t.compile == "torch",  # accelerate then calls DeepSpeed's engine.compile(), as raw does
+        # with torch_compile the Trainer turns TF32 on globally; the raw path leaves PyTorch's default
+        tf32=False if t.compile == "torch" else None,
         **{f"dataloader_{k}": v for k, v in loader_kwargs().items()},
         # accelerate copies batches with non_blocking=False by default: a wait per copy
         accelerator_config={"non_blocking": bool(loader_kwargs().get("pin_memory"))},
@@ -269,8 +271,8 @@ def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator:
             return super()._clip_grad_norm(model)
 
         def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
-            if self.is_deepspeed_enabled and grad_norm is not None:
-                return grad_norm
+            if self.is_deepspeed_enabled:  # None when max_grad_norm=0: no clipping, still a norm to log
+                return grad_norm if grad_norm is not None else self.model_wrapped.get_global_grad_norm()
             return super()._get_grad_norm(model, grad_norm=grad_norm)
 
     class Hooks(TrainerCallback):
@@ -369,7 +371,7 @@ def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: Collator, orde
     engine, _, _, scheduler = deepspeed.initialize(model=model, model_parameters=params, config=p.ds,
                                                    lr_scheduler=_lr_schedule(p))
     if t.compile == "torch":
-        engine.compile()  # DeepSpeed compiles the wrapped module in place (inductor); hooks stay outside
+        engine.compile()  # nn.Module.compile on the wrapped model (inductor); DeepSpeed's ZeRO hooks are compiler-disabled
         _say_compiled(engine)
     ckpt_dir = p.run_dir / "checkpoints"
     global_batch = t.micro_batch_size * t.grad_accum * world

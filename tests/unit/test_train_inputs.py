@@ -62,3 +62,12 @@ def test_sequence_length_above_model_maximum(tmp_path: Path) -> None:
 def test_unknown_config_key_and_bad_type(tmp_path: Path) -> None:
     assert_one_line_error(train(tmp_path, "train.lr=fast"), "train.lr")
     assert_one_line_error(train(tmp_path, "train.bogus=1"), "train.bogus")
+
+
+def test_compile_value_is_checked() -> None:
+    from toolkit.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"train\.compile must be off or torch"):
+        load_config(None, ["train.compile=inductor"])
+    assert load_config(None, ["train.compile=off"]).train.compile == "off"
+    assert load_config(None, ["train.compile=true"]).train.compile == "torch"
