@@ -40,12 +40,17 @@ def test_auto_micro_batch_survives_an_oom_probe_records_and_reuses_its_choice(tm
     assert rc == 0, log[-5000:]
     record = json.loads((run / "micro_batch.json").read_text())
     outcomes = [(p["micro_batch"], p["outcome"]) for p in record["probes"]]
-    # 4 fails on rank 1; 2 fits; 1 is probed only to see whether it is faster, and it is not
+    # 4 fails on rank 1; 2 fits; 1 is probed to see whether it is faster. Which of 2 and 1 is faster on a
+    # busy 2-core CPU is chance, so the test holds the rule instead: the fastest probe that fit wins.
     assert outcomes[:2] == [(4, "out of memory"), (2, "ok")], outcomes
-    assert (record["micro_batch"], record["grad_accum"]) == (2, 2), record
-    assert record["probes"][1]["tokens_per_s"] > 0
+    assert [m for m, _ in outcomes] in ([4, 2], [4, 2, 1]), outcomes
+    fitting = [p for p in record["probes"] if p["fits"]]
+    assert all(p["tokens_per_s"] > 0 for p in fitting), fitting
+    micro = max(fitting, key=lambda p: p["tokens_per_s"])["micro_batch"]
+    assert (record["micro_batch"], record["grad_accum"]) == (micro, 8 // (2 * micro)), record
     ds = json.loads((run / "ds_config.json").read_text())
-    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (2, 2, 8)
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (
+        micro, 8 // (2 * micro), 8)
     assert json.loads((run / "status.json").read_text())["status"] == "completed"
     # the failed probe's peer was stopped at once, not after its collective timeout (600 s)
     assert took < 400, took
@@ -54,7 +59,7 @@ def test_auto_micro_batch_survives_an_oom_probe_records_and_reuses_its_choice(tm
     # again in the same run directory: the record is reused, nothing is probed
     rc, log, _ = _train(run, tmp_path, "train.overwrite=true")
     assert rc == 0, log[-5000:]
-    assert "probing" not in log and "micro_batch_size=auto: 2 (recorded in" in log, log[-3000:]
+    assert "probing" not in log and f"micro_batch_size=auto: {micro} (recorded in" in log, log[-3000:]
     # global_batch_size is required with auto, and must agree with a number micro-batch
     rc, log, _ = _train(tmp_path / "bad", tmp_path, "train.global_batch_size=0")
     assert rc == 1 and "train.micro_batch_size=auto needs train.global_batch_size" in log, log[-2000:]
