@@ -5,6 +5,8 @@
 #   bash bench/gpu_runs.sh all    OUT   # 1-GPU: only the Qwen "all together" variant, toolkit and HF, in parallel
 #   bash bench/gpu_runs.sh anatomy OUT  # 2-GPU: live tensors at the peak (llama-1b ZeRO-2/3) + BERT/Qwen ZeRO-2/3/offload
 #   bash bench/gpu_runs.sh speed OUT --gpus 2 [bench/speed.py run options]   # bare vs toolkit vs HF, tokens/s
+#   bash bench/gpu_runs.sh lanes OUT "--include localhost:0 [options]" "--include localhost:1,2 [options]" ...
+#                                    # speed.py runs side by side, each on its own GPUs (OUT/lane0, lane1, ...)
 #   bash bench/gpu_runs.sh lora-liger OUT  # 2-GPU: LoRA (adapter autocast) with Liger kernels, 3 steps
 #   bash bench/gpu_runs.sh paths-auto OUT  # 2-GPU: tests/gpu/test_gpu_speed_paths.py, llama-1b ZeRO-3 with
 #                                          # train.micro_batch_size=auto, Qwen2 ZeRO-2 raw vs Trainer speed
@@ -17,6 +19,17 @@ case $mode in
   speed)
     python bench/speed.py run --out "$out" "${@:3}" 2>&1 | tee "$out/speed.log"
     python bench/speed.py table "$out"/*.json --json "$out/speed.json" --command "bash bench/gpu_runs.sh $*" \
+      --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee "$out/speed.md"
+    exit 0 ;;
+  lanes)  # one speed.py run per argument, at once, each on the GPUs its --include names; ratios stay within a lane
+    i=0
+    for lane in "${@:3}"; do
+      # shellcheck disable=SC2086  # a lane is a list of options
+      python bench/speed.py run --out "$out/lane$i" --port $((29700 + 50 * i)) $lane > "$out/lane$i.log" 2>&1 &
+      i=$((i + 1))
+    done
+    wait
+    python bench/speed.py table "$out"/lane*/*.json --json "$out/speed.json" --command "bash bench/gpu_runs.sh $*" \
       --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee "$out/speed.md"
     exit 0 ;;
   paths-auto)  # each part bounded, so one slow part cannot take the others' results with it

@@ -1,6 +1,7 @@
 """Side-by-side speed: a bare DeepSpeed loop, the toolkit's raw and Trainer paths, plain HF Trainer.
 
     python bench/speed.py run --gpus 2 --out OUT [--only llama-1b-seq2048] [--variants bare,raw] [--steps 5]
+    python bench/speed.py run --include localhost:2,3 --out OUT ...   (these GPUs only: runs side by side)
     python bench/speed.py table OUT/*.json --command "..." > bench/results/speed.md  (+ speed.json)
 
 Every variant runs in its own process through the real `deepspeed` launcher, and every variant of a
@@ -54,17 +55,21 @@ TOOLKIT_MICRO: dict[str, dict[int, int]] = {"gpt2-124m-seq1024": {2: 16, 3: 16},
                                             "llama-1b-seq2048": {2: 16, 3: 16}, "tiny-seq64": {2: 4, 3: 4}}
 VARIANTS = ("bare", "raw", "trainer", "hf")
 # --tune NAME,...: extra toolkit rows that try one lever each (at ZeRO-3; ANY_STAGE ones at every stage) (../shared/notes/zero3_speed.md §3, §6):
-# (training overrides, DeepSpeed zero_optimization values written over the preset, micro-batch or None).
+# (training overrides, DeepSpeed JSON sections merged over the preset's, micro-batch or None).
 # llama-1b: a decoder layer is 60.8M parameters, about 5.1e6 per leaf module; 1.2e8 prefetch = 2 layers.
-SIZES = {"stage3_prefetch_bucket_size": 120_000_000, "stage3_param_persistence_threshold": 1_000_000}
-LEAF = {"stage3_module_granularity_threshold": 6_000_000}
+SIZES = {"zero_optimization": {"stage3_prefetch_bucket_size": 120_000_000, "stage3_param_persistence_threshold": 1_000_000}}
+LEAF = {"zero_optimization": {"stage3_module_granularity_threshold": 6_000_000}}
 TUNES: dict[str, tuple[list[str], dict[str, Any], int | None]] = {
     "m16": ([], {}, 16),  # more compute per gather
     "flce": (["model.liger_fused_loss=true"], {}, 16),  # fused loss with the head registered as external
     "sizes": ([], SIZES, None),  # prefetch 2 layers ahead, small k/v projections and norms stay resident
     "leaf": ([], LEAF, None),  # one fetch per decoder layer instead of one per linear
-    "all": (["model.liger_fused_loss=true"], SIZES | LEAF, 16),
+    "all": (["model.liger_fused_loss=true"], {"zero_optimization": SIZES["zero_optimization"] | LEAF["zero_optimization"]}, 16),
     "compile": (["train.compile=torch"], {}, None),  # torch.compile through DeepSpeed's engine.compile()
+    # DeepCompile: DeepSpeed's compiler passes (gather/release, prefetch, selective unsharding) on engine.compile();
+    # its schedule re-profiles at step 5, so it needs --warmup 15 or so (zero3_speed.md §2). Liger's Triton kernels
+    # and the fused loss's .item() are not known to work under it: eager HF modules.
+    "deepcompile": (["train.compile=torch", "model.liger=false"], {"compile": {"deepcompile": True}}, None),
 }
 ANY_STAGE = {"compile"}  # the other levers are ZeRO-3's
 
@@ -75,9 +80,10 @@ def _ds_preset(stage: int, offload: str) -> str:
 
 def _command(variant: str, workload: str, stage: int, offload: str, gpus: int, port: int, out: Path,
              warmup: int, steps: int, micro: int | None, extra: list[str],
-             ds_path: str | None = None) -> tuple[list[str], Path]:
+             ds_path: str | None = None, include: str = "") -> tuple[list[str], Path]:
     model, seq, bare_micro = WORKLOADS[workload]
-    launch = ["deepspeed", "--num_gpus", str(gpus), "--master_port", str(port)]
+    where = ["--include", include] if include else ["--num_gpus", str(gpus)]
+    launch = ["deepspeed", *where, "--master_port", str(port)]
     if variant in ("bare", "hf"):
         micro = micro or min(bare_micro, GLOBAL_BATCH // gpus)
         script = "bench/bare_loop.py" if variant == "bare" else "bench/hf_trainer.py"
@@ -131,6 +137,11 @@ def run(args: argparse.Namespace) -> int:
     if env.get("TORCH_CUDA_ARCH_LIST", "").endswith("a"):
         env["TORCH_CUDA_ARCH_LIST"] = env["TORCH_CUDA_ARCH_LIST"].rstrip("a")
     variants = args.variants.split(",")
+    if args.include:  # DeepSpeed's launcher ignores CUDA_VISIBLE_DEVICES next to --num_gpus: name the GPUs
+        args.gpus = len(args.include.partition(":")[2].split(","))
+    elif not args.gpus:
+        print("error: give --gpus N or --include localhost:I,J", file=sys.stderr)
+        return 2
     port = args.port
     for workload in args.only.split(",") if args.only else DEFAULT_WORKLOADS:
         for stage, offload in STAGES[workload]:
@@ -142,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
                     target = out / f"{name}.json"
                     ds_path = _tuned_preset(stage, offload, zero, out / "ds" / f"{name}.json") if zero else None
                     cmd, produced = _command(variant, workload, stage, offload, args.gpus, port, target,
-                                             args.warmup, args.steps, micro, extra, ds_path)
+                                             args.warmup, args.steps, micro, extra, ds_path, args.include)
                     port += 1
                     t0 = time.perf_counter()
                     with (out / f"{name}.log").open("w") as log:
@@ -181,10 +192,11 @@ def _extras(variant: str, workload: str, stage: int, offload: str,
     return rows
 
 
-def _tuned_preset(stage: int, offload: str, zero: dict[str, Any], path: Path) -> str:
-    """The shipped preset with some zero_optimization values written over it (kept beside the result)."""
+def _tuned_preset(stage: int, offload: str, sections: dict[str, dict[str, Any]], path: Path) -> str:
+    """The shipped preset with some sections' values written over it (kept beside the result)."""
     ds = json.loads((ROOT / _ds_preset(stage, offload)).read_text())
-    ds["zero_optimization"] |= zero
+    for key, values in sections.items():
+        ds[key] = ds.get(key, {}) | values
     path.parent.mkdir(exist_ok=True)  # a subdirectory: `table OUT/*.json` reads results only
     path.write_text(json.dumps(ds, indent=1))
     return str(path)
@@ -279,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
-    r.add_argument("--gpus", type=int, required=True)
+    r.add_argument("--gpus", type=int, default=0)
+    r.add_argument("--include", default="", help="localhost:I,J - run on these GPUs only (in place of --gpus)")
     r.add_argument("--out", required=True)
     r.add_argument("--only", default="", help="comma-separated workloads")
     r.add_argument("--stages", default="", help="comma-separated: 2, 3, 3o (ZeRO-3 + optimizer offload)")
