@@ -21,7 +21,9 @@ case $mode in
     python bench/speed.py table "$out"/*.json --json "$out/speed.json" --command "bash bench/gpu_runs.sh $*" \
       --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee "$out/speed.md"
     exit 0 ;;
-  lanes)  # one speed.py run per argument, at once, each on the GPUs its --include names; ratios stay within a lane
+  lanes)  # one speed.py run per argument, at once, each on the GPUs its --include names; ratios stay within a lane.
+    # The lanes share the host's cores (CPU Adam in an offload lane slows the others): screening, not claims
+    # (bench/results/speed.md). Keep OUT outside the device tool's $OUT and pack it into one file there.
     i=0
     for lane in "${@:3}"; do
       # shellcheck disable=SC2086  # a lane is a list of options
