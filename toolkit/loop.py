@@ -271,8 +271,8 @@ def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator:
             return super()._clip_grad_norm(model)
 
         def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
-            if self.is_deepspeed_enabled:  # None when max_grad_norm=0: no clipping, still a norm to log
-                return grad_norm if grad_norm is not None else self.model_wrapped.get_global_grad_norm()
+            if self.is_deepspeed_enabled:  # the engine's norm, clipped or not (max_grad_norm=0 skips the above)
+                return self.model_wrapped.get_global_grad_norm()
             return super()._get_grad_norm(model, grad_norm=grad_norm)
 
     class Hooks(TrainerCallback):

@@ -3,13 +3,13 @@ resumes (with the fixed-batch check), generates and exports what an eager run do
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from tests.dist._jsonl import lines
 from tests.dist._net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,10 +26,6 @@ def _train(run_dir: Path, path: str, compile_: str, *extra: str) -> str:
     log = p.stdout + p.stderr
     assert p.returncode == 0, log[-4000:]
     return log
-
-
-def _lines(f: Path) -> list[dict]:
-    return [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
 
 
 def _weights(run_dir: Path) -> dict:
@@ -49,19 +45,19 @@ def test_compiled_run_trains_saves_resumes_generates_and_exports_as_eager(tmp_pa
     log = _train(compiled, path, "torch", "train.stop_after=2")
     assert "torch.compile: the engine is compiled" in log  # from the engine's own is_compiled
     _train(compiled, path, "torch", "train.resume=latest")
-    (resumed,) = _lines(compiled / "resumes.jsonl")
+    (resumed,) = lines(compiled / "resumes.jsonl")
     # the compiled forward after the load gives the loss recorded by the compiled forward at the save
     assert resumed["not_verified"] is None and resumed["step"] == 2, resumed
     assert resumed["fixed_batch_loss_loaded"] == pytest.approx(resumed["fixed_batch_loss_saved"], abs=1e-5)
 
-    by_step = {r["step"]: r["loss"] for r in _lines(compiled / "metrics.jsonl")}
-    want = {r["step"]: r["loss"] for r in _lines(eager / "metrics.jsonl")}
+    by_step = {r["step"]: r["loss"] for r in lines(compiled / "metrics.jsonl")}
+    want = {r["step"]: r["loss"] for r in lines(eager / "metrics.jsonl")}
     assert sorted(by_step) == sorted(want) == list(range(1, STEPS + 1))
     # fp32 on CPU: inductor reorders some reductions, nothing more
     assert [by_step[s] for s in sorted(by_step)] == pytest.approx([want[s] for s in sorted(want)], abs=1e-5)
 
     # generation runs through the compiled module (greedy): the same tokens as eager
-    assert _lines(compiled / "generations.jsonl") == _lines(eager / "generations.jsonl")
+    assert lines(compiled / "generations.jsonl") == lines(eager / "generations.jsonl")
     # the export holds the model's own names (no `_orig_mod.` prefix) and the same weights
     a, b = _weights(eager), _weights(compiled)
     assert sorted(a) == sorted(b)

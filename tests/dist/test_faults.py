@@ -11,13 +11,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+from _jsonl import lines
 from _net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _lines(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()]  # raises on a torn line
 
 
 @pytest.mark.dist
@@ -32,7 +29,7 @@ def test_a_killed_rank_takes_the_job_down_within_60s_and_records_stay_intact(tmp
     launcher = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 240
-        while not (run_dir / "metrics.jsonl").exists() or len(_lines(run_dir / "metrics.jsonl")) < 5:
+        while not (run_dir / "metrics.jsonl").exists() or len(lines(run_dir / "metrics.jsonl")) < 5:
             assert launcher.poll() is None and time.monotonic() < deadline, (tmp_path / "launch.log").read_text()[-3000:]
             time.sleep(0.5)
         ranks = [p for p in psutil.Process(launcher.pid).children(recursive=True)
@@ -52,10 +49,10 @@ def test_a_killed_rank_takes_the_job_down_within_60s_and_records_stay_intact(tmp
     status = json.loads((run_dir / "status.json").read_text())
     assert status["status"] == "failed" and status["phase"] == "train" and status["step"] >= 5, status
     # what was written before the fault is whole: every line parses, steps count up without gaps
-    steps = [m["step"] for m in _lines(run_dir / "metrics.jsonl")]
+    steps = [m["step"] for m in lines(run_dir / "metrics.jsonl")]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 5
     for f in sorted((run_dir / "memory").glob("rank*.jsonl")):
-        assert _lines(f), f
+        assert lines(f), f
 
 
 def _launch(run_dir: Path, tmp: Path, *extra: str) -> subprocess.Popen:
@@ -72,12 +69,12 @@ def _launch(run_dir: Path, tmp: Path, *extra: str) -> subprocess.Popen:
 def test_sigterm_checkpoints_marks_preempted_and_resume_continues_the_curve(tmp_path: Path) -> None:
     ref = tmp_path / "ref"
     assert _launch(ref, tmp_path, "train.path=raw").wait(timeout=300) == 0
-    full = [m["loss"] for m in _lines(ref / "metrics.jsonl")]
+    full = [m["loss"] for m in lines(ref / "metrics.jsonl")]
     for path in ("raw", "trainer"):
         run_dir = tmp_path / path
         job = _launch(run_dir, tmp_path, f"train.path={path}")
         deadline = time.monotonic() + 240
-        while not (run_dir / "metrics.jsonl").exists() or len(_lines(run_dir / "metrics.jsonl")) < 3:
+        while not (run_dir / "metrics.jsonl").exists() or len(lines(run_dir / "metrics.jsonl")) < 3:
             assert job.poll() is None and time.monotonic() < deadline, path
             time.sleep(0.2)
         ranks = [p for p in psutil.Process(job.pid).children(recursive=True)
@@ -94,8 +91,8 @@ def test_sigterm_checkpoints_marks_preempted_and_resume_continues_the_curve(tmp_
         assert (run_dir / "checkpoints").is_dir()
         # resume: the same loss curve as the uninterrupted run (paths agree to 1e-4 in fp32)
         assert _launch(run_dir, tmp_path, f"train.path={path}", "train.resume=latest").wait(timeout=300) == 0
-        steps = [m["step"] for m in _lines(run_dir / "metrics.jsonl")]
-        resumed = {m["step"]: m["loss"] for m in _lines(run_dir / "metrics.jsonl")}
+        steps = [m["step"] for m in lines(run_dir / "metrics.jsonl")]
+        resumed = {m["step"]: m["loss"] for m in lines(run_dir / "metrics.jsonl")}
         assert sorted(resumed) == list(range(1, 41)), steps
         assert all(abs(resumed[i + 1] - full[i]) <= 1e-4 * abs(full[i]) for i in range(40)), (path, resumed, full)
         assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"

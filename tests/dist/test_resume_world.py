@@ -19,6 +19,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from _jsonl import lines
 from _net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,15 +37,11 @@ def _train(ranks: int, run_dir: Path, ds: str, *extra: str) -> None:
     assert rc == 0, log.read_text()[-5000:]
 
 
-def _lines(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()]
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
     run = tmp_path_factory.mktemp("ref") / "run"
     _train(2, run, "zero2", "train.path=raw", "train.grad_accum=2")
-    return {m["step"]: m for m in _lines(run / "metrics.jsonl")}
+    return {m["step"]: m for m in lines(run / "metrics.jsonl")}
 
 
 @pytest.mark.dist
@@ -61,7 +58,7 @@ def test_a_two_rank_checkpoint_resumes_on_one_and_four_ranks(path: str, ds: str,
         shutil.copytree(stopped, run)
         # the command's grad_accum=2 is what the user ran before; the checkpoint's global batch wins
         _train(ranks, run, ds, f"train.path={path}", "train.grad_accum=2", "train.resume=latest")
-        (entry,) = _lines(run / "resumes.jsonl")
+        (entry,) = lines(run / "resumes.jsonl")
         assert entry["saved_world_size"] == 2 and entry["world_size"] == ranks and entry["grad_accum"] == accum
         assert entry["universal"] == "global_step4_universal", entry
         saved, loaded = entry["fixed_batch_loss_saved"], entry["fixed_batch_loss_loaded"]
@@ -70,7 +67,7 @@ def test_a_two_rank_checkpoint_resumes_on_one_and_four_ranks(path: str, ds: str,
         assert json.loads((run / "status.json").read_text())["status"] == "completed"
         metrics = (run / "metrics.jsonl").read_bytes()
         assert metrics.startswith(before), "the records of the run before the resume changed"
-        after = {m["step"]: m for m in _lines(run / "metrics.jsonl")}
+        after = {m["step"]: m for m in lines(run / "metrics.jsonl")}
         assert sorted(after) == list(range(1, 9))
         for step in range(5, 9):
             ref, got = reference[step], after[step]

@@ -1,0 +1,55 @@
+"""bench/speed.py's launch lines and tuned presets, without running anything (the runs themselves are
+tests/dist/test_bench_speed.py, on 2 CPU ranks)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def speed():
+    sys.path.insert(0, str(ROOT / "bench"))  # speed.py imports its neighbour _proc
+    try:
+        spec = importlib.util.spec_from_file_location("bench_speed", ROOT / "bench" / "speed.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
+def test_include_names_the_gpus_in_place_of_a_count(speed, tmp_path: Path) -> None:
+    # DeepSpeed's launcher drops CUDA_VISIBLE_DEVICES when --num_gpus is given: lanes must use --include
+    cmd, _ = speed._command("raw", "tiny-seq64", 2, "none", 2, 29500, tmp_path / "r.json", 1, 2, None, [],
+                            include="localhost:2,3")
+    assert cmd[:5] == ["deepspeed", "--include", "localhost:2,3", "--master_port", "29500"]
+    assert "--num_gpus" not in cmd and "train.grad_accum=4" in cmd  # 32 = 4 per micro x 4 x 2 GPUs
+    cmd, _ = speed._command("bare", "tiny-seq64", 2, "none", 1, 29500, tmp_path / "b.json", 1, 2, None, [])
+    assert cmd[:3] == ["deepspeed", "--num_gpus", "1"]
+
+
+def test_a_run_needs_gpus_or_include(speed, tmp_path: Path, capsys) -> None:
+    args = argparse.Namespace(tune="", out=str(tmp_path), variants="raw", include="", gpus=0)
+    assert speed.run(args) == 2
+    assert "--gpus N or --include" in capsys.readouterr().err
+
+
+def test_deepcompile_writes_its_own_section_and_leaves_zero_alone(speed, tmp_path: Path) -> None:
+    over, sections, micro = speed.TUNES["deepcompile"]
+    assert "train.compile=torch" in over and micro is None  # DeepCompile acts on engine.compile() only
+    ds = json.loads(Path(speed._tuned_preset(3, "none", sections, tmp_path / "dc.json")).read_text())
+    shipped = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
+    assert ds["compile"] == {"deepcompile": True}
+    assert ds["zero_optimization"] == shipped["zero_optimization"]
+    sized = json.loads(Path(speed._tuned_preset(3, "none", speed.TUNES["all"][1], tmp_path / "all.json")).read_text())
+    assert sized["zero_optimization"]["stage3_module_granularity_threshold"] == 6_000_000
+    assert sized["zero_optimization"]["stage3_prefetch_bucket_size"] == 120_000_000
+    assert sized["zero_optimization"]["stage"] == 3  # merged over the preset, not in place of it
