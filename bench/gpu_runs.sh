@@ -11,15 +11,19 @@
 #   bash bench/gpu_runs.sh paths-auto OUT  # 2-GPU: tests/gpu/test_gpu_speed_paths.py, llama-1b ZeRO-3 with
 #                                          # train.micro_batch_size=auto, Qwen2 ZeRO-2 raw vs Trainer speed
 set -uo pipefail
-mode=$1 out=$2
+mode=$1 out=$2 cmdline="$*"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python bench/prebuild_ops.py > "$out/prebuild.log" 2>&1
+# speed rows -> OUT/speed.json and OUT/speed.md, with this command and the GPU's name
+tabulate() {
+  python bench/speed.py table "$@" --json "$out/speed.json" --command "bash bench/gpu_runs.sh $cmdline" \
+    --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee "$out/speed.md"
+}
 case $mode in
   speed)
     python bench/speed.py run --out "$out" "${@:3}" 2>&1 | tee "$out/speed.log"
-    python bench/speed.py table "$out"/*.json --json "$out/speed.json" --command "bash bench/gpu_runs.sh $*" \
-      --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee "$out/speed.md"
+    tabulate "$out"/*.json
     exit 0 ;;
   lanes)  # one speed.py run per argument, at once, each on the GPUs its --include names; ratios stay within a lane.
     # The lanes share the host's cores (CPU Adam in an offload lane slows the others): screening, not claims
@@ -31,8 +35,7 @@ case $mode in
       i=$((i + 1))
     done
     wait
-    python bench/speed.py table "$out"/lane*/*.json --json "$out/speed.json" --command "bash bench/gpu_runs.sh $*" \
-      --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee "$out/speed.md"
+    tabulate "$out"/lane*/*.json
     exit 0 ;;
   paths-auto)  # each part bounded, so one slow part cannot take the others' results with it
     TOOLKIT_BENCH_OUT="$out" timeout 250 python -m pytest -q tests/gpu/test_gpu_speed_paths.py -p no:cacheprovider \

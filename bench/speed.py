@@ -57,14 +57,14 @@ VARIANTS = ("bare", "raw", "trainer", "hf")
 # --tune NAME,...: extra toolkit rows that try one lever each (at ZeRO-3; ANY_STAGE ones at every stage) (../shared/notes/zero3_speed.md §3, §6):
 # (training overrides, DeepSpeed JSON sections merged over the preset's, micro-batch or None).
 # llama-1b: a decoder layer is 60.8M parameters, about 5.1e6 per leaf module; 1.2e8 prefetch = 2 layers.
-SIZES = {"zero_optimization": {"stage3_prefetch_bucket_size": 120_000_000, "stage3_param_persistence_threshold": 1_000_000}}
-LEAF = {"zero_optimization": {"stage3_module_granularity_threshold": 6_000_000}}
+SIZES = {"stage3_prefetch_bucket_size": 120_000_000, "stage3_param_persistence_threshold": 1_000_000}
+LEAF = {"stage3_module_granularity_threshold": 6_000_000}
 TUNES: dict[str, tuple[list[str], dict[str, Any], int | None]] = {
     "m16": ([], {}, 16),  # more compute per gather
     "flce": (["model.liger_fused_loss=true"], {}, 16),  # fused loss with the head registered as external
-    "sizes": ([], SIZES, None),  # prefetch 2 layers ahead, small k/v projections and norms stay resident
-    "leaf": ([], LEAF, None),  # one fetch per decoder layer instead of one per linear
-    "all": (["model.liger_fused_loss=true"], {"zero_optimization": SIZES["zero_optimization"] | LEAF["zero_optimization"]}, 16),
+    "sizes": ([], {"zero_optimization": SIZES}, None),  # prefetch 2 layers ahead, small k/v projections and norms stay resident
+    "leaf": ([], {"zero_optimization": LEAF}, None),  # one fetch per decoder layer instead of one per linear
+    "all": (["model.liger_fused_loss=true"], {"zero_optimization": SIZES | LEAF}, 16),
     "compile": (["train.compile=torch"], {}, None),  # torch.compile through DeepSpeed's engine.compile()
     # DeepCompile: DeepSpeed's compiler passes (gather/release, prefetch, selective unsharding) on engine.compile();
     # its schedule re-profiles at step 5, so it needs --warmup 15 or so (zero3_speed.md §2). Liger's Triton kernels
