@@ -147,9 +147,12 @@ def run(args: argparse.Namespace) -> int:
         for stage, offload in STAGES[workload]:
             if args.stages and str(stage) + ("o" if offload != "none" else "") not in args.stages.split(","):
                 continue
-            for variant in variants:
+            # --repeat: the variants in turn, again and again (bare, raw, trainer, bare, ...), so a drift of the
+            # machine over the run lands on every variant alike and each variant's spread is on record
+            for rep, variant in itertools.product(range(1, args.repeat + 1), variants):
                 for tag, extra, micro, zero in _extras(variant, workload, stage, offload, args):
-                    name = f"{workload}-z{stage}{'-off' if offload != 'none' else ''}-{args.gpus}gpu-{variant}{tag}"
+                    name = (f"{workload}-z{stage}{'-off' if offload != 'none' else ''}-{args.gpus}gpu-{variant}{tag}"
+                            + (f"-rep{rep}" if args.repeat > 1 else ""))
                     target = out / f"{name}.json"
                     ds_path = _tuned_preset(stage, offload, zero, out / "ds" / f"{name}.json") if zero else None
                     cmd, produced = _command(variant, workload, stage, offload, args.gpus, port, target,
@@ -160,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
                         rc = call_group(cmd, ROOT, env, log, args.timeout)
                     wall = time.perf_counter() - t0
                     row: dict[str, Any] = {"workload": workload, "stage": stage, "offload": offload,
-                                           "gpus": args.gpus, "variant": variant + tag, "rc": rc,
+                                           "gpus": args.gpus, "variant": variant + tag, "repeat": rep, "rc": rc,
                                            "wall_s": round(wall, 1), "argv": " ".join(cmd)}
                     try:
                         got = (_toolkit_result(produced, variant, args.warmup) if variant in ("raw", "trainer")
@@ -180,15 +183,15 @@ def _extras(variant: str, workload: str, stage: int, offload: str,
     --overhead: instead of the plain toolkit row, metrics and snapshots every step vs (almost) off.
     --tune: after the plain toolkit row, one row per named lever (TUNES; at ZeRO-3 only, except ANY_STAGE)."""
     if variant in ("raw", "trainer") and args.overhead:
-        return [("-metrics-on", ["memory.every=1"], None, {}),
-                ("-metrics-off", ["memory.every=0", f"train.log_every={args.warmup + args.steps}"], None, {})]
-    rows: list[tuple[str, list[str], int | None, dict[str, Any]]] = [("", [], None, {})]
+        return [("-metrics-on", ["memory.every=1", *args.set], None, {}),
+                ("-metrics-off", ["memory.every=0", f"train.log_every={args.warmup + args.steps}", *args.set], None, {})]
+    rows: list[tuple[str, list[str], int | None, dict[str, Any]]] = [("", list(args.set), None, {})]
     if variant in ("raw", "trainer") and args.tune:
         for name in filter(None, args.tune.split(",")):
             if stage != 3 and name not in ANY_STAGE:
                 continue
             over, zero, micro = TUNES[name]
-            rows.append((f"-{name}", over, min(micro, GLOBAL_BATCH // args.gpus) if micro else None, zero))
+            rows.append((f"-{name}", [*over, *args.set], min(micro, GLOBAL_BATCH // args.gpus) if micro else None, zero))
     return rows
 
 
@@ -234,7 +237,7 @@ def table(args: argparse.Namespace) -> int:
     rows = [json.loads(Path(f).read_text()) | {"measured_in": Path(f).parent.name} for f in args.files]
     flops: dict[str, float] = {}
     out_rows = []
-    for r in rows:
+    for r, reps in _pool_repeats(rows):
         model, seq, _ = WORKLOADS[r["workload"]]
         times = r.get("step_times_s") or []
         row = {k: r.get(k) for k in ("workload", "stage", "offload", "gpus", "variant", "micro_batch",
@@ -249,6 +252,9 @@ def table(args: argparse.Namespace) -> int:
                     "step_time_s": round(step, 4)}
             if r.get("window_tokens_per_s"):
                 row["window_tokens_per_s"] = round(r["window_tokens_per_s"], 1)
+            if len(reps) > 1:  # each run's own median: the spread between runs of the same variant
+                row["repeat_tokens_per_s_per_gpu"] = [round(GLOBAL_BATCH * seq / statistics.median(t) / r["gpus"], 1)
+                                                      for t in reps]
         else:
             row |= {"tokens_per_s_per_gpu": None, "mfu": None, "step_time_s": None, "error": r.get("error")}
         out_rows.append(row)
@@ -259,6 +265,27 @@ def table(args: argparse.Namespace) -> int:
     Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
     print(_markdown(doc))
     return 0
+
+
+def _pool_repeats(rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], list[list[float]]]]:
+    """Rows of one variant repeated in one run (run --repeat) become one row: its timed steps pooled,
+    peaks the max; also returned: each repeat's step times. Other rows pass through alone."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        key = tuple(r.get(k) for k in ("workload", "stage", "offload", "gpus", "variant", "measured_in"))
+        groups.setdefault(key, []).append(r)
+    out = []
+    for group in groups.values():
+        reps = [r["step_times_s"] for r in group if r.get("step_times_s")]
+        row = dict(group[0])
+        if len(group) > 1:
+            row["step_times_s"] = [t for ts in reps for t in ts]
+            for k in ("peak_allocated_gib", "host_rss_gib"):
+                row[k] = max((r[k] for r in group if r.get(k) is not None), default=None)
+            row["rc"] = max(r.get("rc", 0) for r in group)
+            row.pop("window_tokens_per_s", None)
+        out.append((row, reps))
+    return out
 
 
 def _markdown(doc: dict[str, Any]) -> str:
@@ -279,6 +306,8 @@ def _markdown(doc: dict[str, Any]) -> str:
             ratio = f"{t / bare:.2f}x" if t and bare and same_run else "other run" if t and bare else "n/a"
             stage = f"{s}" + (" + opt offload" if o != "none" else "")
             tput = f"{t / 1000:.1f}k" if t else f"failed (rc {r.get('rc')})"
+            if t and r.get("repeat_tokens_per_s_per_gpu"):
+                tput += " (" + " / ".join(f"{x / 1000:.1f}" for x in r["repeat_tokens_per_s_per_gpu"]) + ")"
             mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else ""
             peak = f"{r['peak_allocated_gib']:.1f}" if r.get("peak_allocated_gib") else ""
             host = f"{r['host_rss_gib']:.1f}" if r.get("host_rss_gib") else ""
@@ -303,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--timeout", type=int, default=420, help="seconds per variant")
     r.add_argument("--tune", default="", help=f"comma-separated levers to add as toolkit rows (ZeRO-3 only except {', '.join(sorted(ANY_STAGE))}): "
                         f"{', '.join(TUNES)}")
+    r.add_argument("--repeat", type=int, default=1,
+                   help="run every variant this many times, in turn; `table` pools each variant's timed steps")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="toolkit override added to every toolkit row, e.g. train.profile_steps=[8,10] (repeatable)")
     r.add_argument("--overhead", action="store_true",
                    help="toolkit rows as metrics+snapshots every step vs (almost) off, in place of the plain row")
     t = sub.add_parser("table")

@@ -124,6 +124,10 @@ class TrainConfig:
     off (default): eager. bench/results/compile.md has the measurement behind the default."""
     stop_after: int = 0
     """Stop (with a checkpoint) after this many steps, keeping the schedule of max_steps: for resume tests."""
+    profile_steps: list[int] = field(default_factory=list)
+    """[first, last]: record torch.profiler (host and CUDA) over these optimizer steps on every rank, into
+    run_dir/profile/: rank{N}.trace.json (Perfetto / chrome://tracing) and rank{N}.summary.json (GPU busy
+    time against wall time, host time waiting in CUDA syncs, top operators). Empty: off."""
     plan: str | None = None
     """plan.json written by `toolkit plan -o DIR` (its train.yaml sets this): copied into the run directory,
     so `toolkit report` shows the plan's per-rank prediction next to what was measured."""
@@ -217,6 +221,8 @@ class Config:
             (t.global_batch_size >= 0, "train.global_batch_size must be >= 0"),
             (t.grad_accum >= 1, "train.grad_accum must be >= 1"),
             (t.max_steps >= 0, "train.max_steps must be >= 0"),
+            (not t.profile_steps or (len(t.profile_steps) == 2 and 1 <= t.profile_steps[0] <= t.profile_steps[1]),
+             f"train.profile_steps must be [first, last] with 1 <= first <= last, got {list(t.profile_steps)!r}"),
             (t.lr > 0, "train.lr must be > 0"),
             (len(t.betas) == 2, "train.betas must have two values"),
             (self.model.task in ("causal_lm", "seq_cls"), f"model.task must be causal_lm or seq_cls, got {self.model.task!r}"),

@@ -52,6 +52,7 @@ from toolkit.metrics import (
 )
 from toolkit.model import build_model, build_tokenizer, check_first_loss, hidden_size, is_preset
 from toolkit.preempt import Preemption
+from toolkit.profiling import StepProfiler
 
 if TYPE_CHECKING:
     from toolkit.run_plan import Plan
@@ -127,7 +128,8 @@ def _run(p: Plan, liger: Any) -> int:
     order = EpochOrder(len(rows), cfg.train.seed, cfg.data.shuffle)
     state = {"phase": "engine_ready", "step": 0, "preempt": Preemption(), "preempted": False,
              # the loss on this batch is recorded at every save and checked after every resume
-             "fixed_batch": resume.fixed_batch(rows, Collator(pad_id=pad_id, task=cfg.model.task))}
+             "fixed_batch": resume.fixed_batch(rows, Collator(pad_id=pad_id, task=cfg.model.task)),
+             "profiler": StepProfiler(p.run_dir, rank, list(cfg.train.profile_steps))}
     metrics.engine_starting(f"ZeRO-{zero_stage(p.ds)}, {cfg.train.path} path, {p.world_size} ranks")
     try:
         with mem.oom_guard(lambda: (state["phase"], state["step"])):
@@ -137,6 +139,7 @@ def _run(p: Plan, liger: Any) -> int:
             else:
                 engine, step, stopped = _run_raw(p, model, ListDataset(rows), collator, order, metrics, mem,
                                                  state)
+            state["profiler"].close(step)
             state["phase"] = "final"
             _finish(p, engine, tokenizer, rows, pad_id, stopped)
             if cfg.train.path == "raw":  # the Trainer path's final snapshot comes from MemoryCallback
@@ -287,6 +290,7 @@ def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator:
 
         def on_step_end(self, args: Any, st: Any, control: Any, **kw: Any) -> Any:
             state["step"] = st.global_step
+            state["profiler"].step_done(st.global_step)
             if not state.get("breakdown"):  # after this process's first optimizer step: states exist
                 state["breakdown"] = breakdown.record(p.run_dir, dist.rank(), trainer.model_wrapped, st.global_step)
             if t.stop_after and st.global_step >= t.stop_after:
@@ -446,6 +450,7 @@ def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: Collator, orde
         if preempted:
             state["preempted"] = True
             break
+        state["profiler"].step_done(step)
     metrics.close()  # the bar ends before export and the summary print
     return engine, step, step < total
 

@@ -53,3 +53,26 @@ def test_deepcompile_writes_its_own_section_and_leaves_zero_alone(speed, tmp_pat
     assert sized["zero_optimization"]["stage3_module_granularity_threshold"] == 6_000_000
     assert sized["zero_optimization"]["stage3_prefetch_bucket_size"] == 120_000_000
     assert sized["zero_optimization"]["stage"] == 3  # merged over the preset, not in place of it
+
+
+def test_table_pools_the_repeats_of_a_variant_and_keeps_each_runs_median(speed, tmp_path: Path) -> None:
+    run = tmp_path / "s99"
+    run.mkdir()
+    base = {"workload": "tiny-seq64", "stage": 3, "offload": "none", "gpus": 1, "micro_batch": 4, "grad_accum": 8,
+            "rc": 0, "host_rss_gib": 1.0}
+    files = []
+    for name, variant, times, peak in (("raw-rep1", "raw", [1.0, 1.0, 3.0], 2.0), ("trainer-rep1", "trainer", [2.0], 1.0),
+                                       ("raw-rep2", "raw", [2.0, 2.0], 5.0)):
+        f = run / f"{name}.json"
+        f.write_text(json.dumps(base | {"variant": variant, "step_times_s": times, "peak_allocated_gib": peak}))
+        files.append(str(f))
+    out = tmp_path / "speed.json"
+    args = argparse.Namespace(files=files, command="c", gpu="g", json=str(out), source=None)
+    assert speed.table(args) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert len(rows) == 2
+    raw = rows["raw"]
+    assert raw["step_time_s"] == 2.0  # the median of 1, 1, 3, 2, 2: both runs' steps together
+    assert raw["repeat_tokens_per_s_per_gpu"] == [32 * 64 / 1.0, 32 * 64 / 2.0]  # each run's own median
+    assert raw["peak_allocated_gib"] == 5.0
+    assert "repeat_tokens_per_s_per_gpu" not in rows["trainer"]

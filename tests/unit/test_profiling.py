@@ -1,0 +1,67 @@
+"""train.profile_steps: the window in optimizer steps, the files it writes, and the summary's arithmetic."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from toolkit.config import load_config
+from toolkit.ds_config import ConfigError
+from toolkit.profiling import StepProfiler, summarize
+
+
+def _work() -> None:
+    a = torch.randn(64, 64)
+    (a @ a).sum()
+
+
+def test_the_window_covers_steps_first_to_last_and_writes_trace_and_summary(tmp_path: Path) -> None:
+    prof = StepProfiler(tmp_path, 0, [2, 3])
+    for step in range(1, 6):  # after step 1 it starts; after step 3 it stops
+        _work()
+        prof.step_done(step)
+        assert (prof.prof is not None) == (step in (1, 2))
+    prof.close(5)  # already stopped: nothing more
+    summary = json.loads((tmp_path / "profile" / "rank0.summary.json").read_text())
+    assert summary["steps"] == [2, 3] and summary["wall_s"] > 0
+    assert any(op["name"] == "aten::mm" for op in summary["top_host_ops"])
+    assert json.loads((tmp_path / "profile" / "rank0.trace.json").read_text())["traceEvents"]
+
+
+def test_a_run_ending_inside_the_window_still_writes_it(tmp_path: Path) -> None:
+    prof = StepProfiler(tmp_path, 1, [2, 50])
+    for step in range(1, 4):
+        _work()
+        prof.step_done(step)
+    prof.close(3)
+    assert json.loads((tmp_path / "profile" / "rank1.summary.json").read_text())["steps"] == [2, 3]
+
+
+def test_off_by_default(tmp_path: Path) -> None:
+    prof = StepProfiler(tmp_path, 0, [])
+    for step in range(1, 4):
+        prof.step_done(step)
+    prof.close(3)
+    assert not (tmp_path / "profile").exists()
+
+
+def test_busy_time_is_the_union_of_kernel_intervals_and_syncs_are_summed(tmp_path: Path) -> None:
+    ev = [{"ph": "X", "cat": "kernel", "name": "k", "ts": 0, "dur": 10},
+          {"ph": "X", "cat": "kernel", "name": "k", "ts": 5, "dur": 10},  # overlaps: 0..15 counts once
+          {"ph": "X", "cat": "gpu_memcpy", "name": "m", "ts": 20, "dur": 5},
+          {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 0, "dur": 7},
+          {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100}]
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": ev}))
+    s = summarize(trace, 1.0)
+    assert s["gpu_busy_s"] == pytest.approx(20e-6) and s["kernels"] == 3
+    assert s["host_sync_s"] == pytest.approx(7e-6)
+
+
+@pytest.mark.parametrize("bad", ["[3]", "[0,2]", "[5,2]"])
+def test_bad_windows_are_refused(bad: str) -> None:
+    with pytest.raises(ConfigError, match=r"train\.profile_steps must be"):
+        load_config(None, [f"train.profile_steps={bad}"])
