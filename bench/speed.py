@@ -70,6 +70,7 @@ TUNES: dict[str, tuple[list[str], dict[str, Any], int | None]] = {
     # its schedule re-profiles at step 5, so it needs --warmup 15 or so (zero3_speed.md §2). Liger's Triton kernels
     # and the fused loss's .item() are not known to work under it: eager HF modules.
     "deepcompile": (["train.compile=torch", "model.liger=false"], {"compile": {"deepcompile": True}}, None),
+    "noliger": (["model.liger=false"], {}, None),  # eager without Liger: what DeepCompile is measured against
 }
 ANY_STAGE = {"compile"}  # the other levers are ZeRO-3's
 
