@@ -69,7 +69,7 @@ def _runs(tmp: Path) -> list[dict]:
             add(f"{path}-{stage}", stage, f"train.path={path}", *probe)
         # gradient accumulation: 1 x 4 must match 4 x 1
         add(f"{path}-mb1ga4", "zero2", f"train.path={path}", "train.micro_batch_size=1", "train.grad_accum=4",
-            "train.export=false")
+            "train.export=false", "train.profile_steps=[2,3]")  # the profiler must not change the losses
         add(f"{path}-mb4ga1", "zero2", f"train.path={path}", "train.micro_batch_size=4", "train.grad_accum=1",
             "train.export=false", "metrics.tensorboard=false")
         # resume: stop after 3 with a checkpoint, then continue in a new run on the same run_dir
@@ -187,6 +187,17 @@ def test_gradient_accumulation_matches_bigger_micro_batch(runs: Path, path: str)
     a, b = metrics(runs / f"{path}-mb1ga4"), metrics(runs / f"{path}-mb4ga1")
     assert_close([m["loss"] for m in a], [m["loss"] for m in b], 1e-4)
     assert_close([m["grad_norm"] for m in a], [m["grad_norm"] for m in b], 1e-3)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", PATHS)
+def test_profile_steps_writes_a_trace_and_summary_per_rank(runs: Path, path: str) -> None:
+    prof = runs / f"{path}-mb1ga4" / "profile"
+    for rank in (0, 1):
+        summary = json.loads((prof / f"rank{rank}.summary.json").read_text())
+        assert summary["steps"] == [2, 3] and summary["rank"] == rank and summary["wall_s"] > 0
+        assert summary["top_host_ops"], "the window must have recorded operators"
+        assert json.loads((prof / f"rank{rank}.trace.json").read_text())["traceEvents"]
 
 
 @pytest.mark.timeout(60)
