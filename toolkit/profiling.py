@@ -20,12 +20,13 @@ from typing import Any
 
 import torch
 
-# CUDA runtime calls in which the host waits for the device
-_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaStreamWaitEvent")
+# CUDA runtime calls in which the host waits for the device (cudaStreamWaitEvent is a wait on the device)
+_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
 class StepProfiler:
-    """Call `step_done(step)` after each optimizer step and `close()` at the end of training."""
+    """Call `step_done(step)` when training starts (with the step it starts from: 0, or the resumed one)
+    and after each optimizer step, and `close()` at the end of training."""
 
     def __init__(self, run_dir: Path, rank: int, steps: list[int]) -> None:
         self.dir, self.rank = run_dir / "profile", rank

@@ -40,6 +40,14 @@ def test_a_run_ending_inside_the_window_still_writes_it(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "profile" / "rank1.summary.json").read_text())["steps"] == [2, 3]
 
 
+def test_a_window_from_step_1_starts_when_training_starts(tmp_path: Path) -> None:
+    prof = StepProfiler(tmp_path, 0, [1, 1])
+    prof.step_done(0)  # the loops call this before their first step
+    _work()
+    prof.step_done(1)
+    assert json.loads((tmp_path / "profile" / "rank0.summary.json").read_text())["steps"] == [1, 1]
+
+
 def test_off_by_default(tmp_path: Path) -> None:
     prof = StepProfiler(tmp_path, 0, [])
     for step in range(1, 4):
