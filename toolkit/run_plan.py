@@ -14,7 +14,15 @@ from typing import Any
 
 from toolkit import dist
 from toolkit.config import Config
-from toolkit.ds_config import AutoValues, ConfigError, adapter_autocast, load_ds_config, precision_of, resolve
+from toolkit.ds_config import (
+    AutoValues,
+    ConfigError,
+    adapter_autocast,
+    load_ds_config,
+    precision_of,
+    resolve,
+    zero_stage,
+)
 from toolkit.resume import Checkpoint, Reshard, find, reshard_for, universal_config
 
 
@@ -66,7 +74,7 @@ def plan(cfg: Config) -> Plan:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} but micro_batch_size {t.micro_batch_size} x "
                           f"grad_accum {t.grad_accum} x {world} ranks = {batch}; "
                           "fix one, or set train.micro_batch_size=auto")
-    warnings = notes + _run_checks(ds_raw, cfg, world)
+    warnings = notes + _run_checks(ds_raw, cfg, world) + _single_gpu_zero3(ds_raw, world)
     mc = model_config(cfg)
     check_data_file(cfg)
     # max_steps=0 means one epoch: known here for synthetic data, after tokenizing for a file
@@ -130,6 +138,18 @@ def _check_resume_mode(run_dir: Path, autocast: bool) -> None:
                'leave bf16.enabled "auto" and add no torch_autocast block, below ZeRO-3')
         raise ConfigError(f"train.resume: the checkpoints in {run_dir} were written with adapter_autocast={before} "
                           f"(versions.json) and this run would use {autocast}; to resume them, {how}")
+
+
+def _single_gpu_zero3(ds: dict[str, Any], world: int) -> list[str]:
+    """ZeRO-3 on one GPU without parameter offload: a note, not a check-table rule, because `toolkit check`
+    assumes one rank unless told otherwise, and on CPU (the Quickstart's demo) speed is not the point."""
+    param = (ds.get("zero_optimization") or {}).get("offload_param") or {}
+    if world != 1 or dist.on_cpu() or zero_stage(ds) != 3 or str(param.get("device", "none")).lower() != "none":
+        return []
+    return ["note: ZeRO-3 on one GPU shards nothing (each parameter's one partition is the whole of it) and "
+            "pays ZeRO-3's per-module gathers: on one H200, GPT-2 and Qwen2-0.5B ran 1.9-2.6x slower than at "
+            "ZeRO-2, at the same peak within 1 GiB (bench/results/speed.md, runs s8, s14, s15). Use ZeRO-2 (with "
+            "offload_optimizer if the optimizer does not fit), or ZeRO-3 with offload_param."]
 
 
 def _run_checks(ds: dict[str, Any], cfg: Config, world: int) -> list[str]:
