@@ -81,6 +81,9 @@ def plan(cfg: Config) -> Plan:
     # (loop.run fills it then; a DeepSpeed scheduler "auto" needing it is reported as unfillable).
     synthetic = cfg.data.source == "synthetic"
     total = t.max_steps or (steps_per_epoch(cfg.data.num_samples, cfg, world) if synthetic else None)
+    if t.profile_steps and total and t.profile_steps[0] > total:
+        raise ConfigError(f"train.profile_steps={list(t.profile_steps)} starts after the run's last step ({total}): "
+                          "the profiler would never start; pick steps within train.max_steps")
     values = AutoValues(micro_batch=t.micro_batch_size, grad_accum=t.grad_accum, world_size=world,
                         precision=precision, grad_clip=t.grad_clip, lr=t.lr, betas=(t.betas[0], t.betas[1]),
                         eps=t.eps, weight_decay=t.weight_decay, hidden_size=hidden_size(mc),

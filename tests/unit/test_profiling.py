@@ -73,3 +73,13 @@ def test_busy_time_is_the_union_of_kernel_intervals_and_syncs_are_summed(tmp_pat
 def test_bad_windows_are_refused(bad: str) -> None:
     with pytest.raises(ConfigError, match=r"train\.profile_steps must be"):
         load_config(None, [f"train.profile_steps={bad}"])
+
+
+def test_a_window_after_the_last_step_is_refused_before_launch(tmp_path: Path) -> None:
+    from toolkit.run_plan import plan
+
+    ds = Path(__file__).resolve().parents[2] / "ds_configs" / "zero2.json"
+    common = ["model.name=tiny", "train.max_steps=5", f"train.ds_config={ds}", f"train.run_dir={tmp_path / 'r'}"]
+    with pytest.raises(ConfigError, match=r"starts after the run's last step \(5\)"):
+        plan(load_config(None, [*common, "train.profile_steps=[6,8]"]))
+    assert list(plan(load_config(None, [*common, "train.profile_steps=[5,8]"])).cfg.train.profile_steps) == [5, 8]
