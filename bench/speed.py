@@ -20,6 +20,7 @@ import datetime
 import itertools
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -235,7 +236,8 @@ def _flops_per_token(model: str, seq: int) -> float:
 
 
 def table(args: argparse.Namespace) -> int:
-    rows = [json.loads(Path(f).read_text()) | {"measured_in": Path(f).parent.name} for f in args.files]
+    rows = [json.loads(Path(f).read_text()) | {"measured_in": Path(f).parent.name, "source_file": Path(f).name,
+                                              "source_dir": str(Path(f).resolve().parent)} for f in args.files]
     flops: dict[str, float] = {}
     out_rows = []
     for r, reps in _pool_repeats(rows):
@@ -272,19 +274,23 @@ def _pool_repeats(rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], list
     """Rows of one variant repeated in one run (run --repeat) become one row: its timed steps pooled,
     peaks the max; also returned: each repeat's step times. Other rows pass through alone."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
-    for r in rows:
-        key = tuple(r.get(k) for k in ("workload", "stage", "offload", "gpus", "variant", "measured_in"))
+    for i, r in enumerate(rows):
+        # only files a --repeat run wrote (NAME-repN.json) pool, and only within one directory
+        repeat = re.search(r"-rep\d+\.json$", r["source_file"]) is not None
+        key = (*(r.get(k) for k in ("workload", "stage", "offload", "gpus", "variant")), r["source_dir"],
+               "repeat" if repeat else i)
         groups.setdefault(key, []).append(r)
     out = []
     for group in groups.values():
-        reps = [r["step_times_s"] for r in group if r.get("step_times_s")]
+        good = [r for r in group if r.get("rc") == 0 and r.get("step_times_s")]  # a failed repeat's steps stay out
+        reps = [r["step_times_s"] for r in good]
         row = dict(group[0])
         if len(group) > 1:
             row["step_times_s"] = [t for ts in reps for t in ts]
             for k in ("peak_allocated_gib", "host_rss_gib"):
                 row[k] = max((r[k] for r in group if r.get(k) is not None), default=None)
-            row["rc"] = max(r.get("rc", 0) for r in group)
-            row.pop("window_tokens_per_s", None)
+            row["rc"] = next((r.get("rc") for r in group if r.get("rc") != 0), 0)
+            row.pop("window_tokens_per_s", None)  # one window per run: --overhead compares within a run
         out.append((row, reps))
     return out
 
@@ -336,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--repeat", type=int, default=1,
                    help="run every variant this many times, in turn; `table` pools each variant's timed steps")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="toolkit override added to every toolkit row, e.g. train.profile_steps=[8,10] (repeatable)")
+                   help="toolkit override added to every toolkit row (repeatable), e.g. train.profile_steps=[6,8]: "
+                        "a profiled window inside the timed steps slows them, so time such rows apart")
     r.add_argument("--overhead", action="store_true",
                    help="toolkit rows as metrics+snapshots every step vs (almost) off, in place of the plain row")
     t = sub.add_parser("table")

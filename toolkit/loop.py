@@ -7,6 +7,7 @@ the warmup+cosine schedule (transformers' own function), metrics, memory snapsho
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -151,6 +152,8 @@ def _run(p: Plan, liger: Any) -> int:
                      step=state["step"])
         raise
     finally:
+        with contextlib.suppress(Exception):  # a failed run keeps the window it recorded (no-op when closed)
+            state["profiler"].close(state["step"])
         metrics.close()
         mem.close()
         state["preempt"].close()
@@ -287,7 +290,7 @@ def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator:
                               p.world_size, t.grad_accum, universal)
             state["phase"] = "train"
             metrics.start(st.global_step)
-            state["profiler"].step_done(st.global_step)  # a window from step 1 starts here
+            state["profiler"].step_done(st.global_step)  # a window that includes the first step opens here
 
         def on_step_end(self, args: Any, st: Any, control: Any, **kw: Any) -> Any:
             state["step"] = st.global_step
@@ -405,7 +408,7 @@ def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: Collator, orde
     last = min(total, t.stop_after) if t.stop_after else total
     guard = NonFiniteGuard(device, rank, p.precision == "fp16", t.max_skipped_steps)
     engine.train()
-    state["profiler"].step_done(step)  # a window from step 1 (or the resumed step + 1) starts here
+    state["profiler"].step_done(step)  # a window that includes step + 1 (1, or the resumed step + 1) opens here
     # Nothing in this loop waits for the GPU except on log steps: the label count is reduced on the
     # device, the loss accumulates there, and host values (loss, grad norm) are read only to log.
     while step < last:

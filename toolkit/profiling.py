@@ -26,24 +26,38 @@ _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynch
 
 class StepProfiler:
     """Call `step_done(step)` when training starts (with the step it starts from: 0, or the resumed one)
-    and after each optimizer step, and `close()` at the end of training."""
+    and after each optimizer step, and `close()` at the end of training (also when it failed).
+
+    The window opens once, at the first call with first-1 <= step < last (so a run resumed inside
+    the window profiles its remainder), and the summary names the steps it really covered. Where the
+    step ends: the raw loop after a step's logging and saving, the HF Trainer at `on_step_end`, which
+    comes before its logging and saving; so on log or save steps the two paths' windows differ by those."""
 
     def __init__(self, run_dir: Path, rank: int, steps: list[int]) -> None:
         self.dir, self.rank = run_dir / "profile", rank
         self.first, self.last = (steps[0], steps[1]) if steps else (0, -1)
         self.prof: Any = None
+        self.opened_at = 0  # the step count when the window opened
+        self.done = not steps
         self.t0 = 0.0
 
     def step_done(self, step: int) -> None:
-        """`step` optimizer steps are done: start before step `first`, stop after step `last`."""
-        if self.prof is None and step == self.first - 1:
+        """`step` optimizer steps are done."""
+        if self.prof is None and not self.done and self.first - 1 <= step < self.last:
+            self.opened_at = step
             self._start()
         elif self.prof is not None and step >= self.last:
             self._stop(step)
 
     def close(self, step: int) -> None:
-        if self.prof is not None:  # training ended inside the window
+        """Training ended (or failed) inside the window: keep what it recorded, if it covers a step."""
+        if self.prof is None:
+            return
+        if step > self.opened_at:
             self._stop(step)
+        else:  # no step ran inside the window
+            self.prof.stop()
+            self.prof, self.done = None, True
 
     def _start(self) -> None:
         acts = [torch.profiler.ProfilerActivity.CPU]
@@ -62,7 +76,7 @@ class StepProfiler:
         self.dir.mkdir(parents=True, exist_ok=True)
         trace = self.dir / f"rank{self.rank}.trace.json"
         self.prof.export_chrome_trace(str(trace))
-        summary = {"rank": self.rank, "steps": [self.first, step], **summarize(trace, wall),
+        summary = {"rank": self.rank, "steps": [self.opened_at + 1, step], **summarize(trace, wall),
                    "top_host_ops": _top(self.prof, "self_cpu_time_total"),
                    "top_gpu_ops": _top(self.prof, "self_device_time_total") if torch.cuda.is_available() else []}
         (self.dir / f"rank{self.rank}.summary.json").write_text(json.dumps(summary, indent=1))
@@ -70,24 +84,24 @@ class StepProfiler:
             busy = summary["gpu_busy_s"]
             seen = (f"GPU busy {busy:.2f} s ({busy / wall:.0%}), host waiting in CUDA syncs {summary['host_sync_s']:.2f} s"
                     if torch.cuda.is_available() else "host only (no CUDA)")
-            print(f"profile: steps {self.first}-{step} in {wall:.2f} s; {seen}; trace and summary in {self.dir}",
-                  flush=True)
-        self.prof = None
+            print(f"profile: steps {self.opened_at + 1}-{step} in {wall:.2f} s; {seen}; trace and summary in "
+                  f"{self.dir}", flush=True)
+        self.prof, self.done = None, True
 
 
 def summarize(trace: Path, wall_s: float) -> dict[str, Any]:
     """From a Chrome trace: kernel time as the union of kernel intervals (streams overlap), and the
     host's time inside CUDA synchronize calls."""
     events = json.loads(trace.read_text()).get("traceEvents", [])
-    kernels = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
-                     if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    device = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     busy, end = 0.0, float("-inf")
-    for a, b in kernels:
+    for a, b in sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in device):
         if b > end:
             busy += b - max(a, end)
             end = b
     sync = sum(e.get("dur", 0) for e in events if e.get("ph") == "X" and e.get("name") in _SYNC_CALLS)
-    return {"wall_s": round(wall_s, 4), "gpu_busy_s": round(busy / 1e6, 6), "kernels": len(kernels),
+    return {"wall_s": round(wall_s, 4), "gpu_busy_s": round(busy / 1e6, 6),
+            "kernels": sum(e["cat"] == "kernel" for e in device), "copies": sum(e["cat"] != "kernel" for e in device),
             "host_sync_s": round(sync / 1e6, 6)}
 
 

@@ -146,8 +146,10 @@ def _check_resume_mode(run_dir: Path, autocast: bool) -> None:
 def _single_gpu_zero3(ds: dict[str, Any], world: int) -> list[str]:
     """ZeRO-3 on one GPU without parameter offload: a note, not a check-table rule, because `toolkit check`
     assumes one rank unless told otherwise, and on CPU (the Quickstart's demo) speed is not the point."""
-    param = (ds.get("zero_optimization") or {}).get("offload_param") or {}
-    if world != 1 or dist.on_cpu() or zero_stage(ds) != 3 or str(param.get("device", "none")).lower() != "none":
+    zero = ds.get("zero_optimization")
+    param = zero.get("offload_param") if isinstance(zero, dict) else None
+    device = str(param.get("device", "none")).lower() if isinstance(param, dict) else "none"
+    if world != 1 or dist.on_cpu() or zero_stage(ds) != 3 or device != "none":
         return []
     return ["note: ZeRO-3 on one GPU shards nothing (each parameter's one partition is the whole of it) and "
             "pays ZeRO-3's per-module gathers: on one H200, GPT-2 and Qwen2-0.5B ran 1.9-2.6x slower than at "

@@ -48,6 +48,25 @@ def test_a_window_from_step_1_starts_when_training_starts(tmp_path: Path) -> Non
     assert json.loads((tmp_path / "profile" / "rank0.summary.json").read_text())["steps"] == [1, 1]
 
 
+def test_a_run_resumed_inside_the_window_profiles_its_remainder(tmp_path: Path) -> None:
+    prof = StepProfiler(tmp_path, 0, [2, 4])
+    prof.step_done(2)  # resumed after step 2
+    for step in (3, 4):
+        _work()
+        prof.step_done(step)
+    assert json.loads((tmp_path / "profile" / "rank0.summary.json").read_text())["steps"] == [3, 4]
+
+
+def test_a_run_ending_before_the_window_writes_nothing(tmp_path: Path) -> None:
+    prof = StepProfiler(tmp_path, 0, [5, 6])
+    for step in range(0, 5):  # opens after step 4, then the run ends
+        prof.step_done(step)
+    prof.close(4)
+    assert not (tmp_path / "profile").exists()
+    prof.step_done(4)  # never reopens
+    assert prof.prof is None
+
+
 def test_off_by_default(tmp_path: Path) -> None:
     prof = StepProfiler(tmp_path, 0, [])
     for step in range(1, 4):
@@ -65,7 +84,7 @@ def test_busy_time_is_the_union_of_kernel_intervals_and_syncs_are_summed(tmp_pat
     trace = tmp_path / "t.json"
     trace.write_text(json.dumps({"traceEvents": ev}))
     s = summarize(trace, 1.0)
-    assert s["gpu_busy_s"] == pytest.approx(20e-6) and s["kernels"] == 3
+    assert s["gpu_busy_s"] == pytest.approx(20e-6) and s["kernels"] == 2 and s["copies"] == 1
     assert s["host_sync_s"] == pytest.approx(7e-6)
 
 

@@ -76,3 +76,21 @@ def test_table_pools_the_repeats_of_a_variant_and_keeps_each_runs_median(speed, 
     assert raw["repeat_tokens_per_s_per_gpu"] == [32 * 64 / 1.0, 32 * 64 / 2.0]  # each run's own median
     assert raw["peak_allocated_gib"] == 5.0
     assert "repeat_tokens_per_s_per_gpu" not in rows["trainer"]
+
+
+def test_table_pools_only_repeat_files_of_one_directory_and_leaves_failed_repeats_out(speed, tmp_path: Path) -> None:
+    base = {"workload": "tiny-seq64", "stage": 3, "offload": "none", "gpus": 1, "micro_batch": 4, "grad_accum": 8,
+            "variant": "raw"}
+    files = []
+    for d, name, times, rc in (("a/s1", "raw", [1.0], 0), ("b/s1", "raw", [2.0], 0),  # same dir name, two machines
+                               ("c/s2", "raw-rep1", [4.0], 0), ("c/s2", "raw-rep2", [8.0, 8.0], 124)):
+        (tmp_path / d).mkdir(parents=True, exist_ok=True)
+        f = tmp_path / d / f"{name}.json"
+        f.write_text(json.dumps(base | {"step_times_s": times, "rc": rc}))
+        files.append(str(f))
+    out = tmp_path / "speed.json"
+    assert speed.table(argparse.Namespace(files=files, command="c", gpu="g", json=str(out), source=None)) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted(r["step_time_s"] for r in rows) == [1.0, 2.0, 4.0]  # s1 rows apart; the cut repeat's steps out
+    pooled = next(r for r in rows if r["step_time_s"] == 4.0)
+    assert pooled["rc"] == 124  # the failure stays on record
