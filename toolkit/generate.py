@@ -554,4 +554,6 @@ def _emit(out: str | None, prompts: list[list[int]], outputs: list[list[int]], t
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    rc = main()
+    dist.shutdown()  # as toolkit/train.py: left to interpreter teardown, gloo's threads can abort the process
+    raise SystemExit(rc)
