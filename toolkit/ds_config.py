@@ -380,6 +380,15 @@ def precision_of(ds: dict[str, Any]) -> str | None:
     return "fp32"
 
 
+def offload(ds: dict[str, Any], which: str) -> tuple[str, dict[str, Any]]:
+    """(device, block) of zero_optimization.offload_{optimizer,param}; device "none" when absent."""
+    zero = ds.get("zero_optimization")
+    block = zero.get(which) if isinstance(zero, dict) else None
+    if not isinstance(block, dict):
+        return "none", {}
+    return str(block.get("device", "none")).lower(), block
+
+
 def zero_stage(ds: dict[str, Any]) -> int:
     """The stage as DeepSpeed reads it: 3, 3.0 and "3" are all stage 3 (its pydantic model coerces)."""
     _, stage = _get(ds, "zero_optimization.stage")

@@ -19,6 +19,7 @@ from toolkit.ds_config import (
     ConfigError,
     adapter_autocast,
     load_ds_config,
+    offload,
     precision_of,
     resolve,
     zero_stage,
@@ -146,10 +147,7 @@ def _check_resume_mode(run_dir: Path, autocast: bool) -> None:
 def _single_gpu_zero3(ds: dict[str, Any], world: int) -> list[str]:
     """ZeRO-3 on one GPU without parameter offload: a note, not a check-table rule, because `toolkit check`
     assumes one rank unless told otherwise, and on CPU (the Quickstart's demo) speed is not the point."""
-    zero = ds.get("zero_optimization")
-    param = zero.get("offload_param") if isinstance(zero, dict) else None
-    device = str(param.get("device", "none")).lower() if isinstance(param, dict) else "none"
-    if world != 1 or dist.on_cpu() or zero_stage(ds) != 3 or device != "none":
+    if world != 1 or dist.on_cpu() or zero_stage(ds) != 3 or offload(ds, "offload_param")[0] != "none":
         return []
     return ["note: ZeRO-3 on one GPU shards nothing (each parameter's one partition is the whole of it) and "
             "pays ZeRO-3's per-module gathers: on one H200, GPT-2 and Qwen2-0.5B ran 1.9-2.6x slower than at "

@@ -45,10 +45,7 @@ class Ctx:
 
     def offload(self, which: str) -> tuple[str, dict[str, Any]]:
         """(device, block) of zero_optimization.offload_{optimizer,param}; device "none" when absent."""
-        block = self.zero.get(which)
-        if not isinstance(block, dict):
-            return "none", {}
-        return str(block.get("device", "none")).lower(), block
+        return dc.offload(self.raw, which)
 
 
 def _err(key: str, msg: str) -> Finding:
