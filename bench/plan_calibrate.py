@@ -282,6 +282,8 @@ def _progress(row: dict[str, Any]) -> None:
     c = row["config"]
     print(f"{c['name']}: rc={row['rc']} {row['wall_s']:.0f}s gpu error {_pct(row.get('gpu_error'))} "
           f"host error {_pct(row.get('host_error'))}", flush=True)
+    if row["rc"] != 0:  # the cause, where a caller sees only the output (CI's failed test)
+        print(row.get("log_tail", ""), flush=True)
 
 
 def _pct(x: float | None) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import MutableMapping
-from typing import Any
+from typing import Any, NoReturn
 
 
 def prepare_env() -> list[str]:
@@ -133,13 +133,31 @@ def broadcast_object(obj: Any) -> Any:
 
 
 def shutdown() -> None:
-    """Destroy the process group before the interpreter exits: left to interpreter teardown, gloo's
-    threads sometimes abort the process after a finished run ("terminate called without an active
-    exception", exit code -6, seen on 2 CPU ranks)."""
+    """Destroy the process group (every rank, after the last collective)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_process(rc: int) -> NoReturn:
+    """End a launched rank: destroy the process group, run the atexit handlers, flush, and leave
+    without interpreter finalization.
+
+    Why not a plain `raise SystemExit`: gloo's worker threads (pt_gloo_runloop, gloo_tcp_loop) outlive
+    `destroy_process_group()` (seen on torch 2.13 with no ProcessGroup object left in Python), and tearing
+    them down inside finalization sometimes aborts a finished run ("terminate called without an active
+    exception", exit code -6: a completed ZeRO-3 offload run reported as failed by the launcher, in CI).
+    Everything a run writes is closed before this point; the atexit handlers (logging's flush among them)
+    still run."""
+    import atexit
+    import sys
+
+    shutdown()
+    atexit._run_exitfuncs()  # what normal exit runs first; finalization is what we skip
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(rc)
 
 
 def barrier() -> None:

@@ -554,6 +554,4 @@ def _emit(out: str | None, prompts: list[list[int]], outputs: list[list[int]], t
 
 
 if __name__ == "__main__":
-    rc = main()
-    dist.shutdown()  # as toolkit/train.py: left to interpreter teardown, gloo's threads can abort the process
-    raise SystemExit(rc)
+    dist.exit_process(main())

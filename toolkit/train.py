@@ -67,6 +67,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    rc = main()
-    dist.shutdown()
-    raise SystemExit(rc)
+    dist.exit_process(main())
