@@ -51,7 +51,14 @@ from toolkit.metrics import (
     flops_per_token,
     peak_flops_per_gpu,
 )
-from toolkit.model import build_model, build_tokenizer, check_first_loss, hidden_size, is_preset
+from toolkit.model import (
+    build_model,
+    build_tokenizer,
+    check_first_loss,
+    check_zero3_leaves,
+    hidden_size,
+    is_preset,
+)
 from toolkit.preempt import Preemption
 from toolkit.profiling import StepProfiler
 
@@ -238,6 +245,13 @@ def _first_step(p: Plan, step: int, loss: float, mem: MemoryMonitor) -> None:
     first_loss_check(p, loss)
 
 
+def leaf_check(model: Any) -> None:
+    """After the engine exists (DeepSpeed marks ZeRO-3 leaf modules during initialize), before step 1."""
+    msg = check_zero3_leaves(model)
+    if msg:
+        raise RuntimeError(msg)
+
+
 def first_loss_check(p: Plan, loss: float) -> None:
     msg = check_first_loss(loss, p.model_config.vocab_size, p.cfg.model.task, not is_preset(p.cfg.model.name))
     if msg:
@@ -283,6 +297,7 @@ def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator:
 
     class Hooks(TrainerCallback):
         def on_train_begin(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
+            leaf_check(trainer.model)  # the Trainer has built the engine by now
             if t.compile == "torch":
                 _say_compiled(trainer.model_wrapped)
             if p.resume_from:  # the Trainer has loaded the checkpoint by now
@@ -378,6 +393,7 @@ def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: Collator, orde
     universal = resume.prepare(p.reshard, t.collective_timeout_s)  # another rank count: convert first
     engine, _, _, scheduler = deepspeed.initialize(model=model, model_parameters=params, config=p.ds,
                                                    lr_scheduler=_lr_schedule(p))
+    leaf_check(engine.module)
     if t.compile == "torch":
         engine.compile()  # nn.Module.compile on the wrapped model (inductor); DeepSpeed's ZeRO hooks are compiler-disabled
         _say_compiled(engine)

@@ -227,3 +227,28 @@ def check_first_loss(loss: float, vocab_size: int, task: str, pretrained: bool) 
         return (f"first loss {loss:.2f} is far above ln(vocab)={expected:.2f}: the model looks uninitialized "
                 "(under ZeRO-3 a model built inside zero.Init must have its weights initialized)")
     return None
+
+
+def check_zero3_leaves(model: Any) -> str | None:
+    """A ZeRO-3 leaf module that holds the input embeddings trains on no gradient: refuse it.
+
+    DeepSpeed reduces a leaf module's gradients in the module's full backward hook, and that hook fires
+    only when a gradient flows to the module's inputs. The model and its backbone take token ids (no
+    gradient), so as leaves their parameters are never reduced: the optimizer steps on zeros and the
+    gradient norm reads 0.0, without an error. `stage3_module_granularity_threshold` picks leaves
+    parent-first (parameters per layer), so any threshold above a layer's makes the whole model or its
+    backbone the leaf (bench/zero3_leaf.py, 2 CPU ranks, DeepSpeed 0.19.8: gradient norm 0.0 with the whole
+    model as the leaf, 0.72 instead of 1.22 with the backbone; decoder layers as leaves match no leaves)."""
+    from deepspeed.utils import get_z3_leaf_modules
+
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embed is None:
+        return None
+    bad = [type(m).__name__ for m in get_z3_leaf_modules(model) if any(x is embed for x in m.modules())]
+    if not bad:
+        return None
+    return (f"ZeRO-3 leaf module {bad[0]} holds the input embeddings: it takes token ids, so its backward hook "
+            "never fires and its parameters would train on no gradient. Lower "
+            "zero_optimization.stage3_module_granularity_threshold below the granularity DeepSpeed logs for the "
+            "decoder layer (or 0), or name the decoder layer class in zero_optimization.leaf_module")
+

@@ -36,6 +36,11 @@ def _ds_files(tmp: Path) -> dict[str, str]:
     opt_only = tmp / "zero3_offload_opt.json"  # optimizer offload alone at stage 3
     dc.write_config(dc.gen_config(3, offload_optimizer="cpu"), opt_only, force=True)
     files["zero3_offload_opt"] = str(opt_only)
+    # a granularity threshold above every layer's: DeepSpeed makes the whole model the ZeRO-3 leaf
+    leaf = dc.preset("zero3")
+    leaf["zero_optimization"]["stage3_module_granularity_threshold"] = 10**9
+    files["zero3_leaf_model"] = str(tmp / "zero3_leaf_model.json")
+    Path(files["zero3_leaf_model"]).write_text(json.dumps(leaf))
     return files
 
 
@@ -89,6 +94,8 @@ def _runs(tmp: Path) -> list[dict]:
         add(f"{path}-lora", "zero3", f"train.path={path}", "lora.enabled=true", "train.save_probe=true")
         # LoRA under bf16 below ZeRO-3: fp32 adapters, bf16 base, DeepSpeed torch_autocast
         add(f"{path}-lora-bf16", "zero2", f"train.path={path}", "lora.enabled=true", "train.precision=bf16")
+        # the whole model as a ZeRO-3 leaf would train on no gradient: refused before step 1
+        add(f"{path}-leaf-model", "zero3_leaf_model", f"train.path={path}", "train.export=false", expect_rc=1)
         # sequence classification
         add(f"{path}-cls", "zero2", f"train.path={path}", "model.name=tiny-bert", "model.task=seq_cls",
             "train.export=false")
@@ -179,6 +186,16 @@ def test_raw_and_trainer_paths_agree(runs: Path, name: str) -> None:
     assert_close([m["loss"] for m in raw], [m["loss"] for m in tr], 1e-4)
     assert_close([m["grad_norm"] for m in raw], [m["grad_norm"] for m in tr], 1e-3)
     assert_close([m["lr"] + 1e-12 for m in raw], [m["lr"] + 1e-12 for m in tr], 1e-6)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", PATHS)
+def test_a_leaf_module_holding_the_embeddings_is_refused_before_training(runs: Path, path: str) -> None:
+    status = json.loads((runs / f"{path}-leaf-model" / "status.json").read_text())
+    assert status["status"] == "failed" and status["step"] == 0, status
+    assert "leaf module LlamaForCausalLM holds the input embeddings" in status["error"], status
+    logged = runs / f"{path}-leaf-model" / "metrics.jsonl"
+    assert not logged.exists() or not logged.read_text().strip(), "no step may run"
 
 
 @pytest.mark.timeout(60)

@@ -19,6 +19,7 @@ Where things live (imports run one way: base <- rule modules <- core <- this fil
   offload.py          rule_offload: stage x offload, partial offload, nvme_path;
                       rule_precision: fp16 and bf16 both on, torch_autocast with either;
   keys.py             rule_stage3_keys, rule_deprecated: stage-3-only and deprecated ZeRO keys;
+  leaf.py             rule_leaf_threshold: leaf modules picked by stage3_module_granularity_threshold;
   deepspeed_parse.py  step 2: DeepSpeedConfig one error at a time, the traced reads that find
                       unknown (never read) keys, and the lazy, quiet deepspeed import.
 A new rule is a function Ctx -> list[Finding] in the module of its concern, added to RULES in core.py.

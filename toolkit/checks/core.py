@@ -17,6 +17,7 @@ from toolkit.checks.base import Ctx, Finding, _err, _num
 from toolkit.checks.batch import _batch, rule_batch
 from toolkit.checks.deepspeed_parse import _ds_findings, _import_deepspeed, _unread_findings
 from toolkit.checks.keys import rule_deprecated, rule_stage3_keys
+from toolkit.checks.leaf import rule_leaf_threshold
 from toolkit.checks.offload import rule_offload, rule_precision
 from toolkit.checks.optimizer import rule_optimizer
 
@@ -28,6 +29,7 @@ RULES: tuple[Callable[[Ctx], list[Finding]], ...] = (
     rule_precision,
     rule_stage3_keys,
     rule_deprecated,
+    rule_leaf_threshold,
 )
 
 
