@@ -51,4 +51,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from toolkit import dist
+
+    dist.exit_process(main())  # as toolkit/train.py: no interpreter finalization, where gloo's threads can abort
