@@ -132,14 +132,6 @@ def broadcast_object(obj: Any) -> Any:
     return box[0]
 
 
-def shutdown() -> None:
-    """Destroy the process group (every rank, after the last collective)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def exit_process(rc: int) -> NoReturn:
     """End a launched rank: destroy the process group, run the atexit handlers, flush, and leave
     without interpreter finalization.
@@ -153,7 +145,10 @@ def exit_process(rc: int) -> NoReturn:
     import atexit
     import sys
 
-    shutdown()
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # every rank, after the last collective
+        dist.destroy_process_group()
     atexit._run_exitfuncs()  # what normal exit runs first; finalization is what we skip
     for stream in (sys.stdout, sys.stderr):
         stream.flush()

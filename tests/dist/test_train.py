@@ -39,8 +39,8 @@ def _ds_files(tmp: Path) -> dict[str, str]:
     # a granularity threshold above every layer's: DeepSpeed makes the whole model the ZeRO-3 leaf
     leaf = dc.preset("zero3")
     leaf["zero_optimization"]["stage3_module_granularity_threshold"] = 10**9
+    dc.write_config(leaf, tmp / "zero3_leaf_model.json", force=True)
     files["zero3_leaf_model"] = str(tmp / "zero3_leaf_model.json")
-    Path(files["zero3_leaf_model"]).write_text(json.dumps(leaf))
     return files
 
 
