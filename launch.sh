@@ -168,7 +168,7 @@ command -v "$PYTHON" >/dev/null || die "python not found ($PYTHON); set PYTHON=/
 # The toolkit package must import from the checkout (uninstalled, and on remote nodes:
 # DeepSpeed's multi-node runners forward PYTHON* variables).
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-tk() { "$PYTHON" -m toolkit.hostfile "$@"; }
+tk() { "$PYTHON" -m toolkit.launch.hostfile "$@"; }
 
 # ---- which DeepSpeed config ---------------------------------------------------------------------
 gen_args=(--stage "$stage")
@@ -323,8 +323,8 @@ fi
 
 check_cmd=("$PYTHON" -m toolkit check "$ds_file" --world-size "$world" --path "$train_path")
 gen_cmd=("$PYTHON" -m toolkit gen-config "${gen_args[@]}" -o "$ds_file")
-# Multi-node over ssh: every host probed before anything starts (toolkit/preflight.py).
-preflight_cmd=("$PYTHON" -m toolkit.preflight --hostfile "$hostfile" --launcher "${launcher:-pdsh}")
+# Multi-node over ssh: every host probed before anything starts (toolkit/launch/preflight.py).
+preflight_cmd=("$PYTHON" -m toolkit.launch.preflight --hostfile "$hostfile" --launcher "${launcher:-pdsh}")
 [[ -n $include ]] && preflight_cmd+=(--include "$include")
 [[ -n $gpus ]] && preflight_cmd+=(--num-gpus "$gpus")
 [[ -n $master_addr ]] && preflight_cmd+=(--master-addr "$master_addr")
@@ -349,7 +349,7 @@ if ((dry_run)); then
     ((need_gen)) && echo "would generate: $(quote "${gen_cmd[@]}")"
     echo "would check: $(quote "${check_cmd[@]}")"
     ((ssh_launch)) && echo "would check hosts: $(quote "${preflight_cmd[@]}")"
-    ((multi_node)) && echo "would write: ${DS_ENV_FILE:-.deepspeed_env} (allow-listed variables, see toolkit/hostfile.py)"
+    ((multi_node)) && echo "would write: ${DS_ENV_FILE:-.deepspeed_env} (allow-listed variables, see toolkit/launch/hostfile.py)"
     ((cpu_mode)) && echo "env: DS_ACCELERATOR=cpu"
     echo "command: $(quote "${cmd[@]}" "${script[@]}")"
     exit 0

@@ -25,7 +25,7 @@ from deepspeed.accelerator import get_accelerator
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PretrainedConfig
 from transformers.integrations import HfDeepSpeedConfig
 
-# The toolkit's presets (toolkit/model.py PRESETS), repeated on purpose: a baseline imports nothing from
+# The toolkit's presets (toolkit/runtime/model.py PRESETS), repeated on purpose: a baseline imports nothing from
 # toolkit/. tests/dist/test_bench_speed.py runs both sides on the tiny shape.
 MODELS: dict[str, dict[str, Any]] = {
     "tiny": dict(model_type="llama", vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

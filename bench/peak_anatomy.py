@@ -66,7 +66,8 @@ def analyze(snapshot: dict[str, Any], device: int = 0, top: int = 25) -> dict[st
 def main() -> int:
     import torch
 
-    from toolkit import dist, train
+    from toolkit import train
+    from toolkit.launch import dist
 
     argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher adds it
     out, args = Path(argv[0]), argv[1:]

@@ -48,9 +48,9 @@ from _proc import call_group  # bench/, beside this script
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from toolkit import planner as pl  # noqa: E402  (pure: no torch)
-from toolkit.plan_command import candidate_json, ds_config_for  # noqa: E402
-from toolkit.shapes import load_shape  # noqa: E402
+from toolkit.plan import planner as pl  # noqa: E402  (pure: no torch)
+from toolkit.plan.command import candidate_json, ds_config_for  # noqa: E402
+from toolkit.plan.shapes import load_shape  # noqa: E402
 
 GPU_TOLERANCE = 0.10  # issue 11: at most 10% of the measured per-rank peak
 HOST_TOLERANCE = 0.15  # and 15% for host RAM

@@ -1,6 +1,6 @@
 """Build DeepSpeed's JIT ops once before timed runs (fused_adam on CUDA, cpu_adam for offload).
 
-Goes through toolkit.dist.prepare_env first, so a TORCH_CUDA_ARCH_LIST that DeepSpeed's builder
+Goes through toolkit.launch.dist.prepare_env first, so a TORCH_CUDA_ARCH_LIST that DeepSpeed's builder
 cannot parse (e.g. 9.0a on Hopper images) is fixed the way toolkit/train.py fixes it.
     python bench/prebuild_ops.py [fused_adam] [cpu_adam]
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from toolkit.dist import prepare_env  # noqa: E402
+from toolkit.launch.dist import prepare_env  # noqa: E402
 
 for note in prepare_env():
     print(note, flush=True)

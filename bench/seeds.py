@@ -132,7 +132,8 @@ def run_suite(runner: str, suite: str, out: Path, gpus: int, include: str | None
 
 def run_toolkit(suite: str, out: Path, only: list[str]) -> None:
     from tests.dist._multi_train import reset_accelerate
-    from toolkit import dist, train
+    from toolkit import train
+    from toolkit.launch import dist
 
     results = {}
     for name, (ds, overrides) in SUITES[suite].items():
@@ -193,10 +194,11 @@ def run_hf(suite: str, out: Path, only: list[str]) -> None:
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from toolkit import ds_config as dc
-    from toolkit.config import load_config
-    from toolkit.data import Collator, ListDataset, build_rows
-    from toolkit.model import PRESETS, apply_lora, model_config
+    from toolkit.config import ds_config as dc
+    from toolkit.config.models import PRESETS
+    from toolkit.config.schema import load_config
+    from toolkit.runtime.data import Collator, ListDataset, build_rows
+    from toolkit.runtime.model import apply_lora, model_config
 
     class NvmlPeak(TrainerCallback):
         def __init__(self) -> None:
@@ -319,7 +321,7 @@ def main() -> int:
     elif mode == "toolkit":
         run_toolkit(a.suite, out, a.only)
     else:
-        from toolkit.dist import prepare_env
+        from toolkit.launch.dist import prepare_env
 
         prepare_env()
         run_hf(a.suite, out, a.only)

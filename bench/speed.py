@@ -223,8 +223,8 @@ def _flops_per_token(model: str, seq: int) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from toolkit.config import load_config
-    from toolkit.model import hidden_size, model_config
+    from toolkit.config.schema import load_config
+    from toolkit.runtime.model import hidden_size, model_config
 
     cfg = load_config(None, [f"model.name={model}", f"data.seq_len={seq}"])
     mc = model_config(cfg)

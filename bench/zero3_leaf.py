@@ -6,7 +6,7 @@ Rows: no leaf modules; decoder layers as leaves (`set_z3_leaf_modules`, as DeepS
 `stage3_module_granularity_threshold` at 6000 and at 1e9, which DeepSpeed resolves parent-first to the
 backbone (LlamaModel) and to the whole model. Prints each row's losses and global gradient norms over
 3 steps; the leaf rows should equal the first. Imports nothing from toolkit/ (it shows DeepSpeed's own
-behaviour, which toolkit.model.check_zero3_leaves guards against).
+behaviour, which toolkit.runtime.model.check_zero3_leaves guards against).
 
 DeepSpeed 0.19.8's leaf path calls `Tensor.record_stream` on gradients in zero_grad, which CPU tensors
 reject ("unknown parameter type"); streams do not exist on the CPU, so it is made a no-op for them here.
@@ -68,7 +68,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         print("\n".join(lines), flush=True)
     dist.destroy_process_group()
-    os._exit(0)  # as toolkit.dist.exit_process: gloo's leftover threads can abort interpreter finalization
+    os._exit(0)  # as toolkit.launch.dist.exit_process: gloo's leftover threads can abort interpreter finalization
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ def _positive_int(text: str) -> int:
 
 
 def _cmd_gen_config(args: argparse.Namespace) -> int:
-    from toolkit import ds_config as dc
+    from toolkit.config import ds_config as dc
 
     if args.all:
         out_dir = Path(args.output or "ds_configs")
@@ -58,19 +58,19 @@ def _cmd_gen_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from toolkit.checks import run_check
+    from toolkit.config.checks import run_check
 
     return run_check(args)
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from toolkit.report import run_report
+    from toolkit.observe.report import run_report
 
     return run_report(args)
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
-    from toolkit.envcheck import run_env
+    from toolkit.launch.envcheck import run_env
 
     return run_env(args)
 
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--force", action="store_true", help="compare runs of different models or data anyway")
     r.set_defaults(func=_cmd_report)
 
-    from toolkit.plan_command import add_parser as add_plan_parser  # no torch: planning is arithmetic
+    from toolkit.plan.command import add_parser as add_plan_parser  # no torch: planning is arithmetic
 
     add_plan_parser(sub)
 
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    from toolkit.ds_config import ConfigError
+    from toolkit.config.ds_config import ConfigError
 
     try:
         return int(args.func(args) or 0)

@@ -17,10 +17,10 @@ if __package__ in (None, ""):
 
 import argparse
 
-from toolkit import dist
-from toolkit.config import load_config
-from toolkit.ds_config import ConfigError
-from toolkit.run_plan import plan
+from toolkit.config.ds_config import ConfigError
+from toolkit.config.schema import load_config
+from toolkit.launch import dist
+from toolkit.runtime.spec import plan
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             # the probes are child jobs coordinated over the process group, so it starts first here
             dist.quiet_libraries()
             dist.init_distributed(cfg.train.collective_timeout_s)
-            from toolkit.autotune import resolve
+            from toolkit.runtime.autotune import resolve
 
             record = resolve(cfg, sys.argv[1:])
         p = plan(cfg)
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if not auto_micro:
         dist.quiet_libraries()
         dist.init_distributed(p.cfg.train.collective_timeout_s)
-    from toolkit.loop import run
+    from toolkit.runtime.loop import run
 
     return run(p)
 

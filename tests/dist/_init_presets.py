@@ -24,7 +24,7 @@ import deepspeed
 import torch
 from torch import nn
 
-from toolkit import ds_config as dc
+from toolkit.config import ds_config as dc
 
 HIDDEN = 32
 

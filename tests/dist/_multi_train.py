@@ -51,6 +51,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from toolkit import dist
+    from toolkit.launch import dist
 
     dist.exit_process(main())  # as toolkit/train.py: no interpreter finalization, where gloo's threads can abort

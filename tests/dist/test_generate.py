@@ -162,10 +162,10 @@ def _train_args(ds: Path, run_dir: Path, *extra: str) -> list[str]:
 
 def _expected_prompts() -> list[list[int]]:
     """What loop._finish must use: the masked prefix of the first 3 training rows."""
-    from toolkit.config import load_config
-    from toolkit.data import build_rows, even_rows
-    from toolkit.generate import eval_prompts
-    from toolkit.model import model_config
+    from toolkit.config.schema import load_config
+    from toolkit.runtime.data import build_rows, even_rows
+    from toolkit.runtime.generate import eval_prompts
+    from toolkit.runtime.model import model_config
 
     cfg = load_config(None, COMMON)
     mc = model_config(cfg)
@@ -293,8 +293,8 @@ def test_standalone_command_zero3(base: Base, tmp_path: Path) -> None:
 def test_lora_generates_through_peft_model(base: Base, tmp_path: Path) -> None:
     from peft import PeftModel
 
-    from toolkit.config import load_config
-    from toolkit.model import build_model, model_config
+    from toolkit.config.schema import load_config
+    from toolkit.runtime.model import build_model, model_config
 
     run = tmp_path / "lora"
     _ok(

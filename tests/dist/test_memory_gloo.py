@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from _net import free_port
 
-from toolkit.memory import FIELDS, MemoryMonitor
+from toolkit.observe.memory import FIELDS, MemoryMonitor
 
 WORLD = 2
 PHASES = ["model_loaded", "engine_ready", "first_step", "step", "step", "final"]

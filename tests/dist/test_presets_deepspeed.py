@@ -18,7 +18,7 @@ import pytest
 from _net import free_port
 
 from toolkit import cli
-from toolkit import ds_config as dc
+from toolkit.config import ds_config as dc
 
 REPO = Path(__file__).resolve().parents[2]
 PRESETS = sorted((REPO / "ds_configs").glob("*.json"))

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from _net import free_port
 
-from toolkit import ds_config as dc
+from toolkit.config import ds_config as dc
 
 pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parents[2]
@@ -238,7 +238,7 @@ def test_a_rerun_into_the_same_dir_is_refused_and_appends_nothing(runs: Path, pa
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("path", PATHS)
 def test_checkpoints_are_complete_and_the_newest_n_kept(runs: Path, path: str) -> None:
-    from toolkit.checkpoint import COMPLETE, complete_checkpoints
+    from toolkit.runtime.checkpoint import COMPLETE, complete_checkpoints
 
     root = runs / f"{path}-keep" / "checkpoints"
     assert [s for s, _ in complete_checkpoints(root, PREFIX[path])] == [4, 6]
@@ -253,7 +253,7 @@ def test_checkpoints_are_complete_and_the_newest_n_kept(runs: Path, path: str) -
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("path", PATHS)
 def test_nan_or_inf_stops_the_run_at_that_step_naming_it(runs: Path, path: str) -> None:
-    from toolkit.data import EpochOrder
+    from toolkit.runtime.data import EpochOrder
 
     d = runs / f"{path}-nan"
     status = json.loads((d / "status.json").read_text())
@@ -276,8 +276,8 @@ if {kind!r} == "export":
     model = AutoModelForCausalLM.from_pretrained({str(run_dir / 'export')!r})
 else:
     from peft import PeftModel
-    from toolkit.config import load_config
-    from toolkit.model import build_model, model_config
+    from toolkit.config.schema import load_config
+    from toolkit.runtime.model import build_model, model_config
     cfg = load_config({str(run_dir / 'config.yaml')!r}, ["lora.enabled=false"])
     base = build_model(cfg, model_config(cfg))  # the seeded random-init preset
     model = PeftModel.from_pretrained(base, {str(run_dir / 'adapter')!r})
@@ -329,7 +329,7 @@ def test_lora_bf16_keeps_fp32_adapters_under_autocast(runs: Path) -> None:
     bf16 = losses(runs / "raw-lora-bf16")
     assert_close(bf16, losses(runs / "trainer-lora-bf16"), 1e-3)
     assert_close(bf16, losses(runs / "raw-lora"), 2e-2)
-    from toolkit.report import read_header
+    from toolkit.observe.report import read_header
 
     assert read_header(runs / "raw-lora-bf16", 2, [])["precision"] == "torch autocast bfloat16"
     # ZeRO-3 keeps DeepSpeed's bf16 mode: zero.Init would otherwise build the frozen base in fp32

@@ -14,8 +14,8 @@ tdist.init_process_group("gloo", store=tdist.FileStore(sys.argv[1], 1), rank=0, 
 import deepspeed  # noqa: E402
 from transformers.integrations import HfDeepSpeedConfig  # noqa: E402
 
-from toolkit.config import load_config  # noqa: E402
-from toolkit.model import build_model, model_config  # noqa: E402
+from toolkit.config.schema import load_config  # noqa: E402
+from toolkit.runtime.model import build_model, model_config  # noqa: E402
 
 deepspeed.init_distributed(dist_backend="gloo")
 cfg = load_config(None, ["model.name=tiny"])

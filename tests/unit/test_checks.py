@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from toolkit import ds_config as dc
-from toolkit.checks import Finding, check_config, check_file
+from toolkit.config import ds_config as dc
+from toolkit.config.checks import Finding, check_config, check_file
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "ds"
 REPO = Path(__file__).resolve().parents[2]
@@ -88,7 +88,7 @@ def test_torch_adam_under_offload_warns() -> None:
         ("torch.optim.SGD", "trainer", "warning"),
         ("torch.optim.AdamW", "raw", "error"),
         ("bnb.optim.AdamW8bit", "raw", "error"),
-        ("DeepSpeedCPUAdagrad", "raw", "error"),  # not in engine's isinstance check, see toolkit/checks/optimizer.py
+        ("DeepSpeedCPUAdagrad", "raw", "error"),  # not in engine's isinstance check, see toolkit/config/checks/optimizer.py
         ("DeepSpeedCPUAdam", "raw", None),
         ("deepspeed.ops.lion.DeepSpeedCPULion", "raw", None),
         (None, "trainer", None),
@@ -206,7 +206,7 @@ def test_load_errors() -> None:
 
 
 def test_import_has_no_side_effects() -> None:
-    code = "import toolkit.checks, sys; assert 'deepspeed' not in sys.modules and 'torch' not in sys.modules"
+    code = "import toolkit.config.checks, sys; assert 'deepspeed' not in sys.modules and 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import toolkit
-from toolkit.console import is_third_party_noise, log_path, rank_log
+from toolkit.observe.console import is_third_party_noise, log_path, rank_log
 
 SITE = "/usr/lib/python3.11/site-packages"
 OURS = str(Path(toolkit.__file__).parent / "loop.py")

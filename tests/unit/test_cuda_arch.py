@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from toolkit.cuda_arch import ENV_VAR, sanitize_cuda_arch_list, unparseable_arch_entries
+from toolkit.launch.cuda_arch import ENV_VAR, sanitize_cuda_arch_list, unparseable_arch_entries
 
 
 @pytest.mark.parametrize(
@@ -64,7 +64,7 @@ def test_nothing_usable_unsets_the_variable() -> None:
 
 def test_no_torch_import() -> None:
     code = (
-        "import sys, toolkit.cuda_arch; assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules"
+        "import sys, toolkit.launch.cuda_arch; assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.envcheck import check_cuda_arch, check_nccl
+from toolkit.launch.envcheck import check_cuda_arch, check_nccl
 
 REPO = Path(__file__).resolve().parents[2]
 

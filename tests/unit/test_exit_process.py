@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = """
 import atexit, sys
-from toolkit import dist
+from toolkit.launch import dist
 atexit.register(lambda: print("atexit ran", flush=False))
 print("unflushed stdout", end="; ")
 sys.stderr.write("unflushed stderr")

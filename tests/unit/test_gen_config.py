@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit import ds_config as dc
+from toolkit.config import ds_config as dc
 
 REPO = Path(__file__).resolve().parents[2]
 

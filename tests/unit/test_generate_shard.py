@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from toolkit.generate import eval_prompts, shard_prompts, unshard
+from toolkit.runtime.generate import eval_prompts, shard_prompts, unshard
 
 
 def _round_trip(prompts: list[str], world: int) -> list[str]:
@@ -73,7 +73,7 @@ class _FakeModel:
 def test_guard_generate_forces_sync_under_zero3(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import toolkit.generate as g
+    import toolkit.runtime.generate as g
 
     monkeypatch.setattr(g, "_world", lambda: 2)
     model = g.guard_generate(_FakeModel(), zero3=True)

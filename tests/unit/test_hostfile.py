@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.ds_config import ConfigError
-from toolkit.hostfile import (
+from toolkit.config.ds_config import ConfigError
+from toolkit.launch.hostfile import (
     HostfileError,
     deepspeed_env_vars,
     expand_nodelist,
@@ -201,7 +201,7 @@ def test_deepspeed_env_keeps_user_lines(tmp_path: Path) -> None:
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "toolkit.hostfile", *args],
+        [sys.executable, "-m", "toolkit.launch.hostfile", *args],
         capture_output=True,
         text=True,
         env=full_env,

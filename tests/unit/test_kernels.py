@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from toolkit.kernels import choose
+from toolkit.plan.liger import choose
 
 LIGER = frozenset({"llama", "qwen2", "mistral"})
 

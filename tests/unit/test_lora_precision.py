@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from toolkit import ds_config as dc
-from toolkit.config import load_config
-from toolkit.model import build_model, model_config
+from toolkit.config import ds_config as dc
+from toolkit.config.schema import load_config
+from toolkit.runtime.model import build_model, model_config
 
 
 def _values(autocast: bool) -> dc.AutoValues:
@@ -69,7 +69,7 @@ def test_frozen_base_becomes_bf16_and_adapters_stay_fp32() -> None:
 @pytest.mark.parametrize(("before", "bf16_json", "autocast_now"), [(False, "auto", True), (True, True, False)])
 def test_resume_across_precision_modes_is_refused_with_the_fix(
         tmp_path: Path, before: bool, bf16_json: object, autocast_now: bool) -> None:
-    from toolkit.run_plan import plan
+    from toolkit.runtime.spec import plan
 
     ds = dc.preset("zero2")
     ds["bf16"]["enabled"] = bf16_json

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from toolkit import memory
-from toolkit.memory import FIELDS, MemoryMonitor, format_table, oom_message
+from toolkit.observe import memory
+from toolkit.observe.memory import FIELDS, MemoryMonitor, format_table, oom_message
 
 GPU_FIELDS = (
     "allocated_gib",

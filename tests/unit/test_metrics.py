@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from toolkit.metrics import (
+from toolkit.observe.metrics import (
     MetricsLogger,
     TokenCounter,
     closing_summary,
@@ -19,7 +19,7 @@ from toolkit.metrics import (
     median_after_first,
     peak_flops_per_gpu,
 )
-from toolkit.tb import TRAIN_TAGS
+from toolkit.observe.tb import TRAIN_TAGS
 
 
 def _scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:

@@ -1,5 +1,5 @@
 """`toolkit plan` as a command: the --json contract, -o DIR, one-line refusals, launch.sh --plan, and
-the report's predicted-vs-measured section (toolkit/plan_command.py, toolkit/plan_report.py)."""
+the report's predicted-vs-measured section (toolkit/plan/command.py, toolkit/observe/plan_vs_run.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.checks import check_config
 from toolkit.cli import main
-from toolkit.plan_command import CANDIDATE_KEYS
+from toolkit.config.checks import check_config
+from toolkit.plan.command import CANDIDATE_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["plan", "--model", "llama-1b", "--gpus", "2", "--seq", "2048", "--global-batch", "32", "--gpu-mem", "80"]
@@ -69,7 +69,7 @@ def test_output_dir_holds_a_config_a_training_yaml_and_the_plan(tmp_path: Path,
     c = plan["chosen"]
     assert cfg["train"]["micro_batch_size"] == c["micro_batch"] and cfg["train"]["grad_accum"] == c["grad_accum"]
     assert cfg["model"]["gradient_checkpointing"] == c["grad_ckpt"] and cfg["train"]["plan"] == str(out / "plan.json")
-    from toolkit.config import load_config
+    from toolkit.config.schema import load_config
 
     assert load_config(out / "train.yaml").train.ds_config == str(out / "ds_config.json")  # the schema takes it
     assert main([*BASE, "-o", str(out)]) == 1  # an earlier plan is not overwritten without --force
@@ -140,7 +140,7 @@ def _fake_run(run_dir: Path, stage: int = 2) -> None:
 
 
 def test_report_puts_the_plan_beside_each_rank(tmp_path: Path) -> None:
-    from toolkit.plan_report import measured_breakdown_table, plan_vs_measured
+    from toolkit.observe.plan_vs_run import measured_breakdown_table, plan_vs_measured
 
     _fake_run(tmp_path / "run")
     text = plan_vs_measured(tmp_path / "run")

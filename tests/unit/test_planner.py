@@ -1,4 +1,4 @@
-"""The planner's formulas (toolkit/planner.py) and the shapes they read (toolkit/shapes.py): pure, no GPU.
+"""The planner's formulas (toolkit/plan/planner.py) and the shapes they read (toolkit/plan/shapes.py): pure, no GPU.
 
 The strongest check here is the first: the prediction for every configuration the project has
 measured on GPUs so far (bench/results/, issue 11) is within the issue's 10% (GPU peak) and 15% (host).
@@ -14,8 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from toolkit import planner as pl
-from toolkit.shapes import SHAPES_FILE, ModelShape, committed_shapes, load_shape, preset_config, read_shape
+from toolkit.plan import planner as pl
+from toolkit.plan.shapes import (
+    SHAPES_FILE,
+    ModelShape,
+    committed_shapes,
+    load_shape,
+    preset_config,
+    read_shape,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -162,11 +169,11 @@ def test_lora_under_adapter_autocast() -> None:
 
 
 def test_committed_preset_shapes_are_the_meta_device_read() -> None:
-    from toolkit.model import PRESETS
+    from toolkit.config.models import PRESETS
 
     committed = committed_shapes()
     causal = [n for n, spec in PRESETS.items() if spec["model_type"] != "bert"]
-    assert sorted(committed) == sorted(causal), f"regenerate {SHAPES_FILE.name}: python -m toolkit.shapes"
+    assert sorted(committed) == sorted(causal), f"regenerate {SHAPES_FILE.name}: python -m toolkit.plan.shapes"
     for name in causal:
         assert read_shape(preset_config(name)) == ModelShape.from_json(committed[name]["shape"]), name
     assert load_shape("llama-1b").total_params == 1_235_814_400  # bench/results/speed/*: n_params
@@ -219,7 +226,7 @@ def test_checkpointing_and_the_fused_loss_lower_the_peak() -> None:
     fused = _predict("llama-1b", 2048, 8, 1, 2, 2)
     assert fused.fused_loss and not plain.fused_loss and fused.peak_allocated_gib < plain.peak_allocated_gib
     z3, z3_plain = _predict("llama-1b", 2048, 16, 1, 2, 3), _predict("llama-1b", 2048, 16, 1, 2, 3, fused="false")
-    assert z3.fused_loss and not z3_plain.fused_loss and z3_plain.liger  # toolkit/kernels.py: on unless false
+    assert z3.fused_loss and not z3_plain.fused_loss and z3_plain.liger  # toolkit/runtime/kernels.py: on unless false
     assert z3.peak_allocated_gib < z3_plain.peak_allocated_gib / 1.8  # measured 50.3 vs 96.4 GiB
 
 
@@ -290,8 +297,8 @@ def test_fitting_micro_batches_largest_first() -> None:
 
 def test_fitting_micro_batches_takes_the_training_model_config() -> None:
     """autotune passes train.py's HF config object: its shape is read on the meta device once."""
-    from toolkit.config import load_config
-    from toolkit.model import model_config
+    from toolkit.config.schema import load_config
+    from toolkit.runtime.model import model_config
 
     mc = model_config(load_config(None, ["model.name=qwen2-0.5b", "data.seq_len=1024"]))
     ds = {"zero_optimization": {"stage": 3}}
@@ -321,7 +328,7 @@ def test_a_local_model_directory_is_read_on_the_meta_device_once(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import LlamaConfig
 
-    from toolkit import shapes
+    from toolkit.plan import shapes
 
     LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, tie_word_embeddings=True).save_pretrained(tmp_path / "model")

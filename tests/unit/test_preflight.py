@@ -1,4 +1,4 @@
-"""The multi-node pre-flight's judgement (toolkit/preflight.py) on made-up host reports, the probe run
+"""The multi-node pre-flight's judgement (toolkit/launch/preflight.py) on made-up host reports, the probe run
 on this machine, and the launch.sh / .deepspeed_env / OpenMPI pieces around it. The same checks
 against real hosts over ssh: tests/dist/test_multinode_ssh.py."""
 
@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from toolkit.dist import ranks_from_openmpi
-from toolkit.hostfile import deepspeed_env_vars
-from toolkit.preflight import common_interface, needed_slots, probe, problems, selected_interfaces
+from toolkit.launch.dist import ranks_from_openmpi
+from toolkit.launch.hostfile import deepspeed_env_vars
+from toolkit.launch.preflight import common_interface, needed_slots, probe, problems, selected_interfaces
 
 REPO = Path(__file__).resolve().parents[2]
 IFACES = {"lo": ["127.0.0.1"], "eth0": ["10.0.0.2"], "ib0": ["192.168.0.2"]}
@@ -142,7 +142,7 @@ def test_launch_sh_multi_node_dry_run(tmp_path: Path) -> None:
     r = _launch("--stage", "3", "--hostfile", str(hf), "--dry-run", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert (
-        f"would check hosts: {sys.executable} -m toolkit.preflight --hostfile {hf} --launcher pdsh"
+        f"would check hosts: {sys.executable} -m toolkit.launch.preflight --hostfile {hf} --launcher pdsh"
         in r.stdout
     )
     # the runner under $PYTHON: the interpreter DeepSpeed starts on every host is the one checked

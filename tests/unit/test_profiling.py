@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from toolkit.config import load_config
-from toolkit.ds_config import ConfigError
-from toolkit.profiling import StepProfiler, summarize
+from toolkit.config.ds_config import ConfigError
+from toolkit.config.schema import load_config
+from toolkit.observe.profiling import StepProfiler, summarize
 
 
 def _work() -> None:
@@ -95,7 +95,7 @@ def test_bad_windows_are_refused(bad: str) -> None:
 
 
 def test_a_window_after_the_last_step_is_refused_before_launch(tmp_path: Path) -> None:
-    from toolkit.run_plan import plan
+    from toolkit.runtime.spec import plan
 
     ds = Path(__file__).resolve().parents[2] / "ds_configs" / "zero2.json"
     common = ["model.name=tiny", "train.max_steps=5", f"train.ds_config={ds}", f"train.run_dir={tmp_path / 'r'}"]

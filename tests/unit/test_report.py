@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.report import run_report
+from toolkit.observe.report import run_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -1,4 +1,4 @@
-"""Pure parts of resume (toolkit/resume.py): finding the checkpoint, its rank count, the accumulation that
+"""Pure parts of resume (toolkit/runtime/resume.py): finding the checkpoint, its rank count, the accumulation that
 keeps its global batch, and the DeepSpeed dict that loads a universal checkpoint. The real conversions and
 loads on 1, 2 and 4 ranks are tests/dist/test_resume_world.py."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.checkpoint import mark_complete, prune
-from toolkit.ds_config import ConfigError
-from toolkit.resume import Checkpoint, find, reshard_for, tolerance, universal_config
+from toolkit.config.ds_config import ConfigError
+from toolkit.runtime.checkpoint import mark_complete, prune
+from toolkit.runtime.resume import Checkpoint, find, reshard_for, tolerance, universal_config
 
 
 def _raw_checkpoint(root: Path, step: int, ranks: int, complete: bool = True, **record: object) -> Path:
@@ -90,7 +90,7 @@ def test_prune_takes_a_checkpoints_universal_conversion_with_it(tmp_path: Path) 
 
 
 def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path: Path) -> None:
-    from toolkit.resume import set_aside_newer
+    from toolkit.runtime.resume import set_aside_newer
 
     for step in (2, 4, 6):
         _raw_checkpoint(tmp_path, step, ranks=2)
@@ -105,7 +105,7 @@ def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path: Path) 
 
 
 def test_a_save_into_a_stale_directory_starts_empty(tmp_path: Path) -> None:
-    from toolkit.checkpoint import clear_stale
+    from toolkit.runtime.checkpoint import clear_stale
 
     stale = _raw_checkpoint(tmp_path, 4, ranks=4)  # a killed 4-rank run's files, marked complete
     (stale.with_name("global_step4_universal")).mkdir()
@@ -114,8 +114,8 @@ def test_a_save_into_a_stale_directory_starts_empty(tmp_path: Path) -> None:
 
 
 def test_resume_keeps_the_checkpoints_global_batch(tmp_path: Path) -> None:
-    from toolkit.config import load_config
-    from toolkit.run_plan import _resume
+    from toolkit.config.schema import load_config
+    from toolkit.runtime.spec import _resume
 
     _raw_checkpoint(tmp_path, 4, ranks=2, global_batch=8)
     cfg = load_config(None, ["train.path=raw", "train.resume=latest", f"train.run_dir={tmp_path}",

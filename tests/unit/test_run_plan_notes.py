@@ -1,11 +1,11 @@
-"""Notes the run plan prints before a launch (toolkit/run_plan.py)."""
+"""Notes the run plan prints before a launch (toolkit/runtime/spec.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from toolkit import ds_config as dc
-from toolkit.run_plan import _single_gpu_zero3
+from toolkit.config import ds_config as dc
+from toolkit.runtime.spec import _single_gpu_zero3
 
 
 @pytest.mark.parametrize(("preset", "world", "cpu", "noted"), [

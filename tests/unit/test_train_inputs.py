@@ -65,7 +65,7 @@ def test_unknown_config_key_and_bad_type(tmp_path: Path) -> None:
 
 
 def test_compile_value_is_checked() -> None:
-    from toolkit.config import ConfigError, load_config
+    from toolkit.config.schema import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"train\.compile must be off or torch"):
         load_config(None, ["train.compile=inductor"])

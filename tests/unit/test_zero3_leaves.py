@@ -9,9 +9,9 @@ from deepspeed.utils import set_z3_leaf_module, set_z3_leaf_modules
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from toolkit import ds_config as dc
-from toolkit.checks import check_config
-from toolkit.model import check_zero3_leaves
+from toolkit.config import ds_config as dc
+from toolkit.config.checks import check_config
+from toolkit.runtime.model import check_zero3_leaves
 
 
 def _tiny() -> LlamaForCausalLM:

@@ -1,0 +1,274 @@
+"""Typed training config: dataclass defaults + YAML + `key=value` overrides (omegaconf stays inside).
+
+Unknown keys and values of the wrong type are errors that name the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+from toolkit.config.ds_config import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    """A preset (tiny, gpt2-124m, qwen2-0.5b, llama-1b, bert-large; random init, no download) or a local HF model directory."""
+    task: str = "causal_lm"
+    """causal_lm (SFT: prompt tokens masked with -100) or seq_cls (sequence classification)."""
+    num_labels: int = 2
+    """Classes for seq_cls."""
+    attn_implementation: str = "sdpa"
+    """eager, sdpa, or flash_attention_2 (when flash-attn is installed)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward; turns use_cache off."""
+    liger: bool = True
+    """Liger kernels (fused linear cross-entropy, RMSNorm, SwiGLU, RoPE) on CUDA for the families Liger
+    supports. The run prints what was applied and why not."""
+    liger_fused_loss: str = "auto"
+    """auto (= true), true, or false: Liger's fused linear cross-entropy (no logits tensor). Under ZeRO-3
+    lm_head.weight is registered as an external parameter of the model, so ZeRO-3 gathers it with the
+    model's forward instead of blocking on it."""
+    tokenizer: str | None = None
+    """Local tokenizer directory for text data; defaults to the model directory."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"
+    """synthetic (embedded, learnable) or a local .jsonl / .parquet / .txt file."""
+    num_samples: int = 256
+    """Synthetic samples to generate."""
+    seq_len: int = 64
+    """Maximum tokens per sample (synthetic samples have exactly this length)."""
+    prompt_field: str = "prompt"
+    """jsonl/parquet column holding the prompt (masked from the loss)."""
+    response_field: str = "response"
+    """jsonl/parquet column holding the response (trained on)."""
+    text_field: str = "text"
+    """Column with plain text (no masking) when prompt/response columns are absent."""
+    label_field: str = "label"
+    """Column with the class for seq_cls."""
+    packing: bool = False
+    """Concatenate samples into seq_len blocks (causal_lm only)."""
+    shuffle: bool = True
+    """Shuffle with the run seed; the same order on both paths."""
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    """Module names LoRA wraps (peft's target_modules)."""
+
+
+@dataclass
+class TrainConfig:
+    path: str = "trainer"
+    """trainer (HF Trainer) or raw (deepspeed.initialize loop)."""
+    ds_config: str = "ds_configs/zero2.json"
+    """DeepSpeed JSON; "auto" values are filled from this config."""
+    precision: str = "auto"
+    """bf16, fp16, fp32, or auto: the DeepSpeed JSON's if it pins one, else bf16 on GPUs that support it, fp32 on CPU."""
+    micro_batch_size: Union[int, str] = 4  # noqa: UP007 (omegaconf reads typing.Union, not int | str)
+    """Sequences per rank per forward, or auto: the fastest that fits train.global_batch_size, found by short
+    probe runs before training (toolkit/runtime/autotune.py), recorded in run_dir/micro_batch.json and reused."""
+    grad_accum: int = 1
+    global_batch_size: int = 0
+    """Sequences per optimizer step over all ranks (needed with micro_batch_size=auto); 0: micro x accum x ranks.
+    When set with a number micro-batch, micro x accum x ranks must equal it."""
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    warmup_steps: int = 2
+    max_steps: int = 20
+    """Optimizer steps; 0 means one epoch."""
+    seed: int = 1234
+    log_every: int = 1
+    save_every: int = 0
+    """DeepSpeed checkpoint every N steps (0: only at the end)."""
+    resume: str | None = None
+    """latest, or a checkpoint tag, to continue from run_dir/checkpoints."""
+    export: bool = True
+    """Write an HF directory (safetensors) or a LoRA adapter at the end."""
+    run_dir: str = "runs/default"
+    """Where the run's records go. A directory holding another run is refused (resume it, pick another
+    directory, or train.overwrite=true), except the default: there the earlier run is moved aside to
+    runs/default.<time>, so the same command works twice in a row."""
+    overwrite: bool = False
+    """Replace the earlier run in train.run_dir (only the toolkit's own files; anything else is refused)."""
+    keep_checkpoints: int = 0
+    """Keep only the newest N complete checkpoints (0: keep all)."""
+    max_skipped_steps: int = 10
+    """fp16: stop after this many optimizer steps in a row skipped on overflow (the loss scale keeps
+    falling). bf16 and fp32 stop at the first NaN/Inf loss or gradient norm."""
+    collective_timeout_s: int = 600
+    """A rank waiting in a collective for a peer that died fails after this many seconds (the HF
+    Trainer's own default is 30 minutes). Raise it when one rank alone does long work, e.g. slow saves."""
+    save_probe: bool = False
+    """Save the final engine's logits on two samples (probe.pt) to verify the export against."""
+    zero_sizes: str = "speed"
+    """How "auto" ZeRO bucket, prefetch and live-parameter sizes resolve: speed (DeepSpeed's defaults,
+    measured fastest) or memory (h^2-based rules: about 2 GiB less per rank on a 1B model at ZeRO-3,
+    at a third of its speed)."""
+    compile: str = "off"
+    """torch: compile the model with torch.compile (inductor) through DeepSpeed's engine.compile() on the
+    raw path, TrainingArguments(torch_compile=True) on the Trainer path; the first steps pay the compile.
+    off (default): eager. bench/results/compile.md has the measurement behind the default."""
+    stop_after: int = 0
+    """Stop (with a checkpoint) after this many steps, keeping the schedule of max_steps: for resume tests."""
+    profile_steps: list[int] = field(default_factory=list)
+    """[first, last]: record torch.profiler (host and CUDA) over these optimizer steps on every rank, into
+    run_dir/profile/: rank{N}.trace.json (Perfetto / chrome://tracing) and rank{N}.summary.json (GPU busy
+    time against wall time, host time waiting in CUDA syncs, top operators). Empty: off."""
+    plan: str | None = None
+    """plan.json written by `toolkit plan -o DIR` (its train.yaml sets this): copied into the run directory,
+    so `toolkit report` shows the plan's per-rank prediction next to what was measured."""
+
+
+@dataclass
+class MemoryConfig:
+    every: int = 10
+    """Snapshot every N optimizer steps (0: phases only)."""
+    spread_warn_gib: float = 2.0
+    """Warn when max-min of allocated across ranks passes this."""
+
+
+@dataclass
+class MetricsConfig:
+    tensorboard: bool = True
+    """Write TensorBoard event files under run_dir/tb/: training scalars from rank 0, memory per rank
+    in tb/rank{N}/ (`tensorboard --logdir RUN_DIR/tb`)."""
+    peak_tflops: float = 0.0
+    """Dense bf16/fp16 peak TFLOPS of one GPU, for MFU; 0: look the GPU up by name (A100, H100, H200, ...).
+    MFU is left out where the peak is unknown (fp32 runs, CPU, GPUs not in the table)."""
+
+    def __post_init__(self) -> None:
+        if self.peak_tflops < 0:
+            raise ConfigError("metrics.peak_tflops must be >= 0 (0: look the GPU up by name)")
+
+
+@dataclass
+class EvalConfig:
+    generate: bool = False
+    """Generate from eval prompts at the end of training (run_dir/generations.jsonl); ZeRO-3 safe."""
+    num_prompts: int = 3
+    """Prompts taken from the first training samples (causal_lm: the tokens whose labels are -100)."""
+    max_new_tokens: int = 16
+    """New tokens per prompt at most; a prompt stops earlier at EOS."""
+    do_sample: bool = False
+    """Sample (temperature, top_p) instead of greedy decoding."""
+    temperature: float = 1.0
+    """Sampling temperature (do_sample only)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (do_sample only)."""
+    seed: int = 0
+    """Sampling seed: prompt i draws from seed + i, so results do not depend on the world size."""
+    eos_token_id: int | None = None
+    """Stop token override; default: the tokenizer's EOS, else the model config's."""
+    unsafe_no_sync: bool = False
+    """Debug only: turn synced_gpus off even under ZeRO-3 with >1 rank. Deadlocks when ranks finish at
+    different steps (NCCL hangs; gloo may abort with a collective mismatch); exists so a test can
+    show that the protection matters."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.num_prompts >= 0, "eval.num_prompts must be >= 0"),
+            (self.max_new_tokens >= 1, "eval.max_new_tokens must be >= 1"),
+            (self.temperature > 0, "eval.temperature must be > 0"),
+            (0 < self.top_p <= 1, "eval.top_p must be in (0, 1]"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(msg)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        t = self.train
+        # YAML reads on/off/true/false as booleans, which the str field then holds as "True"/"False"
+        self.model.liger_fused_loss = str(self.model.liger_fused_loss).lower()
+        c = str(t.compile).lower()  # off/on arrive as booleans too: off -> off, true -> torch
+        t.compile = {"false": "off", "true": "torch"}.get(c, c)
+        checks = [
+            (self.model.liger_fused_loss in ("auto", "true", "false"),
+             f"model.liger_fused_loss must be auto, true or false, got {self.model.liger_fused_loss!r}"),
+            (t.path in ("trainer", "raw"), f"train.path must be trainer or raw, got {t.path!r}"),
+            (t.precision in ("auto", "bf16", "fp16", "fp32"),
+             f"train.precision must be auto, bf16, fp16 or fp32, got {t.precision!r}"),
+            (t.zero_sizes in ("speed", "memory"), f"train.zero_sizes must be speed or memory, got {t.zero_sizes!r}"),
+            (t.compile in ("off", "torch"), f"train.compile must be off or torch, got {t.compile!r}"),
+            (t.keep_checkpoints >= 0, "train.keep_checkpoints must be >= 0"),
+            (t.collective_timeout_s >= 1, "train.collective_timeout_s must be >= 1"),
+            (t.micro_batch_size == "auto" or (isinstance(t.micro_batch_size, int) and t.micro_batch_size >= 1),
+             f"train.micro_batch_size must be >= 1 or auto, got {t.micro_batch_size!r}"),
+            (t.global_batch_size >= 0, "train.global_batch_size must be >= 0"),
+            (t.grad_accum >= 1, "train.grad_accum must be >= 1"),
+            (t.max_steps >= 0, "train.max_steps must be >= 0"),
+            (not t.profile_steps or (len(t.profile_steps) == 2 and 1 <= t.profile_steps[0] <= t.profile_steps[1]),
+             f"train.profile_steps must be [first, last] with 1 <= first <= last, got {list(t.profile_steps)!r}"),
+            (t.lr > 0, "train.lr must be > 0"),
+            (len(t.betas) == 2, "train.betas must have two values"),
+            (self.model.task in ("causal_lm", "seq_cls"), f"model.task must be causal_lm or seq_cls, got {self.model.task!r}"),
+            (self.model.attn_implementation in ("eager", "sdpa", "flash_attention_2"),
+             f"model.attn_implementation must be eager, sdpa or flash_attention_2, got {self.model.attn_implementation!r}"),
+            (self.data.seq_len >= 8, "data.seq_len must be >= 8"),
+            (self.data.num_samples >= 1, "data.num_samples must be >= 1"),
+            (not (self.data.packing and self.model.task != "causal_lm"), "data.packing needs model.task=causal_lm"),
+            (self.lora.r >= 1, "lora.r must be >= 1"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(msg)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults < YAML file < `section.key=value` overrides, validated against the dataclasses."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    schema = OmegaConf.structured(Config)
+    try:
+        merged = schema
+        if path is not None:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"{p}: no such config file")
+            merged = OmegaConf.merge(merged, OmegaConf.load(p))
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"overrides must look like section.key=value, got {bad[0]!r}")
+        if overrides:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        obj = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        msg = str(e).splitlines()[0]
+        raise ConfigError(f"config key {key}: {msg}" if key else f"config: {msg}") from None
+    assert isinstance(obj, Config)
+    return obj
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    path.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))

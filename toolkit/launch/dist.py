@@ -1,0 +1,175 @@
+"""Process-group helpers. `prepare_env` must run before deepspeed is first imported."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import MutableMapping
+from typing import Any, NoReturn
+
+
+def prepare_env() -> list[str]:
+    """Pick the accelerator and fix environment traps before `import deepspeed`; returns notes to print.
+
+    DeepSpeed reads DS_ACCELERATOR once, at its first import, so this must come first.
+    """
+    import torch
+
+    notes: list[str] = []
+    ranks_from_openmpi(os.environ)
+    if not torch.cuda.is_available() and "DS_ACCELERATOR" not in os.environ:
+        os.environ["DS_ACCELERATOR"] = "cpu"
+        notes.append("no CUDA device: running on CPU (DS_ACCELERATOR=cpu, gloo)")
+    try:
+        from toolkit.launch.cuda_arch import sanitize_cuda_arch_list
+    except ImportError:  # pragma: no cover - module ships with the toolkit
+        return notes
+    msg = sanitize_cuda_arch_list(os.environ)
+    if msg:
+        notes.append(msg)
+    return notes
+
+
+def ranks_from_openmpi(environ: MutableMapping[str, str]) -> bool:
+    """Under mpirun (DeepSpeed's openmpi launcher) take RANK, WORLD_SIZE and LOCAL_RANK from
+    OpenMPI's own variables; True when it did.
+
+    DeepSpeed would find them with mpi4py (an MPI binding on every node, built against that
+    MPI) and guess the master from `hostname -I` on rank 0. launch.sh passes MASTER_ADDR and
+    MASTER_PORT with `-x`; only then is everything torch needs here, so only then do we map.
+    """
+    if "RANK" in environ or "OMPI_COMM_WORLD_RANK" not in environ or "MASTER_ADDR" not in environ:
+        return False
+    environ["RANK"] = environ["OMPI_COMM_WORLD_RANK"]
+    environ["WORLD_SIZE"] = environ["OMPI_COMM_WORLD_SIZE"]
+    environ["LOCAL_RANK"] = environ["OMPI_COMM_WORLD_LOCAL_RANK"]
+    environ.setdefault("MASTER_PORT", "29500")
+    return True
+
+
+def on_cpu() -> bool:
+    return os.environ.get("DS_ACCELERATOR") == "cpu"
+
+
+def init_distributed(timeout_s: int | None = None) -> None:
+    """The process group; `timeout_s` bounds how long a rank waits in a collective for a peer that is
+    gone (DeepSpeed's default is 10 minutes, the HF Trainer's 30)."""
+    import datetime
+
+    import torch.distributed as tdist
+
+    if on_cpu() and rank() == 0 and not (tdist.is_available() and tdist.is_initialized()):
+        # DeepSpeed's CPU backend compiles a shared-memory op here: about a minute of silence on
+        # a machine's first run, which looked like a hang before this line existed.
+        print("starting the process group (gloo); on the first CPU run on a machine DeepSpeed compiles "
+              "its shared-memory comm op here (about a minute, cached for later runs)", flush=True)
+    import deepspeed
+
+    kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    deepspeed.init_distributed(dist_backend="gloo" if on_cpu() else "nccl", **kw)
+    if not on_cpu():
+        import torch
+
+        torch.cuda.set_device(local_rank())
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def device() -> Any:
+    import torch
+
+    return torch.device("cpu") if on_cpu() else torch.device("cuda", local_rank())
+
+
+def seed_all(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Sum floats across ranks (no-op on one process)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device())
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_reduce_tensor(t: Any) -> Any:
+    """Sum a tensor across ranks in place and return it; on NCCL the host does not wait for it."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (the object itself on one process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def exit_process(rc: int) -> NoReturn:
+    """End a launched rank: destroy the process group, run the atexit handlers, flush, and leave
+    without interpreter finalization.
+
+    Why not a plain `raise SystemExit`: gloo's worker threads (pt_gloo_runloop, gloo_tcp_loop) outlive
+    `destroy_process_group()` (seen on torch 2.13 with no ProcessGroup object left in Python), and tearing
+    them down inside finalization sometimes aborts a finished run ("terminate called without an active
+    exception", exit code -6: a completed ZeRO-3 offload run reported as failed by the launcher, in CI).
+    Everything a run writes is closed before this point; the atexit handlers (logging's flush among them)
+    still run."""
+    import atexit
+    import sys
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # every rank, after the last collective
+        dist.destroy_process_group()
+    atexit._run_exitfuncs()  # what normal exit runs first; finalization is what we skip
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(rc)
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def quiet_libraries() -> None:
+    """DeepSpeed and transformers log at INFO on every rank; keep the console to our own lines."""
+    import logging
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    import transformers
+
+    transformers.logging.set_verbosity_warning()
+    if rank() != 0:
+        transformers.logging.set_verbosity_error()

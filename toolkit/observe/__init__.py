@@ -1,0 +1,2 @@
+"""Observers: per-rank memory, metrics, TensorBoard, profiling, the console, and `toolkit report`.
+Observers never drive training."""

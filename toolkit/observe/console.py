@@ -1,0 +1,99 @@
+"""The console a person reads during a run: third-party noise goes to a per-rank log, not the screen.
+
+Every warning raised while ``rank_log`` is active is appended, in full, to
+``run_dir/logs/rank{N}.log``; only the ones a user can act on are also printed. A failure's
+traceback is appended too, so the rank that broke says why even when its console output was lost
+among the other ranks'.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import socket
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+_TOOLKIT_DIR = Path(__file__).resolve().parents[1]
+
+# Deprecations raised inside torch, DeepSpeed, transformers or accelerate (e.g. torch's
+# "all_gather_into_tensor is deprecated", raised from DeepSpeed's ZeRO-2 reduce on every rank)
+# name code the user does not own: they cannot act on them.
+NOISE_CATEGORIES: tuple[type[Warning], ...] = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
+
+# Third-party warnings of other categories that state a default and need nothing from the user.
+KNOWN_NOISE: tuple[re.Pattern[str], ...] = (
+    # accelerate on CPU sets OMP/MKL threads to 2 per process itself and says so on every rank.
+    re.compile(r"OMP_NUM_THREADS/MKL_NUM_THREADS unset"),
+)
+
+
+def is_third_party_noise(category: type[Warning], filename: str, message: Warning | str) -> bool:
+    """True for a warning that goes to the per-rank log only. Warnings pointing into the toolkit
+    always reach the console: those are ours to fix, or tell the user what to change."""
+    with suppress(OSError, ValueError):
+        if Path(filename).resolve().is_relative_to(_TOOLKIT_DIR):
+            return False
+    if issubclass(category, NOISE_CATEGORIES):
+        return True
+    return any(p.search(str(message)) for p in KNOWN_NOISE)
+
+
+def whereabouts() -> str:
+    """Host, interpreter and toolkit of this rank, then the launch variables it received (the
+    `.deepspeed_env` allow-list): on a multi-node run, what to compare first when one node differs."""
+    from toolkit import __version__
+    from toolkit.launch.hostfile import allow_listed
+
+    return (
+        f"on {socket.gethostname()} (pid {os.getpid()}), Python {platform.python_version()} {sys.executable}, "
+        f"toolkit {__version__}\nlaunch environment: {json.dumps(allow_listed(os.environ))}"
+    )
+
+
+def log_path(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / "logs" / f"rank{rank}.log"
+
+
+def _append(path: Path, text: str) -> None:
+    # Open-append-close per entry: the text is on disk even if the process dies next.
+    with suppress(OSError), path.open("a") as f:
+        f.write(text if text.endswith("\n") else text + "\n")
+
+
+@contextmanager
+def rank_log(run_dir: Path, rank: int) -> Iterator[Path]:
+    """Route warnings through the per-rank log for the duration of a run; restore on exit."""
+    path = log_path(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _append(path, f"--- rank {rank}, run started {time.strftime('%Y-%m-%d %H:%M:%S')} {whereabouts()}")
+    previous = warnings.showwarning
+
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: Any = None,
+        line: str | None = None,
+    ) -> None:
+        _append(path, warnings.formatwarning(message, category, filename, lineno, line))
+        if not is_third_party_noise(category, filename, message):
+            previous(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield path
+    except BaseException:
+        _append(path, traceback.format_exc())
+        raise
+    finally:
+        warnings.showwarning = previous

@@ -1,0 +1,262 @@
+"""Throughput, MFU and loss: a rank-0 progress bar, run_dir/metrics.jsonl and TensorBoard scalars (the
+same for both paths), what the console says while the engine starts, and the closing summary."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from toolkit.launch import dist
+
+# Dense (no sparsity) bf16/fp16 tensor-core peak per GPU, from NVIDIA's data sheets, matched as a
+# substring of torch.cuda.get_device_name(); the most specific names come first.
+GPU_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.4),  # SXM
+    ("H200", 989.4),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("B200", 2250.0),
+)
+
+
+def peak_flops_per_gpu(device_name: str | None, precision: str, override_tflops: float = 0.0) -> float | None:
+    """The GPU's dense peak in FLOP/s for this precision, or None where it is not known.
+
+    fp32 runs get None: whether matmuls use TF32 tensor cores depends on torch settings, so no single
+    peak is honest there.
+    """
+    if override_tflops > 0:
+        return override_tflops * 1e12
+    if device_name is None or precision not in ("bf16", "fp16"):
+        return None
+    for key, tflops in GPU_PEAK_TFLOPS:
+        if key.lower() in device_name.lower():
+            return tflops * 1e12
+    return None
+
+
+def flops_per_token(
+    total_params: int, trainable_params: int, num_layers: int, hidden: int, seq_len: int
+) -> float:
+    """Training FLOPs per token: 2N forward + 2N activation gradients + 2N_trainable weight gradients,
+    plus 12·L·H·T for attention (PaLM, appendix B). Without frozen weights this is the usual 6N + 12LHT
+    (bench/speed.py's formula); with LoRA, frozen weights get no weight gradient, so 6N would overstate MFU.
+    """
+    return 4.0 * total_params + 2.0 * trainable_params + 12.0 * num_layers * hidden * seq_len
+
+
+def count_params(model: Any) -> tuple[int, int]:
+    """(all, trainable) parameters. Under ZeRO-3 each rank holds a shard; ``ds_numel`` is the full size."""
+    total = trainable = 0
+    for p in model.parameters():
+        n = int(getattr(p, "ds_numel", p.numel()))
+        total += n
+        trainable += n if p.requires_grad else 0
+    return total, trainable
+
+
+class TokenCounter:
+    """Counts the real (non-pad) tokens and the samples this rank trains on.
+
+    The token sum stays a tensor on the batch's device: reading it (`tokens`) synchronizes, so it is
+    read on log steps only, never per micro-batch.
+    """
+
+    def __init__(self) -> None:
+        self._tokens: Any = 0
+        self.samples = 0
+
+    def add(self, batch: dict[str, Any]) -> None:
+        mask = batch.get("attention_mask")
+        if mask is None:  # an unpadded batch (Collator.drop_full_mask): every position is a token
+            self._tokens = self._tokens + batch["input_ids"].numel()
+            self.samples += int(batch["input_ids"].shape[0])
+            return
+        self._tokens = self._tokens + mask.sum()
+        self.samples += int(mask.shape[0])
+
+    @property
+    def tokens(self) -> int:
+        return int(self._tokens)
+
+
+@dataclass
+class MetricsLogger:
+    """Every rank builds one and calls ``log`` on log steps (it is a collective); rank 0 writes."""
+
+    run_dir: Path
+    total_steps: int
+    counter: TokenCounter
+    is_main: bool = field(default_factory=lambda: dist.rank() == 0)
+    flops_per_token: float | None = None
+    """Training FLOPs per token (``flops_per_token()``); with peak_flops, each line gets an MFU."""
+    peak_flops: float | None = None
+    """Peak FLOP/s of all ranks together (per-GPU peak x world size); None where unknown."""
+    tensorboard: bool = True
+
+    def __post_init__(self) -> None:
+        self._t0 = self._last_t = time.perf_counter()
+        self._last_tokens = self._last_samples = 0
+        self._last_step = 0
+        self._bar: Any = None
+        self._tb: Any = None
+        self._engine_t0: float | None = None
+        self.history: list[dict[str, Any]] = []  # the lines written (rank 0), for the closing summary
+
+    def engine_starting(self, what: str) -> None:
+        """Say what the silent minute before the first step is (rank 0). The progress bar only
+        appears once the engine exists, so it never sits at 0/N while DeepSpeed compiles."""
+        self._engine_t0 = time.perf_counter()
+        if self.is_main:
+            print(
+                f"starting the DeepSpeed engine ({what}); on the first run on a machine DeepSpeed "
+                "compiles the ops it needs here, which takes a minute or more (cached for later runs)",
+                flush=True,
+            )
+
+    def start(self, step: int) -> None:
+        """Resume-aware start, once the engine exists: step counts and clock from here."""
+        self._t0 = self._last_t = time.perf_counter()
+        self._last_step = step
+        self._last_tokens, self._last_samples = self.counter.tokens, self.counter.samples
+        if not self.is_main:
+            return
+        ready = "" if self._engine_t0 is None else f"engine ready in {self._t0 - self._engine_t0:.1f} s; "
+        print(f"{ready}training steps {step + 1}..{self.total_steps}", flush=True)
+        if self.tensorboard:
+            from toolkit.observe.tb import TrainWriter
+
+            self._tb = TrainWriter(self.run_dir, step)
+        from tqdm import tqdm
+
+        self._bar = tqdm(
+            total=self.total_steps, initial=step, desc="train", dynamic_ncols=True, mininterval=0.5
+        )
+
+    def log(
+        self, step: int, loss: float, lr: float, grad_norm: float | None, loss_scale: float | None = None
+    ) -> dict[str, Any]:
+        """Collective (all ranks call): sums token counts across ranks, rank 0 writes the line.
+
+        With `loss_scale`, `loss` is this rank's value and the line shows sum over ranks x loss_scale,
+        reduced in the same all-reduce as the counts (one host sync per log line).
+        """
+        now = time.perf_counter()
+        seen_tokens, seen_samples = self.counter.tokens, self.counter.samples
+        tokens, samples, summed = dist.all_reduce_sum(
+            [float(seen_tokens - self._last_tokens), float(seen_samples - self._last_samples), float(loss)]
+        )
+        if loss_scale is not None:
+            loss = summed * loss_scale
+        dt = max(now - self._last_t, 1e-9)
+        tokens_per_s = tokens / dt
+        mfu = (
+            tokens_per_s * self.flops_per_token / self.peak_flops
+            if self.flops_per_token and self.peak_flops
+            else None
+        )
+        rec = {
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "tokens_per_s": tokens_per_s,
+            "samples_per_s": samples / dt,
+            "mfu": mfu,
+            "step_time_s": dt / max(step - self._last_step, 1),
+            "elapsed_s": now - self._t0,
+        }
+        self._last_t, self._last_step = now, step
+        self._last_tokens, self._last_samples = seen_tokens, seen_samples
+        if not self.is_main:
+            return rec  # every rank sees the reduced line (first-loss checks decide alike everywhere)
+        with (self.run_dir / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        self.history.append(rec)
+        if self._tb is not None:
+            self._tb.write(rec)
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}", lr=f"{lr:.2e}")
+            self._bar.update(step - self._bar.n)
+        return rec
+
+    def close(self) -> None:
+        """Idempotent: the loop calls it at the end and again on the way out of a failure."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+# ----------------------------------------------------------------------------- closing summary
+
+
+def median_after_first(values: list[float | None]) -> float | None:
+    """Median over the logged lines after the first (compile, warm-up and allocator growth land in
+    step 1); the only line when there is one. The report uses the same rule."""
+    vals = [v for v in values if v is not None]
+    if len(vals) > 1:
+        vals = vals[1:]
+    return statistics.median(vals) if vals else None
+
+
+def _per_rank(values: dict[int, float]) -> str:
+    if len(values) <= 8:
+        return ", ".join(f"rank {r} {v:.2f}" for r, v in sorted(values.items())) + " GiB"
+    hi, lo = max(values, key=values.__getitem__), min(values, key=values.__getitem__)
+    return f"max {values[hi]:.2f} GiB (rank {hi}), min {values[lo]:.2f} GiB (rank {lo}), {len(values)} ranks"
+
+
+def closing_summary(
+    history: list[dict[str, Any]],
+    run_dir: Path,
+    step: int,
+    total_steps: int,
+    peaks: dict[int, dict[str, float | None]],
+    tensorboard: bool,
+    why_stopped: str = "train.stop_after",
+) -> str:
+    """What rank 0 prints at the end: steps, loss, speed, per-rank peak, where the run is and what to
+    run next. ``peaks`` is rank -> run-wide peaks from MemoryMonitor (empty if none were gathered)."""
+    lines = [
+        f"done: {step} of {total_steps} steps"
+        + (f" in {history[-1]['elapsed_s']:.1f} s" if history and history[-1].get("elapsed_s") else "")
+    ]
+    if step < total_steps:
+        lines[0] = f"stopped after step {step} of {total_steps} ({why_stopped}); " + (
+            "continue with train.resume=latest"
+        )
+    losses = [r for r in history if r.get("loss") is not None]
+    if losses:
+        first, last = losses[0], losses[-1]
+        lines.append(
+            f"  loss        {first['loss']:.4f} (step {first['step']})"
+            f" -> {last['loss']:.4f} (step {last['step']})"
+        )
+    tps = median_after_first([r.get("tokens_per_s") for r in history])
+    if tps is not None:
+        mfu = median_after_first([r.get("mfu") for r in history])
+        lines.append(
+            f"  tokens/s    {tps:,.0f} (all ranks, median after step 1)"
+            + (f", MFU {100 * mfu:.1f}%" if mfu is not None else "")
+        )
+    gpu = {r: p["peak_allocated_gib"] for r, p in peaks.items() if p.get("peak_allocated_gib") is not None}
+    rss = {r: p["host_rss_gib"] for r, p in peaks.items() if p.get("host_rss_gib") is not None}
+    if gpu:
+        lines.append(f"  peak GPU    {_per_rank(gpu)} allocated")
+    elif rss:
+        lines.append(f"  peak host   {_per_rank(rss)} RSS (CPU run: no GPU memory)")
+    lines.append(f"  run dir     {run_dir}")
+    nxt = f"toolkit report {run_dir}"
+    if tensorboard:
+        nxt += f"   |   tensorboard --logdir {run_dir / 'tb'}"
+    lines.append(f"  next        {nxt}")
+    return "\n".join(lines)

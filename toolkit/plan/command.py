@@ -1,0 +1,320 @@
+"""`toolkit plan`: the table of what fits, `--json`, and `-o DIR` (DeepSpeed JSON, training YAML,
+plan.json). The arithmetic lives in toolkit/plan/planner.py; this module only reads arguments and writes.
+No torch import: a 70B-shaped preset plans in well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from toolkit.config.ds_config import ConfigError, gen_config
+from toolkit.plan import planner as pl
+
+PLAN_VERSION = 1
+# The keys every candidate carries (issue 11's --json contract), then the planner's extras.
+CANDIDATE_KEYS = ("stage", "offload", "micro_batch", "grad_accum", "grad_ckpt", "liger", "gpu_peak_gib",
+                  "host_gib", "fits")
+
+
+def candidate_json(p: pl.Prediction) -> dict[str, Any]:
+    """gpu_peak_gib: predicted peak allocated per rank; host_gib: host RAM per node (all its ranks)."""
+    c = p.choice
+    return {"stage": c.stage, "offload": c.offload, "micro_batch": c.micro_batch, "grad_accum": c.grad_accum,
+            "grad_ckpt": c.grad_ckpt, "liger": p.liger, "gpu_peak_gib": round(p.peak_allocated_gib, 3),
+            "host_gib": round(p.host_node_gib, 3), "fits": p.fits,
+            "offload_ratio": c.ratio if c.offload != "none" else None, "zero_sizes": c.zero_sizes,
+            "fused_loss": p.fused_loss, "gpu_need_gib": round(p.gpu_need_gib, 3),
+            "tokens_per_s_per_gpu": round(p.tokens_per_s_per_gpu, 1)}
+
+
+def ds_config_for(c: pl.Choice) -> dict[str, Any]:
+    """The chosen DeepSpeed JSON: a gen-config preset (training-owned values stay "auto") plus the ratio."""
+    cfg = gen_config(c.stage, offload_optimizer="cpu" if c.offload != "none" else "none",
+                     offload_param="cpu" if c.offload == "all" else "none")
+    if c.offload != "none" and c.ratio < 1.0:
+        cfg["zero_optimization"]["offload_optimizer"]["ratio"] = c.ratio
+    return cfg
+
+
+def train_overrides(args: Any, p: pl.Prediction, out_dir: Path | None) -> dict[str, Any]:
+    """Training-config values (section.key -> value) for the chosen candidate."""
+    c = p.choice
+    o: dict[str, Any] = {"model.name": args.model, "data.seq_len": args.seq,
+                         "train.micro_batch_size": c.micro_batch, "train.grad_accum": c.grad_accum,
+                         "model.gradient_checkpointing": c.grad_ckpt, "model.liger": not args.no_liger,
+                         "model.attn_implementation": args.attn, "train.zero_sizes": c.zero_sizes,
+                         "lora.enabled": bool(args.lora)}
+    if args.fused_loss != "auto":
+        o["model.liger_fused_loss"] = args.fused_loss
+    if args.lora:
+        o["lora.r"] = args.lora_r
+        o["lora.target_modules"] = list(_targets(args))
+    if out_dir is not None:
+        o["train.ds_config"] = str(out_dir / "ds_config.json")
+        o["train.plan"] = str(out_dir / "plan.json")
+    return o
+
+
+def _targets(args: Any) -> tuple[str, ...]:
+    return tuple(t for t in args.lora_targets.split(",") if t)
+
+
+def _workload(args: Any) -> tuple[pl.Workload, pl.Hardware]:
+    from toolkit.plan.shapes import load_shape
+
+    checks = [(args.gpus >= 1, f"--gpus must be at least 1, got {args.gpus}"),
+              (args.nodes >= 1, f"--nodes must be at least 1, got {args.nodes}"),
+              (args.seq >= 8, f"--seq must be at least 8, got {args.seq}"),
+              (args.global_batch >= 1, f"--global-batch must be at least 1, got {args.global_batch}"),
+              (args.gpu_mem > 0, f"--gpu-mem must be positive, got {args.gpu_mem}"),
+              (args.host_mem is None or args.host_mem > 0, f"--host-mem must be positive, got {args.host_mem}"),
+              (args.lora_r >= 1, f"--lora-r must be at least 1, got {args.lora_r}")]
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(msg)
+    kind = _model_type(args.model)
+    if kind is not None and kind not in pl.ACTIVATION_MODELS:  # before any meta-device read
+        raise ConfigError(f"toolkit plan has no activation model for model type {kind!r} "
+                          f"(it knows {', '.join(sorted(pl.ACTIVATION_MODELS))})")
+    shape = load_shape(args.model)
+    lora = pl.Lora(args.lora_r, _targets(args)) if args.lora else None
+    w = pl.Workload(shape, args.seq, args.global_batch, lora, not args.no_liger, args.attn, args.fused_loss)
+    hw = pl.Hardware(args.gpus, args.nodes, args.gpu_mem, args.host_mem)
+    return w, hw
+
+
+def _model_type(model: str) -> str | None:
+    """The model type from the preset or config.json, without building anything (None: unknown here)."""
+    from toolkit.config.models import PRESETS
+
+    if model in PRESETS:
+        return str(PRESETS[model]["model_type"])
+    try:
+        return str(json.loads((Path(model) / "config.json").read_text())["model_type"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # load_shape says what is wrong with it
+
+
+def _limits(args: Any, hw: pl.Hardware, w: pl.Workload) -> dict[str, Any]:
+    limits: dict[str, Any] = {}
+    if args.stage is not None:
+        limits["stages"] = (args.stage,)
+    if args.offload is not None:
+        limits["offloads"] = (args.offload,)
+    if args.micro_batch is not None:
+        per_rank = pl.per_rank_batch(w.global_batch, hw.world)
+        if per_rank % args.micro_batch:
+            raise ConfigError(f"--micro-batch {args.micro_batch} does not divide the {per_rank} sequences per rank "
+                              f"(global batch {w.global_batch} over {hw.world} ranks)")
+        limits["micro_batches"] = (args.micro_batch,)
+    if args.grad_ckpt:
+        limits["grad_ckpt"] = (True,)
+    return limits
+
+
+def _nothing_fits(preds: list[pl.Prediction], hw: pl.Hardware) -> str:
+    if not preds:
+        return "nothing to plan: no stage / offload / micro-batch combination matches the options given"
+    gpu_ok = [p for p in preds if p.fits_gpu]
+    if gpu_ok:
+        p = min(gpu_ok, key=lambda p: p.host_node_gib)
+        return (f"nothing fits: every choice that fits the GPU needs at least {p.host_node_gib:.1f} GiB of host RAM "
+                f"per node ({_describe(p.choice)}), above --host-mem {hw.host_mem_gib:g}; offload less, add nodes "
+                "or raise --host-mem")
+    p = min(preds, key=lambda p: p.gpu_need_gib)
+    return (f"nothing fits in {hw.gpu_mem_gib:g} GiB per GPU: the smallest need is {p.gpu_need_gib:.1f} GiB "
+            f"({_describe(p.choice)}); add GPUs, raise --gpu-mem, shorten --seq, or train LoRA (--lora)")
+
+
+def _describe(c: pl.Choice) -> str:
+    off = {"none": "no offload", "optimizer": "optimizer offload", "all": "optimizer and parameter offload"}[c.offload]
+    if c.offload != "none" and c.ratio < 1:
+        off += f" (ratio {c.ratio:g}: {c.ratio:.0%} of the optimizer states on the CPU)"
+    ck = ", gradient checkpointing" if c.grad_ckpt else ""
+    sizes = ", train.zero_sizes=memory" if c.zero_sizes == "memory" else ""
+    return f"ZeRO-{c.stage}, {off}, micro {c.micro_batch} x accum {c.grad_accum}{ck}{sizes}"
+
+
+def _fmt_offload(c: pl.Choice) -> str:
+    if c.offload == "none":
+        return "none"
+    return c.offload + (f" {c.ratio:g}" if c.ratio < 1 else "")
+
+
+def render(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Prediction], chosen: pl.Prediction,
+           top: int) -> str:
+    s = w.shape
+    trainable = pl.trainable_params(s, w.lora)
+    kind = "full fine-tune" if w.lora is None else f"LoRA r={w.lora.r} on {','.join(w.lora.targets)}: {trainable / 1e6:.1f}M trained"
+    host = f"{hw.host_mem_gib:g} GiB host RAM per node" if hw.host_mem_gib is not None else "host RAM not checked (--host-mem)"
+    lines = [
+        f"toolkit plan: {args.model} ({s.total_params / 1e9:.2f}B parameters, {kind}), {hw.gpus_per_node} GPU(s) x "
+        f"{hw.nodes} node(s), {hw.gpu_mem_gib:g} GiB per GPU, {host}",
+        f"sequence {w.seq_len}, global batch {w.global_batch} ({w.global_batch // hw.world} per rank), "
+        f"attention {w.attn}, Liger {'on where supported' if w.liger else 'off'}",
+        f"GPU need = predicted peak allocated x {1 + pl.ALLOC_MARGIN:.2f} + {pl.CUDA_CONTEXT_GIB} GiB CUDA context; "
+        "host = RSS of all ranks of a node",
+        "",
+    ]
+    fitting = [p for p in ranked if p.fits]
+    rows = [["#", "stage", "offload", "micro x accum", "ckpt", "liger", "GPU peak", "GPU need", "host/node",
+             "tokens/s/GPU", "fits"]]
+    shown = fitting[:top] if fitting else ranked[:top]
+    if chosen not in shown:
+        shown = [chosen, *shown[:-1]]
+    for i, p in enumerate(shown, 1):
+        c = p.choice
+        liger = ("fused" if p.fused_loss else "kernels") if p.liger else "off"
+        rows.append([str(i) + ("*" if p is chosen else ""), str(c.stage) + (" (mem)" if c.zero_sizes == "memory" else ""),
+                     _fmt_offload(c), f"{c.micro_batch} x {c.grad_accum}", "yes" if c.grad_ckpt else "no", liger,
+                     f"{p.peak_allocated_gib:.1f}", f"{p.gpu_need_gib:.1f}", f"{p.host_node_gib:.1f}",
+                     f"{p.tokens_per_s_per_gpu:,.0f}", "yes" if p.fits else "no"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        lines.append("  ".join(x.rjust(wd) if j >= 6 else x.ljust(wd) for j, (x, wd) in enumerate(zip(r, widths, strict=True))))
+    lines.append(f"{len(fitting)} of {len(ranked)} choices fit (GiB per rank; fastest first, predicted; * = chosen; "
+                 "(mem): train.zero_sizes=memory)")
+    lines.append("")
+    lines.append(f"chosen: {_describe(chosen.choice)}; predicted {chosen.tokens_per_s_per_gpu:,.0f} tokens/s per GPU")
+    gpu = ", ".join(f"{k} {v:.2f}" for k, v in chosen.gpu.items() if v >= 0.005)
+    lines.append(f"  GPU at its peak ({chosen.phase}): {gpu} = {chosen.peak_allocated_gib:.2f} GiB allocated")
+    host_parts = ", ".join(f"{k} {v:.2f}" for k, v in chosen.host.items())
+    build = (f"; {chosen.host_build_rank_gib:.2f} GiB while the model is built in fp32"
+             if chosen.host_build_rank_gib > chosen.host_rank_gib else "")
+    lines.append(f"  host per rank: {host_parts} = {chosen.host_rank_gib:.2f} GiB{build}")
+    return "\n".join(lines)
+
+
+def plan_json(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Prediction],
+              chosen: pl.Prediction | None, out_dir: Path | None) -> dict[str, Any]:
+    s = w.shape
+    data: dict[str, Any] = {
+        "candidates": [candidate_json(p) for p in ranked],
+        "chosen": None,
+        "plan_version": PLAN_VERSION,
+        "command": command(args),
+        "inputs": {"model": args.model, "model_type": s.model_type, "params": s.total_params,
+                   "trainable_params": pl.trainable_params(s, w.lora), "seq_len": w.seq_len,
+                   "global_batch": w.global_batch, "gpus_per_node": hw.gpus_per_node, "nodes": hw.nodes,
+                   "world_size": hw.world, "gpu_mem_gib": hw.gpu_mem_gib, "host_mem_gib": hw.host_mem_gib,
+                   "lora": None if w.lora is None else {"r": w.lora.r, "targets": list(w.lora.targets)},
+                   "liger": w.liger, "fused_loss": w.fused_loss, "attn": w.attn},
+        "constants": {"cuda_context_gib": pl.CUDA_CONTEXT_GIB, "alloc_margin": pl.ALLOC_MARGIN,
+                      "host_baseline_gib": pl.HOST_BASELINE_GIB},
+    }
+    if chosen is not None:
+        data["chosen"] = candidate_json(chosen) | {
+            "phase": chosen.phase,
+            "gpu_breakdown_gib": chosen.gpu,
+            "persistent_gib": chosen.persistent,
+            "host_rank_gib": chosen.host_rank_gib,
+            "host_breakdown_gib": chosen.host,
+            "step_time_s": chosen.step_time_s,
+            "ds_config": ds_config_for(chosen.choice),
+            "train_overrides": train_overrides(args, chosen, out_dir),
+        }
+    return data
+
+
+def command(args: Any) -> str:
+    """The plan's command line, rebuilt from its arguments (recorded in plan.json and train.yaml)."""
+    parts = ["toolkit", "plan", "--model", args.model, "--gpus", str(args.gpus), "--seq", str(args.seq),
+             "--global-batch", str(args.global_batch), "--gpu-mem", f"{args.gpu_mem:g}"]
+    if args.nodes != 1:
+        parts += ["--nodes", str(args.nodes)]
+    if args.host_mem is not None:
+        parts += ["--host-mem", f"{args.host_mem:g}"]
+    if args.lora:
+        parts += ["--lora", "--lora-r", str(args.lora_r), "--lora-targets", args.lora_targets]
+    flags = (("--grad-ckpt", args.grad_ckpt), ("--no-liger", args.no_liger))
+    parts += [f for f, on in flags if on]
+    for flag, value, default in (("--fused-loss", args.fused_loss, "auto"), ("--attn", args.attn, "sdpa"),
+                                 ("--stage", args.stage, None), ("--offload", args.offload, None),
+                                 ("--micro-batch", args.micro_batch, None), ("-o", args.output, None)):
+        if value != default:
+            parts += [flag, str(value)]
+    return " ".join(shlex.quote(x) for x in parts)
+
+
+def write_plan(out_dir: Path, data: dict[str, Any], force: bool) -> list[Path]:
+    import yaml
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {"ds_config.json": out_dir / "ds_config.json", "train.yaml": out_dir / "train.yaml",
+             "plan.json": out_dir / "plan.json"}
+    existing = [str(p) for p in files.values() if p.exists()]
+    if existing and not force:
+        raise ConfigError(f"{', '.join(existing)} exist; pass --force to overwrite")
+    chosen = data["chosen"]
+    files["ds_config.json"].write_text(json.dumps(chosen["ds_config"], indent=2) + "\n")
+    nested: dict[str, Any] = {}
+    for key, value in chosen["train_overrides"].items():
+        section, name = key.split(".", 1)
+        nested.setdefault(section, {})[name] = value
+    header = (f"# written by: {data['command']}\n# deepspeed --num_gpus {data['inputs']['gpus_per_node']} "
+              f"toolkit/train.py --config {files['train.yaml']}   (or ./launch.sh --plan {out_dir})\n")
+    files["train.yaml"].write_text(header + yaml.safe_dump(nested, sort_keys=False))
+    files["plan.json"].write_text(json.dumps(data, indent=1) + "\n")
+    return list(files.values())
+
+
+def run_plan(args: Any) -> int:
+    w, hw = _workload(args)
+    ranked = pl.plan(w, hw, **_limits(args, hw, w))
+    chosen = pl.best(ranked)
+    if chosen is None:
+        print(f"error: {_nothing_fits(ranked, hw)}", file=sys.stderr)
+        return 1
+    out_dir = Path(args.output) if args.output else None
+    data = plan_json(args, w, hw, ranked, chosen, out_dir)
+    if args.json:
+        sys.stdout.write(json.dumps(data, indent=1) + "\n")
+    else:
+        print(render(args, w, hw, ranked, chosen, args.top))
+    if out_dir is not None:
+        written = write_plan(out_dir, data, args.force)
+        msg = (f"wrote {', '.join(str(p) for p in written)}\nrun it: ./launch.sh --plan {out_dir}   "
+               f"(or: deepspeed --num_gpus {hw.gpus_per_node} toolkit/train.py --config {out_dir / 'train.yaml'})")
+        print(msg, file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    """The `plan` subcommand's arguments (cli.py calls this)."""
+    p = sub.add_parser(
+        "plan", help="what fits per rank before launch: stage, offload, micro-batch, checkpointing",
+        description="Predict per-rank GPU peak and host RAM for every ZeRO stage x offload x micro-batch x "
+                    "checkpointing choice from the model's shape (no weights, no GPU), print what fits fastest "
+                    "first, and write the chosen DeepSpeed JSON and training config with -o.")
+    p.add_argument("--model", required=True, help="a preset (toolkit/runtime/model.py) or a local HF model directory")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs per node")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU (default 80; an H200 has 139)")
+    p.add_argument("--host-mem", type=float, default=None, help="host RAM per node, GiB (default: not checked)")
+    p.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step, all ranks")
+    p.add_argument("--lora", action="store_true", help="train LoRA adapters instead of every weight")
+    p.add_argument("--lora-r", type=int, default=8)
+    p.add_argument("--lora-targets", default="q_proj,v_proj", help="comma-separated module names")
+    p.add_argument("--grad-ckpt", action="store_true", help="only choices with gradient checkpointing")
+    p.add_argument("--no-liger", action="store_true", help="plan without Liger's kernels (model.liger=false)")
+    p.add_argument("--fused-loss", choices=("auto", "true", "false"), default="auto",
+                   help="model.liger_fused_loss (auto, true: Liger's fused loss where Liger applies; false: off)")
+    p.add_argument("--attn", choices=("sdpa", "eager", "flash_attention_2"), default="sdpa")
+    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=None, help="only this ZeRO stage")
+    p.add_argument("--offload", choices=pl.OFFLOADS, default=None,
+                   help="only this offload: none, optimizer (states to CPU), all (and parameters, stage 3)")
+    p.add_argument("--micro-batch", type=int, default=None, help="only this micro-batch")
+    p.add_argument("--top", type=int, default=12, help="rows to print (default 12)")
+    p.add_argument("--json", action="store_true", help='print {"candidates": [...], "chosen": {...}}')
+    p.add_argument("-o", "--output", default=None, help="write DIR/ds_config.json, DIR/train.yaml, DIR/plan.json")
+    p.add_argument("--force", action="store_true", help="overwrite an earlier plan in DIR")
+    p.set_defaults(func=_cmd)
+
+
+def _cmd(args: Any) -> int:
+    return run_plan(args)

@@ -1,0 +1,47 @@
+"""Which Liger kernels a run gets, and why not: a pure decision, shared by the planner (what a CUDA run
+would get) and the runtime (toolkit/runtime/kernels.py applies it). Testable without a GPU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class LigerChoice:
+    """What will be applied (kwargs for Liger's apply function), or why nothing is."""
+
+    kwargs: dict[str, bool] = field(default_factory=dict)
+    reason: str = ""
+    external_head: bool = False  # ZeRO-3 + fused loss: declare lm_head.weight to the model's forward
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.kwargs)
+
+    def describe(self) -> str:
+        if not self.enabled:
+            return f"liger kernels off: {self.reason}"
+        on = [k for k, v in self.kwargs.items() if v]
+        off = [k for k, v in self.kwargs.items() if not v]
+        line = f"liger kernels on: {', '.join(on)}"
+        return line + (f" ({', '.join(off)} off: {self.reason})" if off else "")
+
+
+def choose(wanted: bool, *, cuda: bool, model_type: str, task: str, stage: int,
+           supported: frozenset[str] | None, fused_loss: str = "auto") -> LigerChoice:
+    """Pure decision, so it is testable without a GPU. `supported` is None when liger-kernel is
+    not installed (or not importable: it needs triton)."""
+    if not wanted:
+        return LigerChoice(reason="model.liger=false")
+    if not cuda:
+        return LigerChoice(reason="no CUDA device (Liger's kernels are Triton)")
+    if supported is None:
+        return LigerChoice(reason="liger-kernel is not installed (pip install liger-kernel)")
+    if model_type not in supported:
+        return LigerChoice(reason=f"Liger has no kernels for model type {model_type!r}")
+    if task != "causal_lm":
+        return LigerChoice(reason=f"only causal_lm models are patched (task {task!r})")
+    fused = fused_loss != "false"
+    kwargs = {"rope": True, "rms_norm": True, "swiglu": True, "fused_linear_cross_entropy": fused}
+    reason = "" if fused else "model.liger_fused_loss=false"
+    return LigerChoice(kwargs=kwargs, reason=reason, external_head=fused and stage == 3)

@@ -1,0 +1,711 @@
+"""What fits, per rank, before launch: GPU peak and host RAM for a stage x offload x micro-batch x
+checkpointing choice, and a predicted speed order. Pure arithmetic over a `ModelShape`: no torch,
+no deepspeed, no GPU (`toolkit plan` answers in well under a second for a 70B shape).
+
+Why not DeepSpeed's estimators alone: `estimate_zero2/3_model_states_mem_needs` count model states
+only, and for a bf16 model they count the optimizer step's transient fp32 gradient as if it lived
+through backward. What dominates a real peak is missing there: activations (with or without
+checkpointing), the fp32 logits of the loss (or Liger's fused loss), ZeRO-3's gathered layers within
+the live/reuse limits, the reduce buckets, and on the host the pinned buffers, which PyTorch's
+caching host allocator rounds up to a power of two. Their formulas agree with the phases below where
+they overlap (tests/unit/test_planner.py pins that): ZeRO-2's 2P + 18P/N is the optimizer step's
+model states here, ZeRO-3's 4x largest layer is its gathered layer with its gradient.
+
+The model: a step has phases, and the per-rank peak is the largest of them:
+  A1  backward starts: every activation saved, the loss's logit buffers, model states, gradients held
+      across accumulation, ZeRO-3's gathered parameters;
+  F   forward ends (fused loss only: Liger computes the head's gradients inside forward);
+  A2  the top layer's backward: the reduce buckets exist, the tied head's gradient is held, the MLP's
+      backward temporaries (with checkpointing: one layer recomputed);
+  B   the optimizer step: activations are gone, the step's fp32 gradient copies exist.
+Every byte figure below says where it comes from: DeepSpeed's code (file:function) or a measurement
+in bench/results/.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from toolkit.config.ds_config import SPEED_SIZES, ConfigError
+from toolkit.plan.shapes import ModelShape
+
+GIB = float(1 << 30)
+Offload = Literal["none", "optimizer", "all"]
+OFFLOADS: tuple[Offload, ...] = ("none", "optimizer", "all")
+# offload_optimizer.ratio values tried at stage 3: the fraction of optimizer sub-groups on the CPU.
+# Issue 11: on one H200, Llama-2-7B with half of the states on the GPU (0.5) ran 12x faster than all
+# on the CPU; the planner looks for such splits itself.
+RATIOS = (1.0, 0.75, 0.5, 0.25)
+
+# Model families with an activation model here (RMSNorm + SwiGLU + rotary decoders; Liger patches
+# all three). Others are refused with one line rather than guessed.
+ACTIVATION_MODELS = frozenset({"llama", "mistral", "qwen2"})
+LIGER_MODEL_TYPES = ACTIVATION_MODELS  # Liger has kernels for each (liger_kernel MODEL_TYPE_TO_APPLY_LIGER_FN)
+
+# -- constants from measurements ----------------------------------------------------------------
+# Memory the CUDA driver, NCCL and DeepSpeed's kernels hold outside PyTorch's allocator: NVML used
+# minus peak reserved per rank, 2x H200 (bench/results/two_gpu.md: 2.37-2.65 GiB; the largest).
+CUDA_CONTEXT_GIB = 2.65
+# Headroom kept above the predicted peak allocated for the caching allocator (block rounding,
+# fragmentation). Runs without memory pressure reserve 20-37% above their peak allocated
+# (two_gpu.md), but that is cache the allocator frees and retries before failing; 10% is the
+# planner's margin, and bench/plan_calibrate.py records peak reserved next to every prediction.
+ALLOC_MARGIN = 0.10
+# Host RSS of a toolkit GPU rank with nothing offloaded, once the engine exists (CUDA, torch, DeepSpeed,
+# NCCL, transformers, data): bench/results/speed.json toolkit ZeRO-3 rows, 2.01-2.05 GiB; the largest.
+HOST_BASELINE_GIB = 2.05
+# ... and before the engine exists, when ranks at stages 0-2 hold the model in fp32 on the CPU: the
+# ZeRO-2 rows peak at model_loaded, 5.92 GiB for llama-1b and 3.16 for Qwen2-0.5B (speed.json), both
+# 1.32 GiB above 4 bytes x parameters.
+HOST_EARLY_GIB = 1.32
+# The same for DS_ACCELERATOR=cpu ranks (smoke tests): the tiny model on 2 CPU ranks peaks at 0.45-0.58
+# GiB RSS per rank on the development machine (raw and Trainer paths, README's closing summary).
+HOST_BASELINE_CPU_GIB = 0.5
+# Loss without the fused kernel: fp32 log-softmax output + two fp32 logit-sized gradients alive as
+# backward starts, 12 bytes per logit (bench/results/anatomy.md: 0.98 + 1.99 GiB at 2048 x 128256).
+LOGIT_BYTES = 12
+
+# -- speed model constants (the order of candidates; absolute figures are rough) -------------------
+GPU_PEAK_FLOPS = 989.4e12  # H100/H200 dense bf16 (toolkit/observe/metrics.py GPU_PEAK_TFLOPS)
+# Achieved MFU vs tokens per micro-step t: MFU_MAX * t / (t + MFU_HALF_TOKENS), fitted to llama-1b
+# ZeRO-2 with Liger on 2x H200: micro 4 -> 48.0k, micro 8 -> 59.3k tokens/s/GPU (anchors.md bare loop
+# + Liger), micro 16 -> 64.5k (speed.json, 53.6% MFU; the fit gives 55.8%).
+MFU_MAX = 0.642
+MFU_HALF_TOKENS = 4963.0
+# Liger's kernels with the fused loss: bare loop llama-1b ZeRO-2 micro 4, 48.0k with vs 40.1k without
+# (anchors.md).
+LIGER_SPEEDUP = 1.20
+# ZeRO-3 cost per micro-step per billion parameters (gathers, hooks), from llama-1b on 2x H200 with the
+# fused loss at micro 16: 0.517 s/step at ZeRO-3 against 0.502 at ZeRO-2 (bench/results/zero3_tuning.md),
+# 15 ms for 1.24B. The same constants give 0.71 s for ZeRO-3 without the fused loss at micro 8 x 2
+# (measured 0.714).
+ZERO3_S_PER_GPARAM = 0.012
+# train.zero_sizes=memory (h^2 buckets, ~2-layer live limit) against the speed sizes: llama-1b ZeRO-3
+# lost 35% of its tokens/s, GPT-2 ZeRO-2 a quarter (ds_config.py SPEED_SIZES comment).
+MEMORY_SIZES_SPEED = {3: 0.65, 2: 0.75, 1: 0.75, 0: 1.0}
+# DeepSpeedCPUAdam parameters per second on the H200 host (16 cores): issue 11's Llama-2-7B runs,
+# all states on the CPU at micro 1 (270 tokens/s) and half at micro 8 (3,180), leave 0.98e9 and
+# 1.13e9 parameters/s once the GPU's share of the step is taken out.
+CPU_ADAM_PARAMS_PER_S = 1.0e9
+# Host<->GPU copies for offload: not measured here; PCIe Gen5 x16 moves about 25 GB/s one way in practice.
+PCIE_BYTES_PER_S = 25e9
+
+
+# -- inputs ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Lora:
+    r: int = 8
+    targets: tuple[str, ...] = ("q_proj", "v_proj")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpus_per_node: int
+    nodes: int = 1
+    gpu_mem_gib: float = 80.0
+    host_mem_gib: float | None = None
+    """Host RAM per node; None: not checked."""
+    cpu_ranks: bool = False
+    """DS_ACCELERATOR=cpu ranks (smoke tests): the host baseline of a CPU rank."""
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+@dataclass(frozen=True)
+class Workload:
+    shape: ModelShape
+    seq_len: int
+    global_batch: int
+    lora: Lora | None = None
+    liger: bool = True
+    """Liger kernels wanted (model.liger); applied where toolkit/plan/liger.py would apply them."""
+    attn: str = "sdpa"
+    fused_loss: str = "auto"
+    """model.liger_fused_loss: auto or true (on; at ZeRO-3 with the head as an external parameter), false."""
+
+
+@dataclass(frozen=True)
+class ZeroSizes:
+    """The ZeRO sizes that matter for memory, in elements (DeepSpeed's config names)."""
+
+    reduce_bucket: int
+    prefetch_bucket: int
+    persistence_threshold: int
+    max_live: int
+    max_reuse: int
+    sub_group: int = 1_000_000_000
+
+    @classmethod
+    def named(cls, rule: str, hidden: int) -> ZeroSizes:
+        """train.zero_sizes: the same numbers toolkit/config/ds_config.py resolves "auto" to."""
+        if rule == "speed":
+            s = {k.rsplit(".", 1)[1]: v for k, v in SPEED_SIZES.items()}
+            return cls(s["reduce_bucket_size"], s["stage3_prefetch_bucket_size"],
+                       s["stage3_param_persistence_threshold"], s["stage3_max_live_parameters"],
+                       s["stage3_max_reuse_distance"])
+        if rule == "memory":
+            h = hidden
+            return cls(h * h, int(0.9 * h * h), 10 * h, 24 * h * h, 24 * h * h)
+        raise ConfigError(f"zero sizes must be speed or memory, got {rule!r}")
+
+
+@dataclass(frozen=True)
+class Choice:
+    stage: int
+    offload: Offload = "none"
+    """none; optimizer (states to CPU); all (optimizer and parameters to CPU, stage 3)."""
+    ratio: float = 1.0
+    """offload_optimizer.ratio: fraction of the optimizer's sub-groups on the CPU (stage 3; else 1)."""
+    micro_batch: int = 1
+    grad_accum: int = 1
+    grad_ckpt: bool = False
+    zero_sizes: str = "speed"
+
+
+@dataclass
+class Prediction:
+    choice: Choice
+    liger: bool
+    """Liger kernels applied (RMSNorm, SwiGLU, RoPE)."""
+    fused_loss: bool
+    """Liger's fused linear cross-entropy (toolkit/plan/liger.py: on unless model.liger_fused_loss=false)."""
+    phase: str
+    gpu: dict[str, float]
+    """GiB per rank at the peak, by category."""
+    persistent: dict[str, float]
+    """GiB per rank held between steps: params, grads, optimizer (what a run's breakdown measures)."""
+    peak_allocated_gib: float
+    gpu_need_gib: float
+    host: dict[str, float]
+    host_rank_gib: float
+    """Host RSS per rank at its largest phase boundary (model loaded, engine ready, steps): what the
+    memory snapshots of a run measure."""
+    host_build_rank_gib: float
+    """Host RSS per rank while build_model runs: stages 0-2 build the whole model in fp32 on the CPU,
+    also under adapter autocast, which casts the frozen base to bf16 only once it exists. Snapshots do
+    not see it when it is above host_rank_gib; host_node_gib and fits_host count it."""
+    host_node_gib: float
+    """Host RAM the node needs: its ranks at the larger of host_rank_gib and host_build_rank_gib."""
+    fits_gpu: bool
+    fits_host: bool
+    step_time_s: float
+    tokens_per_s_per_gpu: float
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_gpu and self.fits_host
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["fits"] = self.fits
+        return d
+
+
+# -- shape arithmetic ---------------------------------------------------------------------------------
+
+
+def trainable_params(shape: ModelShape, lora: Lora | None) -> int:
+    """Full fine-tune: every parameter. LoRA: r x (in + out) per targeted linear per layer (PEFT)."""
+    if lora is None:
+        return shape.total_params
+    per_layer = sum(lora.r * (i + o) for name, i, o in shape.linears if name.rsplit(".", 1)[-1] in lora.targets)
+    return per_layer * shape.num_layers
+
+
+def check_lora_targets(shape: ModelShape, lora: Lora) -> None:
+    names = {n.rsplit(".", 1)[-1] for n, _, _ in shape.linears}
+    missing = [t for t in lora.targets if t not in names]
+    if missing:
+        raise ConfigError(f"LoRA targets {missing} are not linear layers of this model; it has {sorted(names)}")
+
+
+def _pow2(n_bytes: float) -> float:
+    """PyTorch's caching host allocator rounds every pinned allocation up to a power of two
+    (CachingHostAllocator: PowerOf2Ceil); cudaHostAlloc locks all of it, so RSS pays the rounding.
+    Checked against issue 11's Llama-2-7B full offload: 121 GiB measured, 121.3 predicted."""
+    return float(1 << math.ceil(math.log2(n_bytes))) if n_bytes >= 1 else 0.0
+
+
+def _sub_groups(shape: ModelShape, world: int, sub_group: int) -> list[int]:
+    """ZeRO-3's optimizer sub-groups (stage3.py _create_fp16_sub_groups): per-rank partitions of the
+    parameters, in order, closed once a group reaches sub_group_size elements."""
+    groups, cur = [], 0
+    numels = [math.ceil(n / world) for n in shape.param_numels()]
+    if sum(numels) <= sub_group:
+        return [sum(numels)] if numels else []
+    for i, n in enumerate(numels):
+        cur += n
+        if cur >= sub_group or i == len(numels) - 1:
+            groups.append(cur)
+            cur = 0
+    return groups
+
+
+def _cpu_groups(n_groups: int, ratio: float) -> int:
+    """stage3.py _create_fp32_partitions: sub-group i goes to the CPU when i >= int((1 - ratio) * n)."""
+    return n_groups - min(n_groups, int((1 - ratio) * n_groups))
+
+
+# -- activations ------------------------------------------------------------------------------------
+
+
+def layer_activation_bytes(shape: ModelShape, *, seq_len: int, attn: str, liger: bool,
+                           lora: Lora | None, autocast: bool = False) -> float:
+    """Bytes one decoder layer saves for backward, per token (bf16 activations).
+
+    Counted tensor by tensor from what autograd keeps in transformers' Llama/Qwen2 layer, and checked
+    against the live tensors at the peak of llama-1b (bench/results/anatomy.md: 3.35 GiB for 16 layers
+    x 2048 tokens = 108.7 kB per token per layer; this function gives 108.67 kB):
+      RMSNorm (HF): the fp32 copy of its input (4h), the bf16 normalized input the weight's gradient
+        needs (2h, only when the norm trains), and its output when a following linear saves its input;
+      RMSNorm (Liger): its input (2h) and the output where used;
+      attention (sdpa/flash): q, k, v (k and v at the kv heads' width), output, fp32 log-sum-exp;
+      attention (eager): q, k and v repeated to all heads, the fp32 softmax and its bf16 copy (6 bytes
+        per score), and its output only when o_proj saves its input;
+      MLP (HF): gate output, SiLU output, up output, and their product when down_proj saves its input;
+      MLP (Liger): gate and up outputs (the SiLU-mul kernel recomputes the rest), and the product.
+    A linear saves its input only when its weight trains (full fine-tune) or it carries a LoRA adapter.
+    autocast (LoRA in adapter autocast mode: fp32 adapters, bf16 activations): PEFT's lora.Linear casts
+    its input to the adapter's dtype (`x = self._cast_input_dtype(x, lora_A.weight.dtype)`, fp32) and
+    autocast casts that back to bf16 for lora_A's matmul, a new tensor per adapter, which lora_A saves.
+    So each targeted linear keeps its own bf16 copy of its input, and the input the targeted linears
+    share (the norm's output) is not kept by anyone: 2 x in_features per targeted linear, q_proj and
+    v_proj together 4h where DeepSpeed's bf16 mode keeps one 2h. Counted with saved_tensors_hooks on a
+    Qwen2-0.5B layer under CPU autocast (peft 0.21): two (tokens, 896) bf16 tensors, one with the cast
+    disabled (cast_input_dtype_enabled=False).
+    """
+    h, inter = shape.hidden_size, shape.intermediate_size
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    full = lora is None
+
+    def saves_input(*names: str) -> bool:
+        return full or any(n in lora.targets for n in names)
+
+    def inputs_saved(*names: str) -> int:
+        """Copies kept of the input these linears share: one, or one per adapter under autocast."""
+        if autocast and lora is not None:
+            return sum(n in lora.targets for n in names)
+        return 1 if saves_input(*names) else 0
+
+    norm = 2 * h if liger else 4 * h + (2 * h if full else 0)
+    total = 2 * norm
+    total += 2 * h * inputs_saved("q_proj", "k_proj", "v_proj")
+    total += 2 * h * inputs_saved("gate_proj", "up_proj")
+    if attn == "eager":
+        total += 3 * 2 * q + 6 * shape.num_heads * seq_len + 2 * q * inputs_saved("o_proj")
+    else:
+        # sdpa/flash keep their output themselves; an o_proj adapter under autocast keeps its own copy
+        total += 2 * q + 2 * 2 * kv + 2 * q + 4 * shape.num_heads
+        total += 2 * q if (autocast and lora is not None and "o_proj" in lora.targets) else 0
+    total += (2 if liger else 3) * 2 * inter + (2 * inter if saves_input("down_proj") else 0)
+    if lora is not None:  # lora_A's output, saved by lora_B: r values per targeted linear
+        total += sum(2 * lora.r for name, _, _ in shape.linears if name.rsplit(".", 1)[-1] in lora.targets)
+    return float(total)
+
+
+def _final_norm_bytes(shape: ModelShape, *, liger: bool, full: bool, head_saves_input: bool) -> float:
+    h = shape.hidden_size
+    norm = 2 * h if liger else 4 * h + (2 * h if full else 0)
+    return float(norm + (2 * h if head_saves_input else 0))
+
+
+# -- the prediction ------------------------------------------------------------------------------------
+
+
+def _liger(w: Workload, stage: int) -> tuple[bool, bool]:
+    """(kernels, fused loss) as toolkit/plan/liger.choose decides them on a CUDA machine with Liger."""
+    from toolkit.plan.liger import choose
+
+    c = choose(w.liger, cuda=True, model_type=w.shape.model_type, task="causal_lm", stage=stage,
+               supported=LIGER_MODEL_TYPES, fused_loss=w.fused_loss)
+    return c.enabled, bool(c.kwargs.get("fused_linear_cross_entropy"))
+
+
+def _gathered_bytes(shape: ModelShape, n: int, sizes: ZeroSizes, offload_param: bool) -> float:
+    """ZeRO-3 parameters gathered whole on a rank as backward starts (partitioned_param_coordinator.py).
+
+    The head was used last in forward and is first in backward, so it stays gathered. A layer's
+    parameters are released after its forward unless they reappear within stage3_max_reuse_distance
+    elements of the trace; forward's last layers come back first in backward, so the last j layers
+    stay while 2 * j * layer + 2 * head < max_reuse, within stage3_max_live_parameters. With one rank
+    and parameters on the GPU there is nothing to gather (seeds_tables.md: ZeRO-3 = ZeRO-2 on 1 GPU).
+    Backward then prefetches up to stage3_prefetch_bucket_size elements ahead.
+    """
+    if n == 1 and not offload_param:
+        return 0.0
+    head = shape.embed_numel
+    layer = shape.layer_numel
+    kept = 0
+    for j in range(shape.num_layers):
+        if 2 * j * layer + 2 * head >= sizes.max_reuse or head + (j + 1) * layer > sizes.max_live:
+            break
+        kept += 1
+    prefetch = min(sizes.prefetch_bucket, layer) if kept < shape.num_layers else 0
+    return 2.0 * (head + kept * layer + prefetch)
+
+
+def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
+    """Per-rank GPU peak (allocated), GPU need and host RSS for one choice."""
+    s = w.shape
+    if s.model_type not in ACTIVATION_MODELS:
+        raise ConfigError(f"toolkit plan has no activation model for model type {s.model_type!r} "
+                          f"(it knows {', '.join(sorted(ACTIVATION_MODELS))})")
+    n = hw.world
+    stage, lora = c.stage, w.lora
+    offload_opt = c.offload in ("optimizer", "all") and stage >= 1
+    offload_param = c.offload == "all" and stage == 3
+    ratio = c.ratio if (offload_opt and stage == 3) else (1.0 if offload_opt else 0.0)
+    sizes = ZeroSizes.named(c.zero_sizes, s.hidden_size)
+    liger, flce = _liger(w, stage)
+    p_all = s.total_params
+    t_all = trainable_params(s, lora)
+    frozen = p_all - t_all
+    full = lora is None
+    # LoRA below ZeRO-3 under bf16 trains like PEFT: fp32 adapters, bf16 frozen base, torch autocast
+    # (toolkit/config/ds_config.py adapter_autocast); at ZeRO-3 DeepSpeed's bf16 mode keeps everything bf16.
+    autocast = lora is not None and stage < 3
+    tokens = c.micro_batch * w.seq_len
+    h, vocab = s.hidden_size, s.vocab_size
+    largest = max(s.param_numels())
+
+    # ---- what each rank holds between steps ------------------------------------------------------
+    if stage < 3:
+        params = 2.0 * frozen + (4.0 if autocast else 2.0) * t_all
+        # ZeRO-0 in bf16 is DeepSpeed's FP16_Optimizer (fp32 master + Adam m, v for every parameter);
+        # fp32 adapters under autocast need no master copy at ZeRO-0 (no wrapper), ZeRO-1/2 keep one.
+        opt_per = 8.0 if (autocast and stage == 0) else 12.0
+        optimizer = opt_per * t_all / (1 if stage == 0 else n) if not offload_opt else 0.0
+        grads = 0.0
+        buffers = 2.0 * largest if offload_opt else 0.0  # stage_1_and_2.py temp_grad_buffer_for_gpu_offload
+        groups: list[int] = []
+        gpu_groups: list[int] = []
+    else:
+        small = sum(x for x in s.param_numels() if x <= sizes.persistence_threshold)
+        # partitions (lp_param_buffer) + persistent small parameters kept whole on every rank
+        params = (0.0 if offload_param else 2.0 * p_all / n) + 2.0 * small
+        # LoRA adapters are parameters the shape does not list; their partitions make one sub-group
+        groups = _sub_groups(s, n, sizes.sub_group) if lora is None else [math.ceil(t_all / n)]
+        n_cpu = _cpu_groups(len(groups), ratio) if offload_opt else 0
+        gpu_groups = groups[:len(groups) - n_cpu]
+        gpu_numel = sum(gpu_groups)
+        # GPU sub-groups keep fp32 master + Adam m, v (FusedAdam, or torch AdamW for the GPU share of a
+        # partial offload) and, under offload, their fp32 gradient buffer (initialize_optimizer_states).
+        optimizer = 12.0 * gpu_numel
+        grads = 2.0 * t_all / n if not offload_opt else 4.0 * gpu_numel
+        buffers = 2.0 * sizes.reduce_bucket  # stage3.py: one ipg bucket, allocated at init
+    persistent = params + optimizer + grads + buffers
+
+    # gradients held across micro-steps of an accumulation window (stages 0-2)
+    held = 0.0
+    if c.grad_accum > 1 and stage < 3 and not offload_opt:
+        held = (4.0 if autocast else 2.0) * t_all / (1 if stage == 0 else n)
+
+    # ---- activations ---------------------------------------------------------------------------------
+    per_layer = layer_activation_bytes(s, seq_len=w.seq_len, attn=w.attn, liger=liger, lora=lora, autocast=autocast)
+    head_saves_input = full and not flce
+    final = _final_norm_bytes(s, liger=liger, full=full, head_saves_input=head_saves_input) * tokens
+    if c.grad_ckpt:
+        # non-reentrant checkpointing keeps each layer's input; backward recomputes one layer at a time
+        saved = s.num_layers * 2.0 * h * tokens + final
+        recompute = per_layer * tokens
+    else:
+        saved = s.num_layers * per_layer * tokens + final
+        recompute = 0.0
+    # backward of the top layer's MLP: the gradient of the down projection's input, and in plain
+    # transformers the two gradients the SiLU-mul product splits into (Liger computes them in place)
+    mlp_bwd = (1 if liger else 3) * 2.0 * s.intermediate_size * tokens + 2 * 2.0 * h * tokens
+    if flce:
+        # liger fused_linear_cross_entropy: grad_input and (trained head) grad_weight are computed in
+        # forward and kept; chunks of chunk_size x V logits; the fp32 matmul per chunk for grad_weight
+        chunk = 1 << math.ceil(math.log2(max(1, math.ceil(tokens / math.ceil(vocab / h)))))
+        kept_loss = 2.0 * h * tokens + (2.0 * vocab * h if full else 0.0)
+        loss_fwd = kept_loss + 6.0 * chunk * vocab + (4.0 * vocab * h if full else 0.0)
+        loss_bwd = kept_loss
+    else:
+        kept_loss = 0.0
+        loss_fwd = 0.0
+        loss_bwd = float(LOGIT_BYTES) * vocab * tokens
+    # the tied (or any trained) head's gradient waits for the embedding's at the end of backward
+    head_grad = 2.0 * vocab * h if (full and s.tied_embeddings and not flce) else 0.0
+    # stage_1_and_2.py setup_buckets: two reduce_bucket_size buffers (overlap_comm double buffer) of
+    # _gradient_reduction_buffer_dtype(), which is self.dtype, the dtype of the optimizer's first
+    # parameter: bf16 in DeepSpeed's bf16 mode, fp32 for the fp32 adapters under autocast (whatever
+    # the adapters' size: the buffers are allocated whole). q-z2-lora-s2048-m4 (calibration.md) measured
+    # 9.29 GiB besides parameters and states at its peak where 2-byte buckets predicted 7.31.
+    buckets = 2 * (4.0 if autocast else 2.0) * sizes.reduce_bucket if stage in (1, 2) else 0.0
+    gathered = _gathered_bytes(s, n, sizes, offload_param) if stage == 3 else 0.0
+
+    # ---- optimizer step transients (activations gone) -------------------------------------------------
+    if stage == 0:
+        step = (4.0 if autocast else 10.0) * t_all  # FP16_Optimizer.step: grads + fp32 copies + flat
+    elif stage < 3:
+        step = 0.0 if offload_opt else 8.0 * t_all / n  # grads partition + flat + fp32 (18P/N with states)
+    else:
+        big = max(gpu_groups) if gpu_groups else 0
+        step = (6.0 * big) if not offload_opt else 4.0 * big  # flat + fp32 grad / torch AdamW's sqrt temp
+
+    phases = {
+        "backward start": persistent + held + saved + loss_bwd + gathered,
+        "top layer backward": persistent + held + saved + kept_loss + recompute + mlp_bwd + buckets + head_grad
+        + gathered,
+        "optimizer step": persistent + step,  # step includes the gradients it consumes
+    }
+    if flce:
+        phases["forward end"] = persistent + held + saved + loss_fwd + gathered
+    phase = max(phases, key=phases.__getitem__)
+    peak = phases[phase]
+    categories = {"params": params, "grads": grads, "optimizer": optimizer, "buffers": buffers,
+                  "held grads": held if phase != "optimizer step" else 0.0}
+    if phase == "optimizer step":
+        categories["step"] = step
+    else:
+        categories["activations"] = saved + (recompute + mlp_bwd if phase == "top layer backward" else 0.0)
+        categories["loss"] = loss_bwd if phase == "backward start" else loss_fwd if phase == "forward end" else kept_loss
+        categories["gathered"] = gathered
+        if phase == "top layer backward":
+            categories["buckets"] = buckets
+            categories["head grad"] = head_grad
+    gpu = {k: v / GIB for k, v in categories.items() if v}
+    peak_gib = peak / GIB
+    need = peak_gib * (1 + ALLOC_MARGIN) + CUDA_CONTEXT_GIB
+
+    # ---- host ------------------------------------------------------------------------------------------
+    host, build_bytes = _host_bytes(s, c, hw, stage=stage, t_all=t_all, autocast=autocast,
+                                    offload_opt=offload_opt, offload_param=offload_param, groups=groups,
+                                    n_gpu_groups=len(gpu_groups), sizes=sizes)
+    host_rank = sum(host.values()) / GIB
+    host_build = build_bytes / GIB
+    host_node = max(host_rank, host_build) * hw.gpus_per_node
+    fits_gpu = need <= hw.gpu_mem_gib
+    fits_host = hw.host_mem_gib is None or host_node <= hw.host_mem_gib
+    step_s = _step_time_s(w, c, hw, p_all=p_all, t_all=t_all, fused_loss=flce, offload_opt=offload_opt,
+                          offload_param=offload_param, cpu_params=sum(groups) - sum(gpu_groups) if stage == 3
+                          else (t_all / n if offload_opt else 0.0))
+    tps = c.micro_batch * c.grad_accum * w.seq_len / step_s
+    return Prediction(
+        choice=c, liger=liger, fused_loss=flce, phase=phase, gpu=gpu,
+        persistent={"params": params / GIB, "grads": grads / GIB, "optimizer": optimizer / GIB},
+        peak_allocated_gib=peak_gib, gpu_need_gib=need, host={k: v / GIB for k, v in host.items()},
+        host_rank_gib=host_rank, host_build_rank_gib=host_build, host_node_gib=host_node, fits_gpu=fits_gpu, fits_host=fits_host,
+        step_time_s=step_s, tokens_per_s_per_gpu=tps)
+
+
+def _host_bytes(s: ModelShape, c: Choice, hw: Hardware, *, stage: int, t_all: int, autocast: bool,
+                offload_opt: bool, offload_param: bool, groups: list[int], n_gpu_groups: int,
+                sizes: ZeroSizes) -> tuple[dict[str, float], float]:
+    """Host RSS of one rank by category at its largest phase boundary, and the RSS while the model is
+    built (bytes)."""
+    n = hw.world
+    late = (HOST_BASELINE_CPU_GIB if hw.cpu_ranks else HOST_BASELINE_GIB) * GIB
+    early = (HOST_BASELINE_CPU_GIB if hw.cpu_ranks else HOST_EARLY_GIB) * GIB
+    if stage < 3:
+        # every rank builds the model in fp32 on the CPU (toolkit/runtime/model.py) before DeepSpeed moves it;
+        # that memory returns to the system before offloaded states are allocated: the larger counts
+        build = 4.0 * s.total_params
+        # Adapter autocast: build_model(frozen_bf16=True) casts every frozen parameter to bf16 before it
+        # returns, so from model_loaded on the rank holds 2 bytes per frozen parameter and 4 per adapter
+        # parameter; the fp32 storage is returned to the system (q-z2-lora-s2048-m4 in calibration.md:
+        # 2.31 GiB at model_loaded, its largest snapshot, against 1.32 + 0.92 = 2.24 here; the fp32
+        # count gave 3.16). The fp32 model existed inside build_model all the same: the build's RSS.
+        # Checked on the CPU with toolkit.runtime.model.build_model for Qwen2-0.5B + LoRA: VmRSS 0.39 -> 1.32
+        # GiB across the build with frozen_bf16, 2.24 without; VmHWM 2.74 GiB for both.
+        loaded = 2.0 * (s.total_params - t_all) + 4.0 * t_all if autocast else build
+        states = 0.0
+        if offload_opt:
+            part = t_all / n
+            states = (_pow2(4 * part) + _pow2(2 * part) + _pow2(4 * part)  # stage_1_and_2.py: pinned fp32
+                      + 8.0 * part + _pow2(2 * max(s.param_numels())))       # master, bf16 temp, fp32 grad;
+            if c.grad_accum > 1:                                            # Adam m, v; grad staging
+                states += _accumulated_grads_in_cpu(s, n)
+        model = {"process": early, "model (bf16 base, fp32 adapters)" if autocast else "model build (fp32)": loaded}
+        if early + loaded > late + states:
+            return model, early + build
+        return ({"process": late, "offloaded states": states} if states else {"process": late}), early + build
+    # ZeRO-3 builds inside zero.Init, on the GPU. The toolkit's random init copies one module's
+    # parameters to the CPU in fp32 at a time (toolkit/runtime/model.py _init_zero3_on_cpu), freed before the
+    # engine exists: not in the measured RSS of any snapshot (speed.json ZeRO-3 rows), left out.
+    out: dict[str, float] = {"process": late}
+    if offload_opt:
+        cpu = groups[n_gpu_groups:]
+        out["grad partitions (bf16, pinned)"] = _pow2(2.0 * t_all / n)  # grad_partitions_flat_buffer
+        out["optimizer (fp32 master, m, v)"] = 12.0 * sum(cpu)
+        out["fp32 grads (pinned)"] = sum(_pow2(4.0 * g) for g in cpu)
+    if offload_param:
+        # zero.Init pins each parameter's partition, then _create_fp16_partitions_with_defragmentation
+        # copies them into one pinned flat buffer; the freed blocks stay in the pinned cache
+        out["params (bf16, pinned)"] = _pow2(2.0 * s.total_params / n) + sum(
+            _pow2(2.0 * math.ceil(x / n)) for x in s.param_numels())
+    return out, 0.0
+
+
+def _accumulated_grads_in_cpu(s: ModelShape, n: int) -> float:
+    """stage_1_and_2.py buffer_to_accumulate_to_in_cpu: a pinned bf16 buffer of the whole parameter for
+    every parameter with elements in this rank's partition (rank 0: the first 1/N of the flat order)."""
+    budget = s.total_params / n
+    total, seen = 0.0, 0
+    for x in s.param_numels():
+        if seen >= budget:
+            break
+        total += _pow2(2.0 * x)
+        seen += x
+    return total
+
+
+def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int, fused_loss: bool,
+                 offload_opt: bool, offload_param: bool, cpu_params: float) -> float:
+    """Seconds per optimizer step on one rank: compute per micro-step at an MFU that grows with the
+    tokens per micro-step, ZeRO-3's per-micro-step cost, offload copies, and the CPU Adam step."""
+    s = w.shape
+    tokens = c.micro_batch * w.seq_len
+    attn = 12.0 * s.num_layers * s.hidden_size * w.seq_len
+    flops = 4.0 * p_all + 2.0 * t_all + attn  # toolkit/observe/metrics.py flops_per_token
+    if c.grad_ckpt:
+        flops += 2.0 * p_all + attn / 3  # one more forward
+    mfu = MFU_MAX * tokens / (tokens + MFU_HALF_TOKENS)  # fitted on runs with Liger's kernels and fused loss
+    if not fused_loss:
+        mfu /= LIGER_SPEEDUP
+    micro = flops * tokens / (mfu * GPU_PEAK_FLOPS)
+    if c.stage == 3:
+        micro += ZERO3_S_PER_GPARAM * p_all / 1e9
+    if offload_param:
+        # each rank copies its partition of every layer to the GPU in forward and again in backward
+        micro += (3 if c.grad_ckpt else 2) * 2.0 * p_all / hw.world / PCIE_BYTES_PER_S
+    step = c.grad_accum * micro
+    if offload_opt:
+        # every rank of a node shares the host's cores for DeepSpeedCPUAdam; the measured rate includes
+        # the gradient and parameter copies
+        step += cpu_params * hw.gpus_per_node / CPU_ADAM_PARAMS_PER_S
+    return step / MEMORY_SIZES_SPEED[c.stage] if c.zero_sizes == "memory" else step
+
+
+# -- candidates and the choice --------------------------------------------------------------------------
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def choices(w: Workload, hw: Hardware, *, stages: Iterable[int] = (0, 1, 2, 3),
+            offloads: Iterable[Offload] = OFFLOADS, micro_batches: Iterable[int] | None = None,
+            grad_ckpt: Iterable[bool] = (False, True), zero_sizes: Iterable[str] = ("speed", "memory")) -> list[Choice]:
+    """Every combination worth predicting. The global batch fixes micro x accumulation per rank."""
+    per_rank = per_rank_batch(w.global_batch, hw.world)
+    micros = [m for m in (micro_batches or divisors(per_rank)) if per_rank % m == 0]
+    out: list[Choice] = []
+    for stage in stages:
+        for off in offloads:
+            if (off == "optimizer" and stage == 0) or (off == "all" and stage != 3):
+                continue
+            for ratio in (RATIOS if (off == "optimizer" and stage == 3) else (1.0,)):
+                for m in micros:
+                    for ck in grad_ckpt:
+                        for zs in zero_sizes:
+                            out.append(Choice(stage, off, ratio, m, per_rank // m, ck, zs))
+    return out
+
+
+def per_rank_batch(global_batch: int, world: int) -> int:
+    if world < 1:
+        raise ConfigError(f"need at least one GPU, got {world}")
+    if global_batch < world or global_batch % world:
+        raise ConfigError(f"global batch {global_batch} does not split evenly over {world} ranks")
+    return global_batch // world
+
+
+def rank(predictions: Sequence[Prediction]) -> list[Prediction]:
+    """Fitting first, fastest first; among equals the smaller GPU need."""
+    return sorted(predictions, key=lambda p: (not p.fits, -p.tokens_per_s_per_gpu, p.gpu_need_gib))
+
+
+def plan(w: Workload, hw: Hardware, **limits: Any) -> list[Prediction]:
+    """Predict every choice and rank them; a choice that needs memory sizes only where the speed sizes
+    do not fit (the memory-lean sizes cost speed, DESIGN.md: chosen only when memory is tight)."""
+    if w.lora is not None:
+        check_lora_targets(w.shape, w.lora)
+    if w.shape.max_positions is not None and w.seq_len > w.shape.max_positions:
+        raise ConfigError(f"sequence length {w.seq_len} is above the model's {w.shape.max_positions} positions")
+    preds = [predict(w, c, hw) for c in choices(w, hw, **limits)]
+    speed_fits = {_key(p.choice) for p in preds if p.choice.zero_sizes == "speed" and p.fits}
+    kept = [p for p in preds if p.choice.zero_sizes == "speed"
+            or (p.fits and _key(p.choice) not in speed_fits)]
+    return rank(kept)
+
+
+# Predicted speeds closer than this are one speed in practice (the speed model is rough, and repeated
+# runs of one configuration spread 9%, bench/results/speed.md); among them the planner takes the one
+# with the most GPU headroom.
+SPEED_TIE = 0.05
+
+
+def best(ranked: Sequence[Prediction]) -> Prediction | None:
+    """The choice: the fastest that fits, or one within SPEED_TIE of it with a smaller GPU need."""
+    fitting = [p for p in ranked if p.fits]
+    if not fitting:
+        return None
+    top = max(p.tokens_per_s_per_gpu for p in fitting)
+    close = [p for p in fitting if p.tokens_per_s_per_gpu >= (1 - SPEED_TIE) * top]
+    # equal predictions for ZeRO-1 and ZeRO-2 (the same buffers here): take ZeRO-2, the measured one
+    return min(close, key=lambda p: (round(p.gpu_need_gib, 1), -p.tokens_per_s_per_gpu, p.choice.stage == 1))
+
+
+def _key(c: Choice) -> tuple[Any, ...]:
+    return (c.stage, c.offload, c.ratio, c.micro_batch, c.grad_ckpt)
+
+
+# -- the API other parts of the toolkit call ---------------------------------------------------------
+
+
+def choice_from_ds(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, grad_ckpt: bool,
+                   zero_sizes: str = "speed") -> Choice:
+    """The Choice a DeepSpeed dict (raw, "auto" allowed, or resolved) describes."""
+    from toolkit.config.ds_config import zero_stage
+
+    zero = ds.get("zero_optimization") or {}
+    stage = zero_stage(ds)
+    opt = (zero.get("offload_optimizer") or {}).get("device", "none")
+    par = (zero.get("offload_param") or {}).get("device", "none")
+    if "nvme" in (opt, par):
+        raise ConfigError("toolkit plan does not model NVMe offload")
+    offload: Offload = "all" if (par == "cpu" and stage == 3) else "optimizer" if opt == "cpu" and stage >= 1 else "none"
+    ratio = float((zero.get("offload_optimizer") or {}).get("ratio", 1.0)) if offload != "none" else 1.0
+    return Choice(stage, offload, ratio, micro_batch, grad_accum, grad_ckpt, zero_sizes)
+
+
+def fitting_micro_batches(model_config: Any, ds_config: dict[str, Any], world_size: int, seq_len: int,
+                          per_rank_batch: int, gpu_mem_gib: float, *, lora: Lora | bool | None = None,
+                          grad_ckpt: bool = False, liger: bool = True, attn: str = "sdpa",
+                          zero_sizes: str = "speed", fused_loss: str = "auto",
+                          gpus_per_node: int | None = None) -> list[int]:
+    """Micro-batch sizes (divisors of per_rank_batch = micro x grad_accum) predicted to fit in
+    gpu_mem_gib per GPU for this DeepSpeed config, largest first; [] when none does.
+
+    model_config: an HF config object (train.py's Plan.model_config) or a ModelShape. The stage,
+    offload and ratio come from ds_config; its bucket/live sizes follow zero_sizes, as "auto" does.
+    lora: a Lora (r, target modules), True for the defaults (r=8 on q_proj, v_proj), or None/False.
+    fused_loss: model.liger_fused_loss. Raises ConfigError for a model type without an activation model.
+    """
+    shape = model_config if isinstance(model_config, ModelShape) else _shape_of(model_config)
+    gpn = gpus_per_node or world_size
+    hw = Hardware(gpus_per_node=gpn, nodes=max(1, world_size // gpn), gpu_mem_gib=gpu_mem_gib)
+    adapters = Lora() if lora is True else (lora or None)
+    w = Workload(shape, seq_len, per_rank_batch * world_size, adapters, liger, attn, fused_loss)
+    out = []
+    for m in sorted(divisors(per_rank_batch), reverse=True):
+        c = choice_from_ds(ds_config, micro_batch=m, grad_accum=per_rank_batch // m, grad_ckpt=grad_ckpt,
+                           zero_sizes=zero_sizes)
+        if predict(w, c, hw).fits_gpu:
+            out.append(m)
+    return out
+
+
+def _shape_of(model_config: Any) -> ModelShape:
+    from toolkit.plan.shapes import shape_of_config
+
+    return shape_of_config(model_config)

@@ -1,0 +1,268 @@
+"""A model's shape, read on the meta device: every parameter's size in order, no weights, no GPU.
+
+`toolkit plan` needs the parameter list (ZeRO-3 sub-groups, persistent parameters, the largest
+gathered layer, LoRA targets) and the dimensions the activation formulas use. Building the model on
+the meta device is the truth for any Hugging Face causal LM, but importing transformers' modelling
+code costs about 5 s on the development machine, far above the 2 s `plan` may take. So:
+
+- presets: the meta-device read of every causal-LM preset is committed in `model_shapes.json`, with a
+  fingerprint of the preset's config; `tests/unit/test_planner.py` reads them on the meta device
+  again and asserts the file is current (as ds_configs/ is kept equal to `gen-config --all`);
+- local directories: read on the meta device once, then cached under $TOOLKIT_CACHE (default
+  ~/.cache/ds-toolkit/shapes), keyed by the config.json bytes and the transformers version.
+
+Nothing here imports torch or transformers at module level.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from toolkit.config.ds_config import ConfigError
+
+SHAPES_FILE = Path(__file__).with_name("model_shapes.json")
+SHAPE_VERSION = 1  # bump when ModelShape changes: cached and committed shapes are then read again
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs to know about a model, in parameter order (the order DeepSpeed sees)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tied_embeddings: bool
+    max_positions: int | None
+    prefix_params: tuple[tuple[str, int], ...]
+    """(name, numel) of the parameters before the first decoder layer (the input embedding)."""
+    layer_params: tuple[tuple[str, int], ...]
+    """(name inside the layer, numel) of one decoder layer; every layer has the same list."""
+    suffix_params: tuple[tuple[str, int], ...]
+    """(name, numel) after the last layer: the final norm, and the LM head when it is not tied."""
+    linears: tuple[tuple[str, int, int], ...]
+    """One decoder layer's nn.Linear modules: (name inside the layer, in_features, out_features)."""
+
+    @property
+    def layer_numel(self) -> int:
+        return sum(n for _, n in self.layer_params)
+
+    @property
+    def total_params(self) -> int:
+        return (sum(n for _, n in self.prefix_params) + self.num_layers * self.layer_numel
+                + sum(n for _, n in self.suffix_params))
+
+    @property
+    def embed_numel(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def param_numels(self) -> Iterator[int]:
+        """Every unique parameter's numel, in `model.parameters()` order."""
+        yield from (n for _, n in self.prefix_params)
+        for _ in range(self.num_layers):
+            yield from (n for _, n in self.layer_params)
+        yield from (n for _, n in self.suffix_params)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ModelShape:
+        d = dict(data)
+        for key in ("prefix_params", "layer_params", "suffix_params", "linears"):
+            d[key] = tuple(tuple(x) for x in d[key])
+        return cls(**d)
+
+
+# -- reading on the meta device (torch + transformers inside) ---------------------------------------
+
+_LAYER = re.compile(r"^(?P<stack>.+?)\.(?P<index>\d+)\.(?P<rest>.+)$")
+
+
+def read_shape(mc: Any) -> ModelShape:
+    """Build the causal LM described by the HF config `mc` on the meta device and read its parameters."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    try:
+        with torch.device("meta"), no_init_weights():
+            model = AutoModelForCausalLM.from_config(mc)
+    except ValueError as e:  # not a causal LM (BERT, ...)
+        raise ConfigError(f"toolkit plan needs a causal language model; {mc.model_type!r} is not one ({e})") from None
+    model.tie_weights()  # no_init_weights skips the tying that a real build does (toolkit/runtime/model.py ties too)
+    seen: set[int] = set()
+    params: list[tuple[str, int]] = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:  # tied: DeepSpeed and model.parameters() see it once
+            continue
+        seen.add(id(p))
+        params.append((name, p.numel()))
+    layers = int(_cfg(mc, "num_hidden_layers", "n_layer"))
+    stack, per_layer = _split_layers(params, layers)
+    first = next(i for i, (n, _) in enumerate(params) if n.startswith(f"{stack}.0."))
+    last = max(i for i, (n, _) in enumerate(params) if _LAYER.match(n) and n.startswith(f"{stack}."))
+    layer0 = model.get_submodule(f"{stack}.0")
+    linears = tuple((n, m.in_features, m.out_features) for n, m in layer0.named_modules()
+                    if isinstance(m, torch.nn.Linear))
+    hidden = int(_cfg(mc, "hidden_size", "n_embd"))
+    heads = int(_cfg(mc, "num_attention_heads", "n_head"))
+    return ModelShape(
+        model_type=str(mc.model_type),
+        vocab_size=int(mc.vocab_size),
+        hidden_size=hidden,
+        intermediate_size=int(_cfg(mc, "intermediate_size", "n_inner", default=None) or 4 * hidden),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(getattr(mc, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(mc, "head_dim", None) or hidden // heads),
+        tied_embeddings=bool(getattr(mc, "tie_word_embeddings", False)),
+        max_positions=_cfg(mc, "max_position_embeddings", "n_positions", default=None),
+        prefix_params=tuple(params[:first]),
+        layer_params=per_layer,
+        suffix_params=tuple(params[last + 1:]),
+        linears=linears,
+    )
+
+
+def _cfg(mc: Any, *names: str, default: Any = ...) -> Any:
+    for n in names:
+        v = getattr(mc, n, None)
+        if v is not None:
+            return v
+    if default is ...:
+        raise ConfigError(f"model config has none of {', '.join(names)}")
+    return default
+
+
+def _split_layers(params: list[tuple[str, int]], layers: int) -> tuple[str, tuple[tuple[str, int], ...]]:
+    """The ModuleList holding `layers` decoder layers, and one layer's parameter list (all equal)."""
+    stacks: dict[str, dict[int, list[tuple[str, int]]]] = {}
+    for name, n in params:
+        m = _LAYER.match(name)
+        if m:
+            stacks.setdefault(m["stack"], {}).setdefault(int(m["index"]), []).append((m["rest"], n))
+    for stack, by_index in stacks.items():
+        if sorted(by_index) == list(range(layers)):
+            first = tuple(by_index[0])
+            if any(tuple(v) != first for v in by_index.values()):
+                raise ConfigError("toolkit plan needs decoder layers that all have the same parameters")
+            return stack, first
+    raise ConfigError(f"cannot find the {layers} decoder layers in the model's parameter names")
+
+
+# -- where shapes come from -----------------------------------------------------------------------
+
+
+def preset_fingerprint(name: str) -> str:
+    from toolkit.config.models import PRESETS
+
+    return hashlib.sha256(json.dumps(PRESETS[name], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def committed_shapes() -> dict[str, Any]:
+    try:
+        return json.loads(SHAPES_FILE.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def preset_shape(name: str) -> ModelShape:
+    """A preset's shape: the committed meta-device read if it is current, else a fresh read."""
+    entry = committed_shapes().get(name)
+    if entry and entry.get("fingerprint") == preset_fingerprint(name) and entry.get("version") == SHAPE_VERSION:
+        return ModelShape.from_json(entry["shape"])
+    return read_shape(preset_config(name))
+
+
+def preset_config(name: str) -> Any:
+    from transformers import CONFIG_MAPPING
+
+    from toolkit.config.models import PRESETS, SPECIAL_IDS
+
+    spec = dict(PRESETS[name])
+    return CONFIG_MAPPING[spec.pop("model_type")](**spec, **SPECIAL_IDS)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TOOLKIT_CACHE") or Path.home() / ".cache" / "ds-toolkit") / "shapes"
+
+
+def dir_shape(path: Path) -> ModelShape:
+    """A local HF model directory's shape, cached after the first meta-device read."""
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"{path} has no config.json; is it a Hugging Face model directory?")
+    from importlib.metadata import version
+
+    key = hashlib.sha256(cfg_file.read_bytes() + version("transformers").encode()
+                         + str(SHAPE_VERSION).encode()).hexdigest()[:24]
+    cached = cache_dir() / f"{key}.json"
+    if cached.is_file():
+        try:
+            return ModelShape.from_json(json.loads(cached.read_text()))
+        except (ValueError, TypeError, KeyError):
+            pass  # an unreadable cache entry is read again below
+    from transformers import AutoConfig
+
+    shape = read_shape(AutoConfig.from_pretrained(path, local_files_only=True))
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(shape.to_json()))
+        tmp.replace(cached)
+    except OSError:
+        pass  # a read-only home only costs the next call the meta-device read
+    return shape
+
+
+def load_shape(model: str) -> ModelShape:
+    """`--model PRESET|DIR` -> its shape; one clear error for anything else."""
+    from toolkit.config.models import PRESETS
+
+    if model in PRESETS:
+        return preset_shape(model)
+    path = Path(model)
+    if path.is_dir():
+        return dir_shape(path)
+    raise ConfigError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a local model directory")
+
+
+_CONFIG_SHAPES: dict[str, ModelShape] = {}
+
+
+def shape_of_config(mc: Any) -> ModelShape:
+    """The shape of an HF config object already in memory (train.py's), read once per process."""
+    key = mc.to_json_string(use_diff=False) if hasattr(mc, "to_json_string") else repr(mc)
+    if key not in _CONFIG_SHAPES:
+        _CONFIG_SHAPES[key] = read_shape(mc)
+    return _CONFIG_SHAPES[key]
+
+
+def write_committed_shapes(names: list[str] | None = None) -> dict[str, Any]:
+    """Read every causal-LM preset on the meta device (python -m toolkit.plan.shapes rewrites the file)."""
+    from toolkit.config.models import PRESETS
+
+    out: dict[str, Any] = {}
+    for name in names or list(PRESETS):
+        if PRESETS[name]["model_type"] == "bert":
+            continue
+        out[name] = {"fingerprint": preset_fingerprint(name), "version": SHAPE_VERSION,
+                     "shape": read_shape(preset_config(name)).to_json()}
+    return out
+
+
+if __name__ == "__main__":
+    SHAPES_FILE.write_text(json.dumps(write_committed_shapes(), indent=1) + "\n")
+    print(f"wrote {SHAPES_FILE}")

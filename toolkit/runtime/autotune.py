@@ -1,0 +1,303 @@
+"""`train.micro_batch_size=auto`: the fastest micro-batch that fits the requested global batch.
+
+The planner (toolkit/plan/planner.py) names the micro-batches predicted to fit; short probe runs decide. Each
+probe is a child job of the same command (same ranks, same GPUs, its own rendezvous port) for a few
+optimizer steps, because an out-of-memory error inside the real job is not recoverable: the rank that
+fails leaves its peers waiting in a collective. Every rank polls its own child, and the ranks agree once a
+second over a CPU (gloo) group, so one child's failure stops the other children at once.
+
+The largest predicted-fitting micro-batch is probed first, then smaller ones while they are faster; the
+fastest that ran wins. The result is recorded in the run directory (`micro_batch.json`) and in a cache
+keyed by everything that changes it (~/.cache/toolkit/micro_batch.json), and reused from either.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from toolkit.config.ds_config import ConfigError, load_ds_config
+from toolkit.config.schema import Config
+from toolkit.launch import dist
+
+PROBE_STEPS = 4  # optimizer steps per probe; the median tokens/s of steps 2.. is its speed
+RECORD = "micro_batch.json"
+CACHE = Path(os.environ.get("TOOLKIT_CACHE", Path.home() / ".cache" / "toolkit")) / RECORD
+OOM_MARKS = ("OutOfMemoryError", "CUDA out of memory", "out of memory", "Cannot allocate memory")
+# Tests only: a child whose micro-batch is above this raises an out-of-memory error on its last rank
+# (CPU runs never run out of memory); see tests/dist/test_autotune.py.
+FAULT_ENV = "TOOLKIT_FAULT_OOM_ABOVE_MICRO"
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def key_of(cfg: Config, world: int, gpu: str) -> dict[str, Any]:
+    """Everything that changes the answer; a record made under another key is not reused."""
+    ds = load_ds_config(cfg.train.ds_config)
+    m, t = cfg.model, cfg.train
+    return {"model": m.name, "seq_len": cfg.data.seq_len, "packing": cfg.data.packing, "task": m.task,
+            "attn": m.attn_implementation, "grad_ckpt": m.gradient_checkpointing, "liger": m.liger,
+            "fused_loss": m.liger_fused_loss, "lora": cfg.lora.enabled and [cfg.lora.r, *cfg.lora.target_modules],
+            "precision": t.precision, "zero_sizes": t.zero_sizes, "compile": t.compile, "path": t.path, "world": world, "gpu": gpu,
+            "global_batch": t.global_batch_size, "ds": hashlib.sha256(json.dumps(ds, sort_keys=True).encode()).hexdigest()[:16],
+            "data": _data_identity(cfg.data.source), "versions": _versions()}
+
+
+def _data_identity(source: str) -> str:
+    """A data file pads batches to its longest rows: another file (or the same one changed) is another answer."""
+    f = Path(source)
+    if source == "synthetic" or not f.is_file():
+        return source
+    st = f.stat()
+    return f"{f.resolve()}:{st.st_size}:{int(st.st_mtime)}"
+
+
+def _versions() -> str:
+    from toolkit import __version__
+    from toolkit.runtime.checkpoint import versions
+
+    v = versions()
+    return f"toolkit {__version__}, torch {v['torch']}, deepspeed {v['deepspeed']}, liger {v['liger-kernel']}"
+
+
+def gpu_name_and_gib() -> tuple[str, float | None]:
+    """NVML, so the parent process creates no CUDA context on the GPU its probes will use."""
+    if dist.on_cpu():
+        return "cpu", None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(dist.local_rank())
+        name = pynvml.nvmlDeviceGetName(h)
+        return (name.decode() if isinstance(name, bytes) else name), pynvml.nvmlDeviceGetMemoryInfo(h).total / 2**30
+    except Exception:  # no NVML: probe every divisor
+        return "cuda", None
+
+
+def candidates(cfg: Config, world: int, per_rank: int, gpu_gib: float | None) -> list[int]:
+    """Largest first: the planner's predicted-fitting divisors, or every divisor when it cannot say."""
+    every = divisors(per_rank)
+    if gpu_gib is None:
+        return every
+    from toolkit.plan.planner import Lora, fitting_micro_batches
+    from toolkit.runtime.model import model_config
+
+    try:
+        fit = fitting_micro_batches(model_config(cfg), load_ds_config(cfg.train.ds_config), world, cfg.data.seq_len,
+                                    per_rank, gpu_gib, grad_ckpt=cfg.model.gradient_checkpointing,
+                                    liger=cfg.model.liger, attn=cfg.model.attn_implementation,
+                                    zero_sizes=cfg.train.zero_sizes, fused_loss=cfg.model.liger_fused_loss,
+                                    lora=Lora(cfg.lora.r, tuple(cfg.lora.target_modules)) if cfg.lora.enabled else None)
+    except Exception as e:  # a shape the planner refuses: the probes still find the answer
+        print(f"micro_batch_size=auto: no prediction ({type(e).__name__}: {e}); probing every divisor", flush=True)
+        return every
+    # one size above the prediction too: the planner keeps a margin, the probe is the judge
+    above = [d for d in every if fit and d > fit[0]][-1:]
+    return above + fit if fit else every[-1:]
+
+
+def resolve(cfg: Config, argv: list[str]) -> dict[str, Any]:
+    """All ranks, with the process group up. Sets cfg.train.micro_batch_size and grad_accum; returns the record."""
+    t = cfg.train
+    world = dist.world_size()
+    if t.global_batch_size < 1:
+        raise ConfigError("train.micro_batch_size=auto needs train.global_batch_size (sequences per optimizer "
+                          "step, all ranks together)")
+    if t.global_batch_size % world:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} does not split over {world} ranks")
+    per_rank = t.global_batch_size // world
+    gpu, gib = gpu_name_and_gib()
+    # Rank 0 decides from the smallest GPU of the job and tells everyone, so every rank runs the same probes
+    # in the same order (each rank asking NVML for itself could disagree: MIG, mixed nodes, a failed NVML).
+    import torch.distributed as tdist
+
+    group = tdist.new_group(backend="gloo")  # CPU agreement: NVML figures, then the probes' states
+    smallest = _all_min(gib, group)
+    key = key_of(cfg, world, gpu)
+    record, order, error = None, None, None
+    if dist.rank() == 0:
+        try:
+            record = _reuse(Path(t.run_dir), key, per_rank)
+            order = None if record else candidates(cfg, world, per_rank, smallest)
+        except Exception as e:  # raised on rank 0 alone, the others would wait in the broadcast below
+            error = f"micro_batch_size=auto: {type(e).__name__}: {e}"
+    record, order, error = dist.broadcast_object([record, order, error])
+    if error:
+        raise RuntimeError(error)
+    if record is None:
+        record = _search(cfg, argv, key, per_rank, order, group)
+    t.micro_batch_size = int(record["micro_batch"])
+    t.grad_accum = per_rank // t.micro_batch_size
+    return record
+
+
+def _all_min(gib: float | None, group: Any) -> float | None:
+    """The smallest GPU memory over the ranks (None when any rank cannot tell)."""
+    import torch
+    import torch.distributed as tdist
+
+    value = torch.tensor([-1.0 if gib is None else -gib], dtype=torch.float64)
+    tdist.all_reduce(value, op=tdist.ReduceOp.MAX, group=group)  # max of -gib: the smallest; -1 if unknown
+    return None if float(value) == -1.0 else -float(value)
+
+
+def _reuse(run_dir: Path, key: dict[str, Any], per_rank: int) -> dict[str, Any] | None:
+    for source in (run_dir / RECORD, CACHE):
+        try:
+            found = json.loads(source.read_text())
+        except (OSError, ValueError):
+            continue
+        for rec in found if isinstance(found, list) else [found]:
+            micro = rec.get("micro_batch") if isinstance(rec, dict) else None
+            # only a record this job can run: an edited or foreign one is ignored, never truncated
+            if rec.get("key") == key and isinstance(micro, int) and micro >= 1 and per_rank % micro == 0:
+                print(f"micro_batch_size=auto: {rec['micro_batch']} (recorded in {source})", flush=True)
+                return rec | {"reused_from": str(source)}
+    return None
+
+
+def _search(cfg: Config, argv: list[str], key: dict[str, Any], per_rank: int, order: list[int],
+            group: Any) -> dict[str, Any]:
+    root = dist.broadcast_object([tempfile.mkdtemp(prefix="toolkit-autotune-") if dist.rank() == 0 else None])[0]
+    Path(root).mkdir(parents=True, exist_ok=True)  # other nodes: the same path in their own temp directory
+    if dist.rank() == 0:
+        print(f"micro_batch_size=auto: probing {', '.join(map(str, order))} ({PROBE_STEPS} steps each, "
+              f"global batch {cfg.train.global_batch_size}) in {root}", flush=True)
+    probes: list[dict[str, Any]] = []
+    best: dict[str, Any] | None = None
+    for micro in order:
+        probe = _probe(cfg, argv, micro, per_rank // micro, Path(root) / f"micro{micro}", group)
+        probes.append(probe)
+        if dist.rank() == 0:
+            speed = f"{probe['tokens_per_s']:,.0f} tokens/s" if probe["fits"] else probe["outcome"]
+            print(f"  micro {micro} x accum {per_rank // micro}: {speed}", flush=True)
+        if not probe["fits"]:
+            if best:
+                break
+            continue
+        if best and probe["tokens_per_s"] <= best["tokens_per_s"]:
+            break  # smaller micro-batches only get slower from here
+        best = probe
+    if best is None:
+        shutil.rmtree(root, ignore_errors=True)
+        raise ConfigError(f"train.micro_batch_size=auto: no micro-batch of {order} fits (per-rank batch {per_rank}); "
+                          "use ZeRO-3, offload, model.gradient_checkpointing=true or a smaller global batch")
+    record = {"key": key, "micro_batch": best["micro_batch"], "grad_accum": per_rank // best["micro_batch"],
+              "probes": probes, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if dist.rank() == 0:
+        _remember(record)
+        print(f"micro_batch_size=auto: {record['micro_batch']} x accum {record['grad_accum']}", flush=True)
+    shutil.rmtree(root, ignore_errors=True)
+    return record
+
+
+def _remember(record: dict[str, Any]) -> None:
+    from toolkit.runtime.checkpoint import atomic_write
+
+    try:
+        CACHE.parent.mkdir(parents=True, exist_ok=True)
+        old = json.loads(CACHE.read_text()) if CACHE.is_file() else []
+        kept = [r for r in old if isinstance(r, dict) and r.get("key") != record["key"]][-50:]
+        atomic_write(CACHE, json.dumps([*kept, record], indent=1) + "\n")
+    except (OSError, ValueError) as e:  # a read-only home: the run directory still has it
+        print(f"micro_batch_size=auto: not cached ({e})", flush=True)
+
+
+def _probe(cfg: Config, argv: list[str], micro: int, accum: int, run_dir: Path, group: Any) -> dict[str, Any]:
+    """All ranks: one child per rank; the children form their own job on a port rank 0 found free."""
+    import torch
+    import torch.distributed as tdist
+
+    over = [f"train.micro_batch_size={micro}", f"train.grad_accum={accum}", f"train.max_steps={PROBE_STEPS}",
+            f"train.run_dir={run_dir}", "train.overwrite=true", "train.resume=null", "train.export=false",
+            "train.save_every=0", "train.stop_after=0", "train.log_every=1", "eval.generate=false",
+            "memory.every=1", "metrics.tensorboard=false", "train.warmup_steps=1",
+            "train.profile_steps=[]"]  # a profiler in a probe would slow the steps it times
+    port = dist.broadcast_object([_free_port() if dist.rank() == 0 else None])[0]
+    env = os.environ | {"MASTER_PORT": str(port), "TOOLKIT_AUTOTUNE_PROBE": "1"}
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    out = run_dir.parent / f"micro{micro}.rank{dist.rank()}.log"
+    with out.open("w") as log:
+        child = subprocess.Popen([sys.executable, "-u", str(Path(__file__).resolve().parents[1] / "train.py"), *argv, *over],
+                                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + cfg.train.collective_timeout_s + 600  # start-up, then PROBE_STEPS steps
+    outcome = "ok"
+    try:
+        while True:
+            time.sleep(1.0)
+            rc = child.poll()
+            late = rc is None and time.monotonic() > deadline
+            failed = rc not in (None, 0)
+            # [out of memory, other failure, timed out, running], OR-ed over the ranks. Out of memory
+            # anywhere wins: its peers then fail too (connection closed by peer), and that is not a
+            # reason to stop the search. A child the kernel's OOM killer took has no text: SIGKILL.
+            oom = _oom(out) or (failed and rc == -signal.SIGKILL)
+            state = torch.tensor([oom, failed and not oom, late, rc is None], dtype=torch.int64)
+            tdist.all_reduce(state, op=tdist.ReduceOp.MAX, group=group)
+            any_oom, any_failed, any_late, running = (bool(x) for x in state.tolist())
+            if any_oom or any_failed or any_late:  # stop every other child now, not at its collective timeout
+                outcome = "out of memory" if any_oom else "timed out" if any_late else "failed"
+                break
+            if not running:
+                break
+    finally:  # also when this loop raises (a peer parent gone): never leave a child holding the GPU
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+    if outcome == "failed":
+        tail = out.read_text()[-3000:] if child.returncode else ""
+        # every rank raises; the one whose child failed for a reason other than memory shows its log
+        raise RuntimeError(f"micro_batch_size=auto: the probe at micro {micro} failed (not out of memory); "
+                           f"rank {dist.rank()} log {out}" + (f":\n{tail}" if tail else ""))
+    result: dict[str, Any] = {"micro_batch": micro, "fits": outcome == "ok", "outcome": outcome}
+    if outcome == "ok" and dist.rank() == 0:
+        try:
+            result |= _measured(run_dir)
+        except (OSError, ValueError, KeyError) as e:  # rank 0 alone: report it, do not leave the others waiting
+            result |= {"fits": False, "outcome": f"no measurement ({type(e).__name__}: {e})"}
+    return dist.broadcast_object([result])[0]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def _oom(log: Path) -> bool:
+    text = log.read_text(errors="replace")[-20000:]
+    return any(m in text for m in OOM_MARKS)
+
+
+def _measured(run_dir: Path) -> dict[str, Any]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    tps = [r["tokens_per_s"] for r in lines if r["step"] > 1 and r.get("tokens_per_s")]
+    peaks = [json.loads(x).get("peak_allocated_gib") for x in (run_dir / "memory" / "rank0.jsonl").read_text().splitlines()]
+    peaks = [p for p in peaks if p is not None]
+    return {"tokens_per_s": statistics.median(tps) if tps else 0.0, "peak_allocated_gib": max(peaks) if peaks else None}
+
+
+def inject_fault_for_tests(micro: int) -> None:
+    """A probe child above FAULT_ENV's micro-batch fails like an OOM on its last rank (tests only)."""
+    limit = os.environ.get(FAULT_ENV)
+    if limit and os.environ.get("TOOLKIT_AUTOTUNE_PROBE") and micro > int(limit) \
+            and dist.rank() == dist.world_size() - 1:
+        import torch
+
+        raise torch.OutOfMemoryError(f"{FAULT_ENV}={limit}: injected at micro {micro}")
+

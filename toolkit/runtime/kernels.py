@@ -1,0 +1,57 @@
+"""Liger kernels (fused linear cross-entropy, RMSNorm, SwiGLU, RoPE) on CUDA, on by default.
+
+Peers expose them as a flag (HF `use_liger_kernel`, Axolotl, LLaMA-Factory); the toolkit turns them on
+for every model family Liger supports, on both paths and under LoRA, and says what it did. They are
+applied to the built instance, after LoRA and before `deepspeed.initialize`, the way HF Trainer does
+(`transformers.integrations.liger`): that creates no parameters, so ZeRO-3's hooks see the patched
+modules.
+
+Under ZeRO-3 the fused loss reads `lm_head.weight` outside the head's forward. Undeclared, ZeRO-3 answers
+that with a blocking all-gather of the (often tied, vocabulary-sized) matrix outside its prefetcher: a
+bare loop measured 22.2k vs 29.0k tokens/s per GPU with it (../shared/anchors.md). So the toolkit
+declares the read (`register_external_parameter` on the model), and ZeRO-3 fetches the matrix with the
+model's forward. Measured on 2 H200s, llama-1b seq 2048 (bench/results/zero3_tuning.md): ZeRO-3 went
+from 45.9k (micro 8, no fused loss) to 63.4k tokens/s per GPU (micro 16 with it), 0.97x ZeRO-2, with the
+same losses. `model.liger_fused_loss=false` turns it off.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from toolkit.plan.liger import LigerChoice, choose
+
+
+def supported_model_types() -> frozenset[str] | None:
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except Exception:  # ImportError, or triton failing to load its driver
+        return None
+    return frozenset(MODEL_TYPE_TO_APPLY_LIGER_FN)
+
+
+def choice_for(cfg: Any, model_type: str, stage: int) -> LigerChoice:
+    import torch
+
+    from toolkit.launch import dist
+
+    cuda = torch.cuda.is_available() and not dist.on_cpu()
+    return choose(cfg.model.liger, cuda=cuda, model_type=model_type, task=cfg.model.task, stage=stage,
+                  supported=supported_model_types() if cuda else None, fused_loss=cfg.model.liger_fused_loss)
+
+
+def apply(model: Any, choice: LigerChoice) -> None:
+    """Patch the instance (the PEFT base model under LoRA, as HF's integration does)."""
+    if not choice.enabled:
+        return
+    from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    _apply_liger_kernel_to_instance(model=base, **choice.kwargs)
+    if choice.external_head:
+        import deepspeed
+
+        # The fused loss reads the head's weight in the model's forward, not the head's; DeepSpeed's
+        # documented API for such a read (partition_parameters.py register_external_parameter) makes
+        # ZeRO-3 fetch it with the model's parameters instead of a blocking gather on first touch.
+        deepspeed.zero.register_external_parameter(base, base.get_output_embeddings().weight)

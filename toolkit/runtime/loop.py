@@ -1,0 +1,530 @@
+"""The two training paths behind toolkit/train.py: HF Trainer and a raw deepspeed.initialize loop.
+
+Shared by both: the resolved DeepSpeed dict, the model (built after the DeepSpeed config is alive,
+so ZeRO-3 partitions it at construction), the batch order, the token-count loss normalization,
+the warmup+cosine schedule (transformers' own function), metrics, memory snapshots and export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from toolkit.config.ds_config import ConfigError, zero_stage
+from toolkit.launch import dist
+from toolkit.observe import breakdown, console
+from toolkit.observe.memory import MemoryCallback, MemoryMonitor
+from toolkit.observe.metrics import (
+    MetricsLogger,
+    TokenCounter,
+    closing_summary,
+    count_params,
+    flops_per_token,
+    peak_flops_per_gpu,
+)
+from toolkit.observe.profiling import StepProfiler
+from toolkit.runtime import autotune, kernels, resume
+from toolkit.runtime.checkpoint import (
+    DEFAULT_RUN_DIR,
+    atomic_write,
+    claim_run_dir,
+    clear_stale,
+    export_model,
+    mark_complete,
+    save_deepspeed_checkpoint,
+    write_run_files,
+    write_status,
+)
+from toolkit.runtime.data import (
+    IGNORE_INDEX,
+    Collator,
+    EpochOrder,
+    ListDataset,
+    ShardedBatches,
+    build_rows,
+    even_rows,
+    steps_per_epoch,
+)
+from toolkit.runtime.guards import NonFiniteError, NonFiniteGuard
+from toolkit.runtime.model import (
+    build_model,
+    build_tokenizer,
+    check_first_loss,
+    check_zero3_leaves,
+    hidden_size,
+    is_preset,
+)
+from toolkit.runtime.preempt import Preemption
+
+if TYPE_CHECKING:
+    from toolkit.runtime.spec import Plan
+
+
+def run(p: Plan) -> int:
+    cfg = p.cfg
+    rank = dist.rank()
+    liger = kernels.choice_for(cfg, p.model_config.model_type, zero_stage(p.ds))
+    refused = _claim_run_dir(p)
+    if refused:
+        if rank == 0:
+            print(f"error: {refused}", file=sys.stderr, flush=True)
+        return 1
+    if rank == 0:
+        print(liger.describe(), flush=True)
+        write_run_files(p.run_dir, cfg, p.ds, {"world_size": p.world_size, "precision": p.precision,
+                                               "adapter_autocast": p.adapter_autocast, "path": cfg.train.path,
+                                               "liger": liger.kwargs, "liger_note": liger.describe()})
+        write_status(p.run_dir, "running")
+        note = breakdown.copy_plan(cfg.train.plan, p.run_dir)
+        if note:
+            print(note, flush=True)
+        if p.resume_from:
+            note = resume.set_aside_newer(p.resume_from, cfg.train.path)
+            if note:
+                print(note, flush=True)
+        if p.autotune:  # train.micro_batch_size=auto: the probes and the choice, reused by a later run
+            atomic_write(p.run_dir / autotune.RECORD, json.dumps(p.autotune, indent=1) + "\n")
+    dist.barrier()
+    with console.rank_log(p.run_dir, rank):
+        return _run(p, liger)
+
+
+def _claim_run_dir(p: Plan) -> str | None:
+    """Rank 0 decides (nothing is written yet), every rank learns the outcome: the refusal, or None."""
+    outcome: list[str | None] = [None, None]  # [note, error]
+    if dist.rank() == 0:
+        t = p.cfg.train
+        try:
+            outcome[0] = claim_run_dir(p.run_dir, resume=bool(t.resume), overwrite=t.overwrite,
+                                       default=Path(t.run_dir) == Path(DEFAULT_RUN_DIR))
+        except ConfigError as e:
+            outcome[1] = str(e)
+    note, error = dist.broadcast_object(outcome)
+    if note and dist.rank() == 0:
+        print(note, flush=True)
+    return error
+
+
+def _run(p: Plan, liger: Any) -> int:
+    cfg = p.cfg
+    rank = dist.rank()
+    # Python/NumPy/torch RNGs: dropout and PEFT's LoRA init draw from them. The HF Trainer seeds on
+    # its own; the raw loop relied on this call, which was missing.
+    dist.seed_all(cfg.train.seed)
+    mem = MemoryMonitor(p.run_dir, rank, p.world_size, dist.local_rank(), every=cfg.memory.every,
+                        spread_warn_gib=cfg.memory.spread_warn_gib, tensorboard=cfg.metrics.tensorboard)
+    tokenizer = build_tokenizer(cfg)
+    pad_id = tokenizer.pad_token_id if tokenizer is not None else p.model_config.pad_token_id or 0
+    rows = build_rows(cfg, p.model_config.vocab_size, pad_id, tokenizer)
+    rows = even_rows(rows, cfg.train.micro_batch_size * cfg.train.grad_accum, p.world_size)
+    if cfg.train.max_steps == 0:  # one epoch of the data actually loaded
+        p.total_steps = steps_per_epoch(len(rows), cfg, p.world_size)
+
+    autotune.inject_fault_for_tests(cfg.train.micro_batch_size)
+    keep_alive = _deepspeed_config_alive(p)  # must exist before the model under ZeRO-3
+    model = build_model(cfg, p.model_config, frozen_bf16=p.adapter_autocast)
+    kernels.apply(model, liger)
+    metrics = _metrics_logger(p, model)
+    mem.phase_boundary("model_loaded", 0)
+    collator = Collator(pad_id=pad_id, task=cfg.model.task, drop_full_mask=True)
+    order = EpochOrder(len(rows), cfg.train.seed, cfg.data.shuffle)
+    state = {"phase": "engine_ready", "step": 0, "preempt": Preemption(), "preempted": False,
+             # the loss on this batch is recorded at every save and checked after every resume
+             "fixed_batch": resume.fixed_batch(rows, Collator(pad_id=pad_id, task=cfg.model.task)),
+             "profiler": StepProfiler(p.run_dir, rank, list(cfg.train.profile_steps))}
+    metrics.engine_starting(f"ZeRO-{zero_stage(p.ds)}, {cfg.train.path} path, {p.world_size} ranks")
+    try:
+        with mem.oom_guard(lambda: (state["phase"], state["step"])):
+            if cfg.train.path == "trainer":
+                engine, step, stopped = _run_trainer(p, keep_alive, model, ListDataset(rows), collator, order,
+                                                     metrics, mem, state)
+            else:
+                engine, step, stopped = _run_raw(p, model, ListDataset(rows), collator, order, metrics, mem,
+                                                 state)
+            state["profiler"].close(step)
+            state["phase"] = "final"
+            _finish(p, engine, tokenizer, rows, pad_id, stopped)
+            if cfg.train.path == "raw":  # the Trainer path's final snapshot comes from MemoryCallback
+                mem.phase_boundary("final", step)
+            breakdown.finish(p.run_dir, rank, mem.run_peaks)
+    except BaseException as e:
+        # rank 0 writes what it saw; a peer that died shows up here as a collective error
+        write_status(p.run_dir, "failed", error=f"{type(e).__name__}: {e}"[:2000], phase=state["phase"],
+                     step=state["step"])
+        raise
+    finally:
+        with contextlib.suppress(Exception):  # a failed run keeps the window it recorded (no-op when closed)
+            state["profiler"].close(state["step"])
+        metrics.close()
+        mem.close()
+        state["preempt"].close()
+    write_status(p.run_dir, "preempted" if state["preempted"] else "stopped" if stopped else "completed",
+                 steps=step)
+    if rank == 0:
+        print(closing_summary(metrics.history, p.run_dir, step, p.total_steps, mem.rank_peaks,
+                              cfg.metrics.tensorboard,
+                              "SIGTERM: preempted, checkpoint written" if state["preempted"] else "train.stop_after"),
+              flush=True)
+    return 0
+
+
+def _metrics_logger(p: Plan, model: Any) -> MetricsLogger:
+    """MFU needs FLOPs per token (counted on the built model: ZeRO-3 shards report their full size)
+    and the GPU's peak, known for bf16/fp16 on the GPUs in metrics.GPU_PEAK_TFLOPS or from
+    metrics.peak_tflops; otherwise the lines carry mfu=null."""
+    total, trainable = count_params(model)
+    mc = p.model_config
+    layers = int(getattr(mc, "num_hidden_layers", None) or mc.n_layer)
+    fpt = flops_per_token(total, trainable, layers, hidden_size(mc), p.cfg.data.seq_len)
+    name = None if dist.on_cpu() else torch.cuda.get_device_name(dist.local_rank())
+    peak = peak_flops_per_gpu(name, p.precision, p.cfg.metrics.peak_tflops)
+    return MetricsLogger(p.run_dir, p.total_steps, TokenCounter(), flops_per_token=fpt,
+                         peak_flops=None if peak is None else peak * p.world_size,
+                         tensorboard=p.cfg.metrics.tensorboard)
+
+
+def _deepspeed_config_alive(p: Plan) -> Any:
+    """Trainer path: TrainingArguments owns an HfTrainerDeepSpeedConfig; raw path: HfDeepSpeedConfig.
+
+    transformers consults a weak reference to it when building a model, so the object must stay
+    referenced until the engine exists; otherwise ZeRO-3 silently builds the full model per rank.
+    """
+    if p.cfg.train.path == "trainer":
+        return _training_args(p)
+    from transformers.integrations import HfDeepSpeedConfig
+
+    return HfDeepSpeedConfig(p.ds)
+
+
+def _training_args(p: Plan) -> Any:
+    from transformers import TrainingArguments
+
+    t = p.cfg.train
+    save_steps = t.save_every or t.stop_after or 0
+    return TrainingArguments(
+        output_dir=str(p.run_dir / "checkpoints"),
+        per_device_train_batch_size=t.micro_batch_size,
+        gradient_accumulation_steps=t.grad_accum,
+        learning_rate=t.lr, weight_decay=t.weight_decay, adam_beta1=t.betas[0], adam_beta2=t.betas[1],
+        adam_epsilon=t.eps, max_grad_norm=t.grad_clip,
+        lr_scheduler_type="cosine", warmup_steps=t.warmup_steps, max_steps=p.total_steps,
+        logging_steps=t.log_every, logging_first_step=True,  # the first-loss check reads step 1
+        logging_nan_inf_filter=False,  # HF would log the last finite loss in place of a NaN
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        save_total_limit=t.keep_checkpoints or None,
+        # under adapter autocast DeepSpeed's engine autocasts; Trainer bf16 would re-enable bf16 mode
+        bf16=p.precision == "bf16" and not p.adapter_autocast, fp16=p.precision == "fp16",
+        seed=t.seed, data_seed=t.seed, report_to=[], disable_tqdm=True, dataloader_drop_last=True,
+        remove_unused_columns=False, deepspeed=p.ds, use_cpu=dist.on_cpu(), ddp_timeout=t.collective_timeout_s,
+        torch_compile=t.compile == "torch",  # accelerate then calls DeepSpeed's engine.compile(), as raw does
+        # with torch_compile the Trainer turns TF32 on globally; the raw path leaves PyTorch's default
+        tf32=False if t.compile == "torch" else None,
+        **{f"dataloader_{k}": v for k, v in loader_kwargs().items()},
+        # accelerate copies batches with non_blocking=False by default: a wait per copy
+        accelerator_config={"non_blocking": bool(loader_kwargs().get("pin_memory"))},
+    )
+
+
+def _say_compiled(engine: Any) -> None:
+    """train.compile=torch: say what the engine reports (accelerate compiles on the Trainer path)."""
+    if not getattr(engine, "is_compiled", False):
+        raise RuntimeError("train.compile=torch: the DeepSpeed engine is not compiled (DeepSpeed >= 0.14.4 "
+                           "and accelerate's torch_compile are needed)")
+    if dist.rank() == 0:
+        print("torch.compile: the engine is compiled (inductor); the first steps include compiling", flush=True)
+
+
+def _first_step(p: Plan, step: int, loss: float, mem: MemoryMonitor) -> None:
+    mem.phase_boundary("first_step", step)
+    first_loss_check(p, loss)
+
+
+def leaf_check(model: Any) -> None:
+    """After the engine exists (DeepSpeed marks ZeRO-3 leaf modules during initialize), before step 1."""
+    msg = check_zero3_leaves(model)
+    if msg:
+        raise RuntimeError(msg)
+
+
+def first_loss_check(p: Plan, loss: float) -> None:
+    msg = check_first_loss(loss, p.model_config.vocab_size, p.cfg.model.task, not is_preset(p.cfg.model.name))
+    if msg:
+        raise RuntimeError(msg)
+
+
+# ----------------------------------------------------------------------------- HF Trainer path
+
+
+def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator: Collator,
+                 order: EpochOrder, metrics: MetricsLogger, mem: MemoryMonitor,
+                 state: dict[str, Any]) -> tuple[Any, int, bool]:
+    from transformers import PrinterCallback, Trainer, TrainerCallback
+
+    t = p.cfg.train
+    counter = metrics.counter
+    global_batch = t.micro_batch_size * t.grad_accum * p.world_size
+    universal: str | None = None
+
+    class ToolkitTrainer(Trainer):
+        def _get_train_sampler(self, train_dataset: Any = None) -> EpochOrder:
+            return order  # the raw loop deals the same order to the same ranks
+
+        def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Any:
+            counter.add(inputs)  # on the device, no sync: collation runs in loader workers
+            return super().training_step(model, inputs, num_items_in_batch)
+
+        # Under DeepSpeed, accelerate's clip_grad_norm_ returns the engine's norm as a float (.item()),
+        # and the Trainer reads it that way again: a GPU->host wait every optimizer step, which keeps
+        # the host from queueing the next step's kernels (it cost Qwen2-0.5B ZeRO-2 7% on 2 H200s).
+        # DeepSpeed has clipped already; the norm stays a device tensor, read on log steps only (the
+        # Trainer's log converts tensors). Both methods exist in transformers 5.x; where they do not,
+        # these overrides are never called and the Trainer behaves as before.
+        def _clip_grad_norm(self, model: Any) -> Any:
+            if self.is_deepspeed_enabled:
+                return self.model_wrapped.get_global_grad_norm()
+            return super()._clip_grad_norm(model)
+
+        def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+            if self.is_deepspeed_enabled:  # the engine's norm, clipped or not (max_grad_norm=0 skips the above)
+                return self.model_wrapped.get_global_grad_norm()
+            return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    class Hooks(TrainerCallback):
+        def on_train_begin(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
+            leaf_check(trainer.model)  # the Trainer has built the engine by now
+            if t.compile == "torch":
+                _say_compiled(trainer.model_wrapped)
+            if p.resume_from:  # the Trainer has loaded the checkpoint by now
+                resume.verify(trainer.model_wrapped, state["fixed_batch"], p.resume_from, p.run_dir, p.precision,
+                              p.world_size, t.grad_accum, universal)
+            state["phase"] = "train"
+            metrics.start(st.global_step)
+            state["profiler"].step_done(st.global_step)  # a window that includes the first step opens here
+
+        def on_step_end(self, args: Any, st: Any, control: Any, **kw: Any) -> Any:
+            state["step"] = st.global_step
+            state["profiler"].step_done(st.global_step)
+            if not state.get("breakdown"):  # after this process's first optimizer step: states exist
+                state["breakdown"] = breakdown.record(p.run_dir, dist.rank(), trainer.model_wrapped, st.global_step)
+            if t.stop_after and st.global_step >= t.stop_after:
+                control.should_save = True
+                control.should_training_stop = True
+            elif (st.global_step % t.log_every == 0 and st.global_step < st.max_steps
+                  and state["preempt"].agreed()):  # SIGTERM: stop here, with a checkpoint
+                control.should_save = True
+                control.should_training_stop = True
+                state["preempted"] = True
+            if control.should_save:  # the Trainer saves right after this hook, into checkpoint-<step>
+                clear_stale(Path(args.output_dir) / f"checkpoint-{st.global_step}")
+            return control
+
+        def on_save(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
+            # Called on every rank once the Trainer's save returned; DeepSpeed's save ends with a
+            # barrier, so every rank's shard is on disk. Resume only trusts marked checkpoints.
+            record = resume.save_record(trainer.model_wrapped, state["fixed_batch"], p.world_size, global_batch)
+            if dist.rank() == 0:
+                mark_complete(Path(args.output_dir) / f"checkpoint-{st.global_step}", st.global_step, record)
+
+        def on_log(self, args: Any, st: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
+            if not logs or "loss" not in logs:
+                return
+            metrics.log(st.global_step, float(logs["loss"]), float(logs.get("learning_rate", 0.0)),
+                        logs.get("grad_norm"))
+            norm = logs.get("grad_norm")
+            if not math.isfinite(float(logs["loss"])) or (
+                    p.precision != "fp16" and norm is not None and not math.isfinite(float(norm))):
+                # the loss and the norm are global here, so every rank stops at this log step
+                raise NonFiniteError(f"rank {dist.rank()}: loss or gradient norm is NaN/Inf in the "
+                                     f"{t.log_every} step(s) up to step {st.global_step} (Trainer path; "
+                                     "train.log_every=1 names the exact step); lower train.lr or check the data")
+            if st.global_step == 1:  # memory's first_step snapshot comes from MemoryCallback
+                first_loss_check(p, float(logs["loss"]))
+
+    trainer = ToolkitTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
+                             callbacks=[Hooks(), MemoryCallback(mem)])
+    # Our progress bar, metrics.jsonl and TensorBoard files replace its dict prints; report_to=[] stays,
+    # so both paths write the same tags through MetricsLogger instead of HF's TensorBoardCallback.
+    trainer.remove_callback(PrinterCallback)
+    if p.cfg.model.task == "seq_cls":
+        # The Trainer sees **kwargs on forward and assumes the model normalizes by num_items_in_batch,
+        # then multiplies the (plain mean) classification loss by the world size: loss and gradients
+        # come out world_size x too large. Declaring the truth restores mean / grad_accum.
+        trainer.model_accepts_loss_kwargs = False
+    # run_plan found the newest *complete* checkpoint (HF's get_last_checkpoint takes partial ones too);
+    # on another rank count it becomes a universal checkpoint, which the DeepSpeed dict says to load.
+    universal = resume.prepare(p.reshard, t.collective_timeout_s)
+    trainer.train(resume_from_checkpoint=str(p.resume_from.dir) if p.resume_from else None)
+    metrics.close()  # the bar ends before export and the summary print
+    step = trainer.state.global_step
+    stopped = bool(t.stop_after and step >= t.stop_after and step < p.total_steps) or state["preempted"]
+    return trainer.model_wrapped, step, stopped
+
+
+# ----------------------------------------------------------------------------- raw loop
+
+
+def _lr_schedule(p: Plan) -> Any:
+    from transformers import get_cosine_schedule_with_warmup
+
+    total, warmup = p.total_steps, p.cfg.train.warmup_steps
+    return lambda optimizer: get_cosine_schedule_with_warmup(optimizer, warmup, total)
+
+
+def _micro_batches(loader: torch.utils.data.DataLoader, sampler: ShardedBatches, epoch: int) -> Iterator[Any]:
+    while True:
+        sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: Collator, order: EpochOrder,
+             metrics: MetricsLogger, mem: MemoryMonitor, state: dict[str, Any]) -> tuple[Any, int, bool]:
+    import deepspeed
+
+    t = p.cfg.train
+    world, rank = p.world_size, dist.rank()
+    params = [q for q in model.parameters() if q.requires_grad]
+    universal = resume.prepare(p.reshard, t.collective_timeout_s)  # another rank count: convert first
+    engine, _, _, scheduler = deepspeed.initialize(model=model, model_parameters=params, config=p.ds,
+                                                   lr_scheduler=_lr_schedule(p))
+    leaf_check(engine.module)
+    if t.compile == "torch":
+        engine.compile()  # nn.Module.compile on the wrapped model (inductor); DeepSpeed's ZeRO hooks are compiler-disabled
+        _say_compiled(engine)
+    ckpt_dir = p.run_dir / "checkpoints"
+    global_batch = t.micro_batch_size * t.grad_accum * world
+    step = 0
+    if p.resume_from:
+        ck = p.resume_from
+        path, client = engine.load_checkpoint(str(ck.tag_dir.parent), tag=universal or ck.tag_dir.name)
+        if path is None:
+            raise FileNotFoundError(f"train.resume={t.resume}: DeepSpeed could not load {ck.tag_dir}")
+        step = int(client["step"])
+        resume.verify(engine, state["fixed_batch"], ck, p.run_dir, p.precision, world, t.grad_accum, universal)
+    mem.phase_boundary("engine_ready", step)
+
+    sampler = ShardedBatches(order, t.micro_batch_size, rank, world)
+    per_epoch = len(sampler)  # micro-batches per rank per epoch, a multiple of grad_accum
+    consumed = step * t.grad_accum
+    sampler.skip = consumed % per_epoch
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collator, **loader_kwargs())
+    stream = _micro_batches(loader, sampler, consumed // per_epoch)
+    causal = p.cfg.model.task == "causal_lm"
+    device = dist.device()
+    counter = metrics.counter
+    metrics.start(step)
+    state["phase"] = "train"
+    total = p.total_steps
+    last = min(total, t.stop_after) if t.stop_after else total
+    guard = NonFiniteGuard(device, rank, p.precision == "fp16", t.max_skipped_steps)
+    engine.train()
+    state["profiler"].step_done(step)  # a window that includes step + 1 (1, or the resumed step + 1) opens here
+    # Nothing in this loop waits for the GPU except on log steps: the label count is reduced on the
+    # device, the loss accumulates there, and host values (loss, grad norm) are read only to log.
+    while step < last:
+        batches = [next(stream) for _ in range(t.grad_accum)]
+        samples = [i for _ in batches for i in sampler.drawn.popleft()]
+        for b in batches:
+            counter.add(b)  # host tensors: free
+        n_items = _label_count(batches, device) if causal else None
+        acc = torch.zeros((), device=device)
+        for b in batches:
+            b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
+            if causal:
+                # Token-level mean over the whole accumulation window and all ranks, the same
+                # normalization the HF Trainer uses (model returns sum/n_items; DeepSpeed then
+                # averages over ranks, hence x world; no extra 1/grad_accum).
+                loss = engine(**b, num_items_in_batch=n_items).loss * world
+                engine.backward(loss, scale_wrt_gas=False)
+                acc += loss.detach()
+            else:
+                loss = engine(**b).loss
+                engine.backward(loss)
+                acc += loss.detach() / t.grad_accum
+            engine.step()
+        step += 1
+        state["step"] = step
+        grad_norm = engine.get_global_grad_norm()  # often a device tensor: read on log steps only
+        guard.observe(step, acc, grad_norm, samples, engine.skipped_steps)
+        logged = step % t.log_every == 0 or step == last or step == 1
+        if logged:
+            rec = metrics.log(step, float(acc), scheduler.get_last_lr()[0],
+                              None if grad_norm is None else float(grad_norm), loss_scale=1 / world)
+            guard.check()
+            if step == 1:
+                _first_step(p, step, rec["loss"], mem)
+        if not state.get("breakdown"):  # after this process's first optimizer step: states exist
+            state["breakdown"] = breakdown.record(p.run_dir, rank, engine, step)
+        if step > 1:
+            mem.maybe_step(step)
+        saving = bool((t.save_every and step % t.save_every == 0) or (t.stop_after and step == last and step < total))
+        preempted = logged and step < last and state["preempt"].agreed()  # SIGTERM: stop here, with a checkpoint
+        if saving or preempted:
+            save_deepspeed_checkpoint(engine, ckpt_dir, step, t.keep_checkpoints,
+                                      lambda: resume.save_record(engine, state["fixed_batch"], world, global_batch))
+        if preempted:
+            state["preempted"] = True
+            break
+        state["profiler"].step_done(step)
+    metrics.close()  # the bar ends before export and the summary print
+    return engine, step, step < total
+
+
+def loader_kwargs() -> dict[str, Any]:
+    """Batches prepared ahead of the step: a collating worker and pinned memory on GPUs. On CPU the
+    ranks already share the cores, and a worker per rank would only compete with them."""
+    if dist.on_cpu():
+        return {}
+    return {"num_workers": 2, "pin_memory": True, "prefetch_factor": 4, "persistent_workers": True}
+
+
+def _label_count(batches: list[dict[str, torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """Predicted tokens in the accumulation window on all ranks (labels shift by one), summed on the
+    device: the forward waits for it on the stream, the host does not."""
+    local = sum((b["labels"][..., 1:] != IGNORE_INDEX).sum() for b in batches)
+    return dist.all_reduce_tensor(torch.as_tensor(local, dtype=torch.int64).to(device, non_blocking=True))
+
+
+# ----------------------------------------------------------------------------- end of run
+
+
+def _finish(p: Plan, engine: Any, tokenizer: Any, rows: list[dict[str, Any]], pad_id: int, stopped: bool) -> None:
+    cfg = p.cfg
+    if cfg.train.save_probe:
+        _save_probe(p, engine, rows, pad_id)
+    if stopped:
+        return
+    if cfg.eval.generate:
+        from toolkit.runtime.generate import run_eval_generation
+
+        # Every rank calls it: under ZeRO-3 each forward is a collective, like the export below.
+        run_eval_generation(p, engine, tokenizer, rows)
+    if not cfg.train.export:
+        return
+    out = p.run_dir / ("adapter" if cfg.lora.enabled else "export")
+    t0 = time.perf_counter()
+    export_model(engine, out, tokenizer)
+    if dist.rank() == 0:
+        print(f"exported {out} in {time.perf_counter() - t0:.1f}s", flush=True)
+
+
+@torch.no_grad()
+def _save_probe(p: Plan, engine: Any, rows: list[dict[str, Any]], pad_id: int) -> None:
+    """Logits of the trained engine on two fixed samples, to compare with the exported weights."""
+    collate = Collator(pad_id=pad_id, task=p.cfg.model.task)
+    batch = collate(rows[:2])
+    engine.eval()
+    out = engine(input_ids=batch["input_ids"].to(dist.device()), attention_mask=batch["attention_mask"].to(dist.device()))
+    if dist.rank() == 0:
+        torch.save({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+                    "logits": out.logits.float().cpu()}, p.run_dir / "probe.pt")
+    engine.train()
+

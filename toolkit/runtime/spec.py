@@ -1,0 +1,167 @@
+"""The run plan: everything decided before the process group exists.
+
+parse -> Config -> `plan()`: checks (one clear error, no hang), precision, the resolved DeepSpeed dict
+(no "auto" left), the step count. train.py builds it, loop.py and generate.py consume it; keeping it
+here keeps those three from importing each other.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from toolkit.config.ds_config import (
+    AutoValues,
+    ConfigError,
+    adapter_autocast,
+    load_ds_config,
+    offload,
+    precision_of,
+    resolve,
+    zero_stage,
+)
+from toolkit.config.schema import Config
+from toolkit.launch import dist
+from toolkit.runtime.resume import Checkpoint, Reshard, find, reshard_for, universal_config
+
+
+@dataclass
+class Plan:
+    """Everything decided before the process group exists."""
+
+    cfg: Config
+    ds: dict[str, Any]  # resolved: no "auto" left
+    model_config: Any
+    run_dir: Path
+    world_size: int
+    precision: str
+    total_steps: int | None  # None until a data file is tokenized (max_steps=0, one epoch)
+    warnings: list[str]
+    adapter_autocast: bool = False  # LoRA under bf16: fp32 adapters, bf16 frozen base, torch autocast
+    resume_from: Checkpoint | None = None  # train.resume: the complete checkpoint found
+    reshard: Reshard | None = None  # ... written on another number of ranks: loaded as a universal checkpoint
+    autotune: dict[str, Any] | None = None  # train.micro_batch_size=auto: the probes and the choice
+
+
+def _precision(cfg: Config, ds: dict[str, Any]) -> str:
+    pinned = precision_of(ds)
+    if cfg.train.precision != "auto":
+        return cfg.train.precision
+    if pinned is not None:
+        return pinned
+    import torch
+
+    return "bf16" if (not dist.on_cpu() and torch.cuda.is_bf16_supported()) else "fp32"
+
+
+def plan(cfg: Config) -> Plan:
+    """All input validation that can run before init_process_group: one clear error, no hang."""
+    from toolkit.runtime.data import check_data_file, steps_per_epoch
+    from toolkit.runtime.model import hidden_size, model_config
+
+    world = dist.world_size()
+    ds_raw = load_ds_config(cfg.train.ds_config)
+    t = cfg.train
+    precision = _precision(cfg, ds_raw)
+    autocast = adapter_autocast(ds_raw, precision, cfg.lora.enabled)
+    if t.resume:
+        _check_resume_mode(Path(t.run_dir), autocast)
+    # before the batch checks: on another rank count, resume changes grad_accum to keep the global batch
+    ckpt, reshard, notes = _resume(cfg, world, ds_raw)
+    batch = t.micro_batch_size * t.grad_accum * world
+    if t.global_batch_size and batch != t.global_batch_size:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} but micro_batch_size {t.micro_batch_size} x "
+                          f"grad_accum {t.grad_accum} x {world} ranks = {batch}; "
+                          "fix one, or set train.micro_batch_size=auto")
+    warnings = notes + _run_checks(ds_raw, cfg, world) + _single_gpu_zero3(ds_raw, world)
+    mc = model_config(cfg)
+    check_data_file(cfg)
+    # max_steps=0 means one epoch: known here for synthetic data, after tokenizing for a file
+    # (loop.run fills it then; a DeepSpeed scheduler "auto" needing it is reported as unfillable).
+    synthetic = cfg.data.source == "synthetic"
+    total = t.max_steps or (steps_per_epoch(cfg.data.num_samples, cfg, world) if synthetic else None)
+    if t.profile_steps and total and t.profile_steps[0] > total:
+        raise ConfigError(f"train.profile_steps={list(t.profile_steps)} starts after the run's last step ({total}): "
+                          "the profiler would never start; pick steps within train.max_steps")
+    values = AutoValues(micro_batch=t.micro_batch_size, grad_accum=t.grad_accum, world_size=world,
+                        precision=precision, grad_clip=t.grad_clip, lr=t.lr, betas=(t.betas[0], t.betas[1]),
+                        eps=t.eps, weight_decay=t.weight_decay, hidden_size=hidden_size(mc),
+                        warmup_steps=t.warmup_steps, total_steps=total, adapter_autocast=autocast,
+                        zero_sizes=t.zero_sizes)
+    ds = resolve(ds_raw, values)
+    if reshard:
+        ds = universal_config(ds)
+    return Plan(cfg, ds, mc, Path(t.run_dir), world, precision, total, warnings, autocast, ckpt, reshard)
+
+
+def _resume(cfg: Config, world: int, ds: dict[str, Any]) -> tuple[Checkpoint | None, Reshard | None, list[str]]:
+    """The checkpoint train.resume names, and on another rank count the accumulation that keeps its global
+    batch (set on cfg, so the checks, the DeepSpeed dict and config.yaml all see what runs)."""
+    t = cfg.train
+    if not t.resume:
+        return None, None, []
+    try:
+        ckpt = find(Path(t.run_dir), t.path, t.resume)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    reshard = reshard_for(ckpt, t.micro_batch_size, t.grad_accum, world)
+    if not reshard:
+        saved = ckpt.record.get("global_batch")
+        if saved and saved != t.micro_batch_size * t.grad_accum * world:
+            # the batch order and the schedule continue from step x global batch: another batch breaks both
+            raise ConfigError(f"train.resume: {ckpt.dir.name} trained a global batch of {saved}; this run would use "
+                              f"micro_batch_size {t.micro_batch_size} x grad_accum {t.grad_accum} x {world} ranks = "
+                              f"{t.micro_batch_size * t.grad_accum * world}; keep {saved} to continue the same run")
+        return ckpt, None, []
+    if ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "nvme":
+        # DeepSpeed skips the ZeRO load under NVMe offload and reads offloaded_tensors/, which the
+        # universal converter never writes (engine.py load_checkpoint): it would fail after converting
+        raise ConfigError(f"train.resume: {ckpt.dir.name} was written on {reshard.saved_world} ranks; resuming on "
+                          f"{world} needs a universal checkpoint, which DeepSpeed cannot load with NVMe optimizer "
+                          f"offload; resume on {reshard.saved_world} ranks or offload to cpu")
+    if t.global_batch_size and t.global_batch_size != reshard.global_batch:
+        raise ConfigError(f"train.resume: {ckpt.dir.name} trained a global batch of {reshard.global_batch}, "
+                          f"train.global_batch_size asks for {t.global_batch_size}; keep {reshard.global_batch}")
+    t.grad_accum = reshard.grad_accum
+    return ckpt, reshard, [f"train.resume: {ckpt.dir.name} was written on {reshard.saved_world} ranks (global batch "
+                           f"{reshard.global_batch}); on {world} rank{'s' * (world > 1)} grad_accum is {reshard.grad_accum}: the same "
+                           "global batch, so the batch order and the schedule continue"]
+
+
+def _check_resume_mode(run_dir: Path, autocast: bool) -> None:
+    """Checkpoints written under one LoRA precision mode do not load under the other (another
+    optimizer wrapper, other file names), so stop before training and say how to get the old one back."""
+    try:
+        before = bool(json.loads((run_dir / "versions.json").read_text()).get("adapter_autocast", False))
+    except (OSError, ValueError, AttributeError):
+        return  # no record (or an unreadable one): nothing to compare with
+    if before != autocast:
+        how = ('set "bf16": {"enabled": true} in the DeepSpeed JSON' if not before else
+               'leave bf16.enabled "auto" and add no torch_autocast block, below ZeRO-3')
+        raise ConfigError(f"train.resume: the checkpoints in {run_dir} were written with adapter_autocast={before} "
+                          f"(versions.json) and this run would use {autocast}; to resume them, {how}")
+
+
+def _single_gpu_zero3(ds: dict[str, Any], world: int) -> list[str]:
+    """ZeRO-3 on one GPU without parameter offload: a note, not a check-table rule, because `toolkit check`
+    assumes one rank unless told otherwise, and on CPU (the Quickstart's demo) speed is not the point."""
+    if world != 1 or dist.on_cpu() or zero_stage(ds) != 3 or offload(ds, "offload_param")[0] != "none":
+        return []
+    return ["note: ZeRO-3 on one GPU shards nothing (each parameter's one partition is the whole of it) and "
+            "pays ZeRO-3's per-module gathers: on one H200, GPT-2 and Qwen2-0.5B ran 1.9-2.6x slower than at "
+            "ZeRO-2, at the same peak within 1 GiB (bench/results/speed.md, runs s8, s14, s15). Use ZeRO-2 (with "
+            "offload_optimizer if the optimizer does not fit), or ZeRO-3 with offload_param."]
+
+
+def _run_checks(ds: dict[str, Any], cfg: Config, world: int) -> list[str]:
+    from toolkit.config.checks import check_config
+
+    findings = check_config(ds, world_size=world, path=cfg.train.path,
+                            micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum)
+    errors = [f for f in findings if f.level == "error"]
+    if errors:
+        lines = "\n  ".join(f"{f.key}: {f.message}" for f in errors)
+        raise ConfigError(f"{cfg.train.ds_config} will not run (toolkit check):\n  {lines}")
+    return [f"warning: {f.key}: {f.message}" for f in findings if f.level == "warning"]
