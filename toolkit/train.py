@@ -1,6 +1,6 @@
 """What `deepspeed toolkit/train.py [--config x.yaml] [--ds ds.json] [key=value ...]` runs.
 
-parse -> Config -> checks (before any process-group work) -> resolved DeepSpeed dict -> model built
+parse -> Config -> run inputs read once -> checks (before any process-group work) -> resolved DeepSpeed dict -> model built
 with ZeRO-3 partitioning active -> HF Trainer path or raw deepspeed.initialize loop -> export.
 Both paths draw the same batches, fill "auto" the same way and log the same metrics.
 """
@@ -20,7 +20,7 @@ import argparse
 from toolkit.config.ds_config import ConfigError
 from toolkit.config.schema import load_config
 from toolkit.launch import dist
-from toolkit.runtime.spec import plan
+from toolkit.runtime.spec import build_spec, read_inputs
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         if args.ds:
             cfg.train.ds_config = args.ds
+        inputs = read_inputs(cfg)  # the one read of the DeepSpeed JSON and the model's config
         auto_micro = cfg.train.micro_batch_size == "auto"
         if auto_micro:
             # the probes are child jobs coordinated over the process group, so it starts first here
@@ -47,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
             dist.init_distributed(cfg.train.collective_timeout_s)
             from toolkit.runtime.autotune import resolve
 
-            record = resolve(cfg, sys.argv[1:])
-        p = plan(cfg)
+            record = resolve(inputs, sys.argv[1:])
+        p = build_spec(inputs)
         if auto_micro:
             p.autotune = record
     except ConfigError as e:

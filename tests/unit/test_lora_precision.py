@@ -69,7 +69,7 @@ def test_frozen_base_becomes_bf16_and_adapters_stay_fp32() -> None:
 @pytest.mark.parametrize(("before", "bf16_json", "autocast_now"), [(False, "auto", True), (True, True, False)])
 def test_resume_across_precision_modes_is_refused_with_the_fix(
         tmp_path: Path, before: bool, bf16_json: object, autocast_now: bool) -> None:
-    from toolkit.runtime.spec import plan
+    from toolkit.runtime.spec import build_spec, read_inputs
 
     ds = dc.preset("zero2")
     ds["bf16"]["enabled"] = bf16_json
@@ -83,9 +83,9 @@ def test_resume_across_precision_modes_is_refused_with_the_fix(
     cfg = load_config(None, ["model.name=tiny", "lora.enabled=true", "train.precision=bf16", "train.resume=latest",
                              f"train.ds_config={tmp_path / 'ds.json'}", f"train.run_dir={run}"])
     with pytest.raises(dc.ConfigError, match=f"adapter_autocast={before}.*would use {autocast_now}"):
-        plan(cfg)
+        build_spec(read_inputs(cfg))
     (run / "versions.json").write_text(json.dumps({"adapter_autocast": autocast_now}))
-    assert plan(cfg).adapter_autocast is autocast_now  # the same mode resumes
+    assert build_spec(read_inputs(cfg)).adapter_autocast is autocast_now  # the same mode resumes
 
 
 def test_zero_sizes_speed_is_deepspeed_defaults_memory_is_hidden_size_rules() -> None:

@@ -95,10 +95,10 @@ def test_bad_windows_are_refused(bad: str) -> None:
 
 
 def test_a_window_after_the_last_step_is_refused_before_launch(tmp_path: Path) -> None:
-    from toolkit.runtime.spec import plan
+    from toolkit.runtime.spec import build_spec, read_inputs
 
     ds = Path(__file__).resolve().parents[2] / "ds_configs" / "zero2.json"
     common = ["model.name=tiny", "train.max_steps=5", f"train.ds_config={ds}", f"train.run_dir={tmp_path / 'r'}"]
     with pytest.raises(ConfigError, match=r"starts after the run's last step \(5\)"):
-        plan(load_config(None, [*common, "train.profile_steps=[6,8]"]))
-    assert list(plan(load_config(None, [*common, "train.profile_steps=[5,8]"])).cfg.train.profile_steps) == [5, 8]
+        build_spec(read_inputs(load_config(None, [*common, "train.profile_steps=[6,8]"])))
+    assert list(build_spec(read_inputs(load_config(None, [*common, "train.profile_steps=[5,8]"]))).cfg.train.profile_steps) == [5, 8]

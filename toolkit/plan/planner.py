@@ -686,7 +686,7 @@ def fitting_micro_batches(model_config: Any, ds_config: dict[str, Any], world_si
     """Micro-batch sizes (divisors of per_rank_batch = micro x grad_accum) predicted to fit in
     gpu_mem_gib per GPU for this DeepSpeed config, largest first; [] when none does.
 
-    model_config: an HF config object (train.py's Plan.model_config) or a ModelShape. The stage,
+    model_config: an HF config object (train.py's RunSpec.model_config) or a ModelShape. The stage,
     offload and ratio come from ds_config; its bucket/live sizes follow zero_sizes, as "auto" does.
     lora: a Lora (r, target modules), True for the defaults (r=8 on q_proj, v_proj), or None/False.
     fused_loss: model.liger_fused_loss. Raises ConfigError for a model type without an activation model.

@@ -24,11 +24,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from toolkit.config.ds_config import ConfigError, load_ds_config
+from toolkit.config.ds_config import ConfigError
 from toolkit.config.schema import Config
 from toolkit.launch import dist
+
+if TYPE_CHECKING:
+    from toolkit.runtime.spec import RunInputs
 
 PROBE_STEPS = 4  # optimizer steps per probe; the median tokens/s of steps 2.. is its speed
 RECORD = "micro_batch.json"
@@ -43,9 +46,9 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(n, 0, -1) if n % d == 0]
 
 
-def key_of(cfg: Config, world: int, gpu: str) -> dict[str, Any]:
+def key_of(inputs: RunInputs, gpu: str) -> dict[str, Any]:
     """Everything that changes the answer; a record made under another key is not reused."""
-    ds = load_ds_config(cfg.train.ds_config)
+    cfg, ds, world = inputs.cfg, inputs.ds_raw, inputs.world_size
     m, t = cfg.model, cfg.train
     return {"model": m.name, "seq_len": cfg.data.seq_len, "packing": cfg.data.packing, "task": m.task,
             "attn": m.attn_implementation, "grad_ckpt": m.gradient_checkpointing, "liger": m.liger,
@@ -87,16 +90,16 @@ def gpu_name_and_gib() -> tuple[str, float | None]:
         return "cuda", None
 
 
-def candidates(cfg: Config, world: int, per_rank: int, gpu_gib: float | None) -> list[int]:
+def candidates(inputs: RunInputs, per_rank: int, gpu_gib: float | None) -> list[int]:
     """Largest first: the planner's predicted-fitting divisors, or every divisor when it cannot say."""
     every = divisors(per_rank)
     if gpu_gib is None:
         return every
     from toolkit.plan.planner import Lora, fitting_micro_batches
-    from toolkit.runtime.model import model_config
 
+    cfg = inputs.cfg
     try:
-        fit = fitting_micro_batches(model_config(cfg), load_ds_config(cfg.train.ds_config), world, cfg.data.seq_len,
+        fit = fitting_micro_batches(inputs.model_config, inputs.ds_raw, inputs.world_size, cfg.data.seq_len,
                                     per_rank, gpu_gib, grad_ckpt=cfg.model.gradient_checkpointing,
                                     liger=cfg.model.liger, attn=cfg.model.attn_implementation,
                                     zero_sizes=cfg.train.zero_sizes, fused_loss=cfg.model.liger_fused_loss,
@@ -109,10 +112,10 @@ def candidates(cfg: Config, world: int, per_rank: int, gpu_gib: float | None) ->
     return above + fit if fit else every[-1:]
 
 
-def resolve(cfg: Config, argv: list[str]) -> dict[str, Any]:
+def resolve(inputs: RunInputs, argv: list[str]) -> dict[str, Any]:
     """All ranks, with the process group up. Sets cfg.train.micro_batch_size and grad_accum; returns the record."""
+    cfg, world = inputs.cfg, inputs.world_size
     t = cfg.train
-    world = dist.world_size()
     if t.global_batch_size < 1:
         raise ConfigError("train.micro_batch_size=auto needs train.global_batch_size (sequences per optimizer "
                           "step, all ranks together)")
@@ -126,12 +129,12 @@ def resolve(cfg: Config, argv: list[str]) -> dict[str, Any]:
 
     group = tdist.new_group(backend="gloo")  # CPU agreement: NVML figures, then the probes' states
     smallest = _all_min(gib, group)
-    key = key_of(cfg, world, gpu)
+    key = key_of(inputs, gpu)
     record, order, error = None, None, None
     if dist.rank() == 0:
         try:
             record = _reuse(Path(t.run_dir), key, per_rank)
-            order = None if record else candidates(cfg, world, per_rank, smallest)
+            order = None if record else candidates(inputs, per_rank, smallest)
         except Exception as e:  # raised on rank 0 alone, the others would wait in the broadcast below
             error = f"micro_batch_size=auto: {type(e).__name__}: {e}"
     record, order, error = dist.broadcast_object([record, order, error])

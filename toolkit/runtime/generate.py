@@ -30,7 +30,7 @@ from toolkit.launch import dist
 from toolkit.runtime.jsonl import read_objects
 
 if TYPE_CHECKING:
-    from toolkit.runtime.spec import Plan
+    from toolkit.runtime.spec import RunSpec
 
 T = TypeVar("T")
 IGNORE_INDEX = -100  # same value as toolkit.runtime.data.IGNORE_INDEX; not imported to keep this import light
@@ -250,7 +250,7 @@ def eval_prompts(rows: list[dict[str, Any]], n: int) -> list[list[int]]:
     return out
 
 
-def run_eval_generation(p: Plan, engine: Any, tokenizer: Any | None, rows: list[dict[str, Any]]) -> None:
+def run_eval_generation(p: RunSpec, engine: Any, tokenizer: Any | None, rows: list[dict[str, Any]]) -> None:
     """eval.generate at the end of training; all ranks call, rank 0 writes run_dir/generations.jsonl."""
     from toolkit.config.ds_config import zero_stage
 

@@ -65,10 +65,10 @@ from toolkit.runtime.model import (
 from toolkit.runtime.preempt import Preemption
 
 if TYPE_CHECKING:
-    from toolkit.runtime.spec import Plan
+    from toolkit.runtime.spec import RunSpec
 
 
-def run(p: Plan) -> int:
+def run(p: RunSpec) -> int:
     cfg = p.cfg
     rank = dist.rank()
     liger = kernels.choice_for(cfg, p.model_config.model_type, zero_stage(p.ds))
@@ -97,7 +97,7 @@ def run(p: Plan) -> int:
         return _run(p, liger)
 
 
-def _claim_run_dir(p: Plan) -> str | None:
+def _claim_run_dir(p: RunSpec) -> str | None:
     """Rank 0 decides (nothing is written yet), every rank learns the outcome: the refusal, or None."""
     outcome: list[str | None] = [None, None]  # [note, error]
     if dist.rank() == 0:
@@ -113,7 +113,7 @@ def _claim_run_dir(p: Plan) -> str | None:
     return error
 
 
-def _run(p: Plan, liger: Any) -> int:
+def _run(p: RunSpec, liger: Any) -> int:
     cfg = p.cfg
     rank = dist.rank()
     # Python/NumPy/torch RNGs: dropout and PEFT's LoRA init draw from them. The HF Trainer seeds on
@@ -176,7 +176,7 @@ def _run(p: Plan, liger: Any) -> int:
     return 0
 
 
-def _metrics_logger(p: Plan, model: Any) -> MetricsLogger:
+def _metrics_logger(p: RunSpec, model: Any) -> MetricsLogger:
     """MFU needs FLOPs per token (counted on the built model: ZeRO-3 shards report their full size)
     and the GPU's peak, known for bf16/fp16 on the GPUs in metrics.GPU_PEAK_TFLOPS or from
     metrics.peak_tflops; otherwise the lines carry mfu=null."""
@@ -191,7 +191,7 @@ def _metrics_logger(p: Plan, model: Any) -> MetricsLogger:
                          tensorboard=p.cfg.metrics.tensorboard)
 
 
-def _deepspeed_config_alive(p: Plan) -> Any:
+def _deepspeed_config_alive(p: RunSpec) -> Any:
     """Trainer path: TrainingArguments owns an HfTrainerDeepSpeedConfig; raw path: HfDeepSpeedConfig.
 
     transformers consults a weak reference to it when building a model, so the object must stay
@@ -204,7 +204,7 @@ def _deepspeed_config_alive(p: Plan) -> Any:
     return HfDeepSpeedConfig(p.ds)
 
 
-def _training_args(p: Plan) -> Any:
+def _training_args(p: RunSpec) -> Any:
     from transformers import TrainingArguments
 
     t = p.cfg.train
@@ -242,7 +242,7 @@ def _say_compiled(engine: Any) -> None:
         print("torch.compile: the engine is compiled (inductor); the first steps include compiling", flush=True)
 
 
-def _first_step(p: Plan, step: int, loss: float, mem: MemoryMonitor) -> None:
+def _first_step(p: RunSpec, step: int, loss: float, mem: MemoryMonitor) -> None:
     mem.phase_boundary("first_step", step)
     first_loss_check(p, loss)
 
@@ -254,7 +254,7 @@ def leaf_check(model: Any) -> None:
         raise RuntimeError(msg)
 
 
-def first_loss_check(p: Plan, loss: float) -> None:
+def first_loss_check(p: RunSpec, loss: float) -> None:
     msg = check_first_loss(loss, p.model_config.vocab_size, p.cfg.model.task, not is_preset(p.cfg.model.name))
     if msg:
         raise RuntimeError(msg)
@@ -263,7 +263,7 @@ def first_loss_check(p: Plan, loss: float) -> None:
 # ----------------------------------------------------------------------------- HF Trainer path
 
 
-def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator: Collator,
+def _run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collator: Collator,
                  order: EpochOrder, metrics: MetricsLogger, mem: MemoryMonitor,
                  state: dict[str, Any]) -> tuple[Any, int, bool]:
     from transformers import PrinterCallback, Trainer, TrainerCallback
@@ -371,7 +371,7 @@ def _run_trainer(p: Plan, args: Any, model: Any, dataset: ListDataset, collator:
 # ----------------------------------------------------------------------------- raw loop
 
 
-def _lr_schedule(p: Plan) -> Any:
+def _lr_schedule(p: RunSpec) -> Any:
     from transformers import get_cosine_schedule_with_warmup
 
     total, warmup = p.total_steps, p.cfg.train.warmup_steps
@@ -385,7 +385,7 @@ def _micro_batches(loader: torch.utils.data.DataLoader, sampler: ShardedBatches,
         epoch += 1
 
 
-def _run_raw(p: Plan, model: Any, dataset: ListDataset, collator: Collator, order: EpochOrder,
+def _run_raw(p: RunSpec, model: Any, dataset: ListDataset, collator: Collator, order: EpochOrder,
              metrics: MetricsLogger, mem: MemoryMonitor, state: dict[str, Any]) -> tuple[Any, int, bool]:
     import deepspeed
 
@@ -496,7 +496,7 @@ def _label_count(batches: list[dict[str, torch.Tensor]], device: torch.device) -
 # ----------------------------------------------------------------------------- end of run
 
 
-def _finish(p: Plan, engine: Any, tokenizer: Any, rows: list[dict[str, Any]], pad_id: int, stopped: bool) -> None:
+def _finish(p: RunSpec, engine: Any, tokenizer: Any, rows: list[dict[str, Any]], pad_id: int, stopped: bool) -> None:
     cfg = p.cfg
     if cfg.train.save_probe:
         _save_probe(p, engine, rows, pad_id)
@@ -517,7 +517,7 @@ def _finish(p: Plan, engine: Any, tokenizer: Any, rows: list[dict[str, Any]], pa
 
 
 @torch.no_grad()
-def _save_probe(p: Plan, engine: Any, rows: list[dict[str, Any]], pad_id: int) -> None:
+def _save_probe(p: RunSpec, engine: Any, rows: list[dict[str, Any]], pad_id: int) -> None:
     """Logits of the trained engine on two fixed samples, to compare with the exported weights."""
     collate = Collator(pad_id=pad_id, task=p.cfg.model.task)
     batch = collate(rows[:2])

@@ -1,8 +1,10 @@
-"""The run plan: everything decided before the process group exists.
+"""The run spec: every input read once, and everything decided before the process group exists.
 
-parse -> Config -> `plan()`: checks (one clear error, no hang), precision, the resolved DeepSpeed dict
-(no "auto" left), the step count. train.py builds it, loop.py and generate.py consume it; keeping it
-here keeps those three from importing each other.
+parse -> Config -> `read_inputs()`: the DeepSpeed JSON loaded, the model's HF config derived and the world
+size read, once -> (`train.micro_batch_size=auto` chooses from these) -> `build_spec()`: checks (one clear
+error, no hang), precision, the resolved DeepSpeed dict (no "auto" left), the step count. train.py builds
+it; loop.py and generate.py consume it and re-read none of its inputs; keeping it here keeps those three
+from importing each other.
 """
 
 from __future__ import annotations
@@ -27,8 +29,24 @@ from toolkit.launch import dist
 from toolkit.runtime.resume import Checkpoint, Reshard, find, reshard_for, universal_config
 
 
+@dataclass(frozen=True)
+class RunInputs:
+    """What the entry reads, once: nothing below reads these files or derives the model's shape again."""
+
+    cfg: Config  # mutable inside: autotune sets the micro-batch, resume on another rank count the accumulation
+    ds_raw: dict[str, Any]  # the DeepSpeed JSON as written ("auto" unresolved)
+    model_config: Any  # the model's HF config (a preset's, or a local directory's config.json)
+    world_size: int
+
+
+def read_inputs(cfg: Config) -> RunInputs:
+    from toolkit.runtime.model import model_config
+
+    return RunInputs(cfg, load_ds_config(cfg.train.ds_config), model_config(cfg), dist.world_size())
+
+
 @dataclass
-class Plan:
+class RunSpec:
     """Everything decided before the process group exists."""
 
     cfg: Config
@@ -56,13 +74,12 @@ def _precision(cfg: Config, ds: dict[str, Any]) -> str:
     return "bf16" if (not dist.on_cpu() and torch.cuda.is_bf16_supported()) else "fp32"
 
 
-def plan(cfg: Config) -> Plan:
+def build_spec(inputs: RunInputs) -> RunSpec:
     """All input validation that can run before init_process_group: one clear error, no hang."""
     from toolkit.runtime.data import check_data_file, steps_per_epoch
-    from toolkit.runtime.model import hidden_size, model_config
+    from toolkit.runtime.model import hidden_size
 
-    world = dist.world_size()
-    ds_raw = load_ds_config(cfg.train.ds_config)
+    cfg, ds_raw, mc, world = inputs.cfg, inputs.ds_raw, inputs.model_config, inputs.world_size
     t = cfg.train
     precision = _precision(cfg, ds_raw)
     autocast = adapter_autocast(ds_raw, precision, cfg.lora.enabled)
@@ -76,7 +93,6 @@ def plan(cfg: Config) -> Plan:
                           f"grad_accum {t.grad_accum} x {world} ranks = {batch}; "
                           "fix one, or set train.micro_batch_size=auto")
     warnings = notes + _run_checks(ds_raw, cfg, world) + _single_gpu_zero3(ds_raw, world)
-    mc = model_config(cfg)
     check_data_file(cfg)
     # max_steps=0 means one epoch: known here for synthetic data, after tokenizing for a file
     # (loop.run fills it then; a DeepSpeed scheduler "auto" needing it is reported as unfillable).
@@ -93,7 +109,7 @@ def plan(cfg: Config) -> Plan:
     ds = resolve(ds_raw, values)
     if reshard:
         ds = universal_config(ds)
-    return Plan(cfg, ds, mc, Path(t.run_dir), world, precision, total, warnings, autocast, ckpt, reshard)
+    return RunSpec(cfg, ds, mc, Path(t.run_dir), world, precision, total, warnings, autocast, ckpt, reshard)
 
 
 def _resume(cfg: Config, world: int, ds: dict[str, Any]) -> tuple[Checkpoint | None, Reshard | None, list[str]]:
