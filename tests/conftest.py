@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +53,32 @@ def _no_leaked_shm_buffers() -> object:
     for f in set(shm.glob("deepspeed_allreduce_buffer_*")) - before if shm.is_dir() else ():
         if str(f) not in mapped:
             f.unlink(missing_ok=True)
+
+
+CHAT_WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "mat", "log", "what", "did", "do", "answer", "question",
+              "yes", "no", "user", "assistant", "system", ":", "be", "brief", "hello", "where", "is", "it"]
+# A ChatML-like template written for the word-level test tokenizer: every marker is a vocabulary word.
+CHAT_TEMPLATE = ("{% for m in messages %}<s> {{ m['role'] }} : {{ m['content'] }} </s> {% endfor %}"
+                 "{% if add_generation_prompt %}<s> assistant : {% endif %}")
+
+
+def write_tokenizer(out: Path, chat_template: str | None = CHAT_TEMPLATE) -> Path:
+    """A small local word-level tokenizer (file data needs one, and nothing may be downloaded), with a
+    chat template unless told otherwise."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>", *CHAT_WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+    if chat_template:
+        fast.chat_template = chat_template
+    fast.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from _net import free_port
+from conftest import write_tokenizer
 
 from toolkit.config import ds_config as dc
 
@@ -42,22 +43,6 @@ def _ds_files(tmp: Path) -> dict[str, str]:
     dc.write_config(leaf, tmp / "zero3_leaf_model.json", force=True)
     files["zero3_leaf_model"] = str(tmp / "zero3_leaf_model.json")
     return files
-
-
-def _tokenizer_dir(tmp: Path) -> Path:
-    """A small local word-level tokenizer: file data needs one and nothing may be downloaded."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["the", "a", "cat", "dog", "sat", "ran", "on", "mat", "log", "what", "did", "do", "answer", "question", "yes", "no"]
-    vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>", *words])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
-    out = tmp / "tokenizer"
-    fast.save_pretrained(out)
-    return out
 
 
 def _runs(tmp: Path) -> list[dict]:
@@ -99,7 +84,7 @@ def _runs(tmp: Path) -> list[dict]:
         # sequence classification
         add(f"{path}-cls", "zero2", f"train.path={path}", "model.name=tiny-bert", "model.task=seq_cls",
             "train.export=false")
-    tok = _tokenizer_dir(tmp)
+    tok = write_tokenizer(tmp / "tokenizer")
     data = tmp / "sft.jsonl"
     with data.open("w") as f:
         for i in range(64):
@@ -111,6 +96,18 @@ def _runs(tmp: Path) -> list[dict]:
         "train.micro_batch_size=2", "train.max_steps=0", "train.export=false")
     add("trainer-file-packed", "zero2", "train.path=trainer", f"data.source={data}", f"model.tokenizer={tok}",
         "data.packing=true", "data.seq_len=16", "train.micro_batch_size=2", "train.export=false")
+    # chat rows (loss on the assistant turns), packed, with a held-out eval loss every 2 steps, at ZeRO-3
+    chat = tmp / "chat.jsonl"
+    with chat.open("w") as f:
+        for i in range(96):
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": " ".join(["what did the", ["cat", "dog"][i % 2], "do"] + ["a"] * (i % 4))},
+                {"role": "assistant", "content": f"the {['cat', 'dog'][i % 2]} sat on the {['mat', 'log'][i % 3 % 2]}"},
+            ]}) + "\n")
+    for path in PATHS:
+        add(f"{path}-chat", "zero3", f"train.path={path}", f"data.source={chat}", f"model.tokenizer={tok}",
+            "data.packing=true", "data.seq_len=48", "data.eval_fraction=0.25", "train.eval_every=2",
+            "train.micro_batch_size=2", "train.export=false")
     add("raw-lora-bf16-zero0", "zero0", "train.path=raw", "lora.enabled=true", "train.precision=bf16",
         "train.export=false")
     add("raw-lora-bf16-offload", "zero2_offload", "train.path=raw", "lora.enabled=true", "train.precision=bf16",
@@ -127,7 +124,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("train")
     spec = tmp / "runs.json"
     spec.write_text(json.dumps(_runs(tmp)))
-    env = os.environ | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    env = os.environ | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", "TOOLKIT_CACHE": str(tmp / "cache")}
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), str(ROOT / "tests/dist/_multi_train.py"),
            str(spec)]
     log = tmp / "launch.log"
@@ -348,6 +345,31 @@ def test_file_data_packing_and_checkpointing_runs(runs: Path) -> None:
     # the SFT file data is learnable too
     file_losses = losses(runs / "raw-file")
     assert file_losses[-1] < file_losses[0]
+
+
+@pytest.mark.timeout(120)
+def test_chat_data_is_cached_once_and_the_eval_loss_is_the_same_on_both_paths(runs: Path) -> None:
+    evals = {}
+    for path in PATHS:
+        lines = metrics(runs / f"{path}-chat")
+        train = [m for m in lines if "loss" in m]
+        evals[path] = [m for m in lines if "eval_loss" in m]
+        assert len(train) == STEPS and all(m["tokens_per_s"] > 0 for m in train)
+        assert [m["step"] for m in evals[path]] == [2, 4, 6], evals[path]  # every 2 steps, the last at the end
+        assert evals[path][-1]["eval_loss"] < evals[path][0]["eval_loss"], evals[path]
+        assert evals[path][0]["eval_tokens"] > 0
+    # ZeRO-3, 2 ranks: the same held-out rows, the same weights, the same numbers on both paths
+    for a, b in zip(evals["raw"], evals["trainer"], strict=True):
+        assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-4 * b["eval_loss"], (evals["raw"], evals["trainer"])
+    log = (runs / "launch.log").read_text()
+    # one process tokenized chat.jsonl; the second run (same file, tokenizer and settings) reused it
+    assert len(re.findall(r"data.source: tokenizing \S*chat.jsonl", log)) == 1, log[-3000:]
+    assert len(re.findall(r"data.source: reusing the tokenized cache \S*chat-", log)) == 1
+    report = subprocess.run([sys.executable, "-m", "toolkit", "report", str(runs / "raw-chat")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    md = (runs / "raw-chat" / "report.md").read_text()
+    assert f"final eval loss (perplexity) | {evals['raw'][-1]['eval_loss']:.4f}" in md, md
 
 
 @pytest.mark.timeout(60)

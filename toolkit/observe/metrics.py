@@ -74,6 +74,14 @@ class TokenCounter:
 
     def add(self, batch: dict[str, Any]) -> None:
         mask = batch.get("attention_mask")
+        pos = batch.get("position_ids")
+        if mask is None and pos is not None:  # packed blocks: a pad is a position 0 not followed by 1
+            import torch
+
+            nxt = torch.nn.functional.pad(pos[:, 1:], (0, 1))
+            self._tokens = self._tokens + pos.numel() - ((pos == 0) & (nxt != 1)).sum()
+            self.samples += int(pos.shape[0])  # rows (packed blocks): counting samples would wait for the device
+            return
         if mask is None:  # an unpadded batch (Collator.drop_full_mask): every position is a token
             self._tokens = self._tokens + batch["input_ids"].numel()
             self.samples += int(batch["input_ids"].shape[0])
@@ -186,6 +194,24 @@ class MetricsLogger:
             self._bar.update(step - self._bar.n)
         return rec
 
+    def log_eval(self, step: int, rec: dict[str, Any]) -> None:
+        """The held-out loss (runtime/evaluate.py; already reduced over ranks): rank 0 writes its own line
+        to metrics.jsonl (a line with eval_loss and no loss), TensorBoard's eval/ tags and the console."""
+        if not self.is_main:
+            return
+        line = {"step": step, **rec}
+        with (self.run_dir / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(line) + "\n")
+        self.history.append(line)
+        if self._tb is not None:
+            self._tb.write(line)
+        msg = f"eval step {step}: loss {rec['eval_loss']:.4f}, perplexity {rec['eval_ppl']:.2f} " \
+              f"({rec['eval_tokens']:,} tokens, {rec['eval_s']:.1f} s)"
+        if self._bar is not None:
+            self._bar.write(msg)
+        else:
+            print(msg, flush=True)
+
     def close(self) -> None:
         """Idempotent: the loop calls it at the end and again on the way out of a failure."""
         if self._bar is not None:
@@ -226,6 +252,8 @@ def closing_summary(
 ) -> str:
     """What rank 0 prints at the end: steps, loss, speed, per-rank peak, where the run is and what to
     run next. ``peaks`` is rank -> run-wide peaks from MemoryMonitor (empty if none were gathered)."""
+    evals = [r for r in history if r.get("eval_loss") is not None]
+    history = [r for r in history if r.get("eval_loss") is None]
     lines = [
         f"done: {step} of {total_steps} steps"
         + (f" in {history[-1]['elapsed_s']:.1f} s" if history and history[-1].get("elapsed_s") else "")
@@ -241,6 +269,10 @@ def closing_summary(
             f"  loss        {first['loss']:.4f} (step {first['step']})"
             f" -> {last['loss']:.4f} (step {last['step']})"
         )
+    if evals:
+        first, last = evals[0], evals[-1]
+        lines.append(f"  eval loss   {first['eval_loss']:.4f} (step {first['step']}) -> {last['eval_loss']:.4f} "
+                     f"(step {last['step']}), perplexity {last['eval_ppl']:.2f}")
     tps = median_after_first([r.get("tokens_per_s") for r in history])
     if tps is not None:
         mfu = median_after_first([r.get("mfu") for r in history])

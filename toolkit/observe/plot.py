@@ -66,6 +66,15 @@ def _series(data: RunData, key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def _plot_evals(ax: Any, data: RunData, color: str) -> None:
+    """The held-out loss on the loss panel: dashed, with square markers, labelled once."""
+    pts = [(r["step"], r["eval_loss"]) for r in data.evals if r["eval_loss"] is not None]
+    if pts:
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, ls="--", marker="s", ms=4,
+                label="eval loss (held out)")
+        ax.legend(fontsize=8, loc="lower left")
+
+
 def _no_data(ax: Any, what: str) -> None:
     ax.text(0.5, 0.5, what, transform=ax.transAxes, ha="center", va="center", color="gray")
 
@@ -119,6 +128,7 @@ def plot_run(data: RunData, name: str, path: Path) -> None:
             )
         else:
             _no_data(ax_loss, "no loss in metrics.jsonl")
+        _plot_evals(ax_loss, data, "black")
         steps, tps = _series(data, "tokens_per_s")
         if tps:
             ax_tps.plot(steps, tps, color="black", marker=_marker(len(tps)), ms=3, label="tokens/s")
@@ -223,6 +233,7 @@ def plot_compare(runs: list[tuple[str, RunData]], path: Path, title: str) -> Non
             steps, loss = _series(data, "loss")
             if loss:
                 ax_loss.plot(steps, loss, color=color, marker=_marker(len(loss)), ms=3, label=name)
+            _plot_evals(ax_loss, data, color)
             steps, tps = _series(data, "tokens_per_s")
             if tps:
                 med = median_after_first(tps)

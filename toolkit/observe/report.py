@@ -138,6 +138,11 @@ def throughput_summary(data: RunData) -> tuple[str, list[str]]:
     rows.append(
         ["final loss", "-" if last_loss is None else f"{last_loss['loss']:.4f} (step {last_loss['step']})"]
     )
+    ev = [r for r in data.evals if r["eval_loss"] is not None]
+    if ev:
+        rows.append(["first eval loss", f"{ev[0]['eval_loss']:.4f} (step {ev[0]['step']})"])
+        rows.append(["final eval loss (perplexity)",
+                     f"{ev[-1]['eval_loss']:.4f} ({_fmt(ev[-1]['eval_ppl'], 2)}, step {ev[-1]['step']})"])
     elapsed = next((r["elapsed_s"] for r in reversed(m) if r["elapsed_s"] is not None), None)
     rows.append(["elapsed s", _fmt(elapsed, 1)])
     if mfu is None:

@@ -21,6 +21,7 @@ GPU_KEYS = ("allocated_gib", "reserved_gib", "peak_allocated_gib", "peak_reserve
 MEMORY_REQUIRED = ("phase", "step")
 NUMERIC_MEMORY = (*GPU_KEYS, "host_rss_gib", "alloc_retries", "oom_count")
 METRIC_KEYS = ("loss", "lr", "tokens_per_s", "samples_per_s", "step_time_s", "grad_norm", "mfu", "elapsed_s")
+EVAL_KEYS = ("eval_loss", "eval_ppl", "eval_tokens")  # a held-out loss line (runtime/evaluate.py)
 # What toolkit/train.py writes into every run directory; a directory with none of them is not a run.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "memory/rank*.jsonl")
 
@@ -29,6 +30,7 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "memory/rank*.jsonl")
 class RunData:
     memory: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # rank -> snapshots in file order
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)  # held-out loss lines, by step
     skipped: list[str] = field(default_factory=list)  # "file:line: why" for lines not used
     partial: list[str] = field(default_factory=list)  # "file:line: missing x" for lines used in part
     header: dict[str, Any] = field(default_factory=dict)
@@ -116,9 +118,13 @@ def load_run(run_dir: Path) -> RunData:
             if _num(obj.get("step")) is None:
                 data.skipped.append(f"metrics.jsonl:{i}: missing field step")
                 continue
+            if "eval_loss" in obj:
+                data.evals.append({"step": int(obj["step"]), **{k: _num(obj.get(k)) for k in EVAL_KEYS}})
+                continue
             row = {"step": int(obj["step"]), **{k: _num(obj.get(k)) for k in METRIC_KEYS}}
             data.metrics.append(row)
         data.metrics.sort(key=lambda r: r["step"])
+        data.evals.sort(key=lambda r: r["step"])
     data.header = read_header(run_dir, world_size_files=len(files), skipped=data.skipped)
     return data
 

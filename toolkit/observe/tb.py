@@ -34,6 +34,7 @@ TRAIN_TAGS = {
     "step_time_s": "train/step_time_s",
     "mfu": "train/mfu",
 }
+EVAL_TAGS = {"eval_loss": "eval/loss", "eval_ppl": "eval/perplexity"}
 # memory snapshot key -> tag. Null values (GPU fields on CPU) are left out, not written as NaN.
 MEMORY_TAGS = {
     "allocated_gib": "memory/allocated_gib",
@@ -79,6 +80,7 @@ class TrainWriter:
 
     def write(self, rec: dict[str, Any]) -> None:
         _add(self._w, TRAIN_TAGS, rec, int(rec["step"]), None)
+        _add(self._w, EVAL_TAGS, rec, int(rec["step"]), None)
 
     def close(self) -> None:
         self._w.close()

@@ -1,4 +1,5 @@
-"""Training data: an embedded learnable default, local jsonl/parquet/text files, collation, ordering.
+"""Training data: an embedded learnable default, local files (tokenized once into a memory-mapped cache by
+runtime/corpus.py), a held-out split, collation (packed blocks included), ordering.
 
 Both training paths draw batches in the same order (`ShardedOrder`), so the raw loop and the HF
 Trainer see the same samples on the same ranks and their losses can be compared step by step.
@@ -8,7 +9,8 @@ from __future__ import annotations
 
 import collections
 import random
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,20 +20,19 @@ from torch.utils.data import Dataset, Sampler
 
 from toolkit.config.ds_config import ConfigError
 from toolkit.config.schema import Config
-from toolkit.runtime.jsonl import read_objects
+from toolkit.runtime.corpus import IGNORE_INDEX  # positions the loss skips (prompt tokens, padding)
 
-IGNORE_INDEX = -100  # positions the loss skips (prompt tokens, padding): HF's convention
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
 
 
 class ListDataset(Dataset):
-    def __init__(self, rows: list[dict[str, list[int] | int]]) -> None:
+    def __init__(self, rows: Sequence[dict[str, Any]]) -> None:
         self.rows = rows
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __getitem__(self, i: int) -> dict[str, list[int] | int]:
+    def __getitem__(self, i: int) -> dict[str, Any]:
         return self.rows[i]
 
 
@@ -83,81 +84,86 @@ def synthetic_classification(cfg: Config, vocab_size: int, num_labels: int) -> l
 
 
 def check_data_file(cfg: Config) -> None:
-    """Cheap checks that run before any process-group work (missing file, wrong columns)."""
+    """Cheap checks that run before any process-group work: missing file, wrong suffix, wrong columns."""
+    from toolkit.runtime.corpus import check_format, file_columns, resolve_format
+
+    for what, source in (("data.source", cfg.data.source), ("data.eval_source", cfg.data.eval_source)):
+        if source is None or (what == "data.source" and source == "synthetic"):
+            continue
+        p = Path(source)
+        if not p.is_file():
+            hint = "'synthetic' or " if what == "data.source" else ""
+            raise ConfigError(f"{what}: {p} is not a file (use {hint}a local {'/'.join(SUPPORTED_SUFFIXES)})")
+        if p.suffix not in SUPPORTED_SUFFIXES:
+            raise ConfigError(f"{what}: {p.suffix!r} files are not supported; use {', '.join(SUPPORTED_SUFFIXES)}")
+        cols = file_columns(p, what)
+        check_format(cfg, resolve_format(cfg, p, cols), cols, None, p, what)
+
+
+class Rows(Sequence[dict[str, Any]]):
+    """Samples as the loops read them: a Python list (synthetic data) or a memory-mapped Arrow dataset
+    (a tokenized file), optionally through an index array (a held-out split) and a length limit (whole
+    rounds of batches). Nothing is copied: a row is read when it is drawn."""
+
+    def __init__(self, base: Any, index: Any = None, limit: int | None = None) -> None:
+        self.base, self.index = base, index
+        self._len = min(len(base) if index is None else len(index), limit if limit is not None else sys.maxsize)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._len))]
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError(i)
+        return self.base[int(i if self.index is None else self.index[i])]
+
+    def limited(self, n: int) -> Rows:
+        return Rows(self.base, self.index, n)
+
+
+def build_rows(cfg: Config, vocab_size: int, pad_id: int, tokenizer: Any) -> tuple[Rows, Rows | None]:
+    """(training rows, held-out rows or None). Files are tokenized once into the cache (runtime/corpus.py)."""
     if cfg.data.source == "synthetic":
-        return
-    p = Path(cfg.data.source)
-    if not p.is_file():
-        raise ConfigError(f"data.source: {p} is not a file (use 'synthetic' or a local {'/'.join(SUPPORTED_SUFFIXES)})")
-    if p.suffix not in SUPPORTED_SUFFIXES:
-        raise ConfigError(f"data.source: {p.suffix!r} files are not supported; use {', '.join(SUPPORTED_SUFFIXES)}")
-    if p.suffix == ".txt":
-        return
-    cols = _columns(p)
-    d = cfg.data
-    if cfg.model.task == "seq_cls":
-        need = [d.text_field, d.label_field]
-        ok = all(c in cols for c in need)
+        rows: Rows = Rows(synthetic_classification(cfg, vocab_size, cfg.model.num_labels)
+                          if cfg.model.task == "seq_cls" else synthetic_causal(cfg, vocab_size, pad_id))
     else:
-        need = [d.prompt_field, d.response_field]
-        ok = all(c in cols for c in need) or d.text_field in cols
-        need_msg = f"{d.prompt_field!r}+{d.response_field!r} or {d.text_field!r}"
-    if not ok:
-        want = need_msg if cfg.model.task == "causal_lm" else " and ".join(repr(c) for c in need)
-        raise ConfigError(f"data.source: {p} has columns {sorted(cols)}; expected {want} "
-                          "(set data.prompt_field / data.response_field / data.text_field / data.label_field)")
+        rows = Rows(_corpus(cfg, cfg.data.source, tokenizer, "data.source"))
+    if cfg.data.eval_source:
+        return rows, Rows(_corpus(cfg, cfg.data.eval_source, tokenizer, "data.eval_source"))
+    if cfg.data.eval_fraction:
+        return split_eval(rows, cfg.data.eval_fraction, cfg.train.seed)
+    return rows, None
 
 
-def _columns(p: Path) -> set[str]:
-    if p.suffix == ".parquet":
-        import pyarrow.parquet as pq
+def _corpus(cfg: Config, source: str, tokenizer: Any, what: str) -> Any:
+    from toolkit.runtime.corpus import load_corpus
 
-        return set(pq.read_schema(p).names)
-    for _, row in read_objects(p, "data.source"):
-        return set(row)  # the first object names the columns
-    raise ConfigError(f"data.source: {p} is empty")
-
-
-def load_file_rows(cfg: Config, tokenizer: Any) -> list[dict[str, Any]]:
-    """Tokenize a local file with `datasets` (no hub access: the loaders read local files only)."""
-    from datasets import load_dataset
-
-    p = Path(cfg.data.source)
-    kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}[p.suffix]
-    ds = load_dataset(kind, data_files=str(p), split="train")
-    d, n = cfg.data, cfg.data.seq_len
-    rows: list[dict[str, Any]] = []
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    for ex in ds:
-        if cfg.model.task == "seq_cls":
-            ids = tokenizer(ex[d.text_field], truncation=True, max_length=n)["input_ids"]
-            rows.append({"input_ids": ids, "labels": int(ex[d.label_field])})
-        elif d.prompt_field in ex and d.response_field in ex and kind != "text":
-            prompt = tokenizer(ex[d.prompt_field], add_special_tokens=True)["input_ids"]
-            resp = tokenizer(ex[d.response_field], add_special_tokens=False)["input_ids"] + eos
-            ids = (prompt + resp)[:n]
-            labels = ([IGNORE_INDEX] * len(prompt) + resp)[:n]
-            if any(t != IGNORE_INDEX for t in labels):  # a prompt longer than seq_len leaves nothing to learn
-                rows.append({"input_ids": ids, "labels": labels})
-        else:
-            ids = tokenizer(ex[d.text_field], add_special_tokens=True)["input_ids"] + eos
-            rows.append({"input_ids": ids[:n], "labels": ids[:n]})
-    if d.packing:
-        rows = pack(rows, n)
-    if not rows:
-        raise ConfigError(f"data.source: {p} produced no training samples")
-    return rows
+    if tokenizer is None:
+        raise ConfigError(f"{what} is a file: set model.tokenizer to a local tokenizer directory "
+                          "(or use a local model directory that contains one)")
+    return load_corpus(cfg, source, tokenizer, what).rows
 
 
-def pack(rows: list[dict[str, Any]], block: int) -> list[dict[str, list[int]]]:
-    """Concatenate samples into full blocks (labels keep their -100 masks); drops the ragged tail."""
-    ids: list[int] = []
-    labels: list[int] = []
-    for r in rows:
-        ids += r["input_ids"]
-        labels += r["labels"]
-    return [{"input_ids": ids[i:i + block], "labels": labels[i:i + block]}
-            for i in range(0, len(ids) - block + 1, block)]
+def split_eval(rows: Rows, fraction: float, seed: int) -> tuple[Rows, Rows]:
+    """A seeded draw of the held-out rows (every rank draws the same); both keep the file's order."""
+    import numpy as np
+
+    n = len(rows)
+    n_eval = max(1, round(n * fraction))
+    if n_eval >= n:
+        raise ConfigError(f"data.eval_fraction={fraction} leaves no training rows out of {n}")
+    pick = np.random.default_rng(seed).permutation(n)
+    held = np.sort(pick[:n_eval])
+    train = np.sort(pick[n_eval:])
+    base = rows.base if rows.index is None else None
+    if base is None:  # a view of a view: compose the indices
+        train, held = np.asarray(rows.index)[train], np.asarray(rows.index)[held]
+        base = rows.base
+    return Rows(base, train), Rows(base, held)
 
 
 @dataclass
@@ -172,6 +178,8 @@ class Collator:
     `mask.all()` on the device tensor, a sync per forward). Equivalent: every token is attended."""
 
     def __call__(self, batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if "seq_lens" in batch[0]:
+            return self._packed(batch)
         width = max(len(b["input_ids"]) for b in batch)
         ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -190,6 +198,24 @@ class Collator:
             if self.drop_full_mask and all(len(b["input_ids"]) == width for b in batch):
                 del out["attention_mask"]
         return out
+
+
+    def _packed(self, batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """Packed blocks: position ids restart at 0 for every sample and no attention_mask is sent, which is
+        how transformers recognizes packed sequences (masking_utils.find_packed_sequence_indices for sdpa and
+        eager, the varlen path for flash-attention): no sample attends to another. Padding after the last
+        sample gets position 0 at every token, so each pad is a sequence of its own (TokenCounter tells it
+        apart: real samples have at least 2 tokens)."""
+        width = max(len(b["input_ids"]) for b in batch)
+        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
+        pos = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, b in enumerate(batch):
+            n = len(b["input_ids"])
+            ids[i, :n] = torch.tensor(b["input_ids"])
+            labels[i, :n] = torch.tensor(b["labels"])
+            pos[i, :n] = torch.cat([torch.arange(k) for k in b["seq_lens"]])
+        return {"input_ids": ids, "labels": labels, "position_ids": pos}
 
 
 class EpochOrder(Sampler[int]):
@@ -246,24 +272,13 @@ class ShardedBatches(Sampler[list[int]]):
         return self.order.n // (self.micro * self.world)
 
 
-def build_rows(cfg: Config, vocab_size: int, pad_id: int, tokenizer: Any) -> list[dict[str, Any]]:
-    if cfg.data.source == "synthetic":
-        if cfg.model.task == "seq_cls":
-            return synthetic_classification(cfg, vocab_size, cfg.model.num_labels)
-        return synthetic_causal(cfg, vocab_size, pad_id)
-    if tokenizer is None:
-        raise ConfigError("data.source is a file: set model.tokenizer to a local tokenizer directory "
-                          "(or use a local model directory that contains one)")
-    return load_file_rows(cfg, tokenizer)
-
-
 def steps_per_epoch(n_samples: int, cfg: Config, world: int) -> int:
     """Optimizer steps in one pass over n_samples (what train.max_steps=0 means)."""
     per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * world
     return max(1, n_samples // per_step)
 
 
-def even_rows(rows: list[dict[str, Any]], micro_batch: int, world: int) -> list[dict[str, Any]]:
+def even_rows(rows: Rows, micro_batch: int, world: int) -> Rows:
     """Trim to whole rounds of micro_batch x world so every rank gets the same number of batches.
 
     Accelerate pads an uneven last round with samples from the start, which a raw loop would have
@@ -273,4 +288,4 @@ def even_rows(rows: list[dict[str, Any]], micro_batch: int, world: int) -> list[
     if keep == 0:
         raise ConfigError(f"{len(rows)} samples are fewer than one global micro-batch "
                           f"(micro_batch_size {micro_batch} x world size {world})")
-    return rows[:keep]
+    return rows.limited(keep)

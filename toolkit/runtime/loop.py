@@ -48,11 +48,13 @@ from toolkit.runtime.data import (
     Collator,
     EpochOrder,
     ListDataset,
+    Rows,
     ShardedBatches,
     build_rows,
     even_rows,
     steps_per_epoch,
 )
+from toolkit.runtime.evaluate import evaluate
 from toolkit.runtime.guards import NonFiniteError, NonFiniteGuard
 from toolkit.runtime.model import (
     build_model,
@@ -123,7 +125,7 @@ def _run(p: RunSpec, liger: Any) -> int:
                         spread_warn_gib=cfg.memory.spread_warn_gib, tensorboard=cfg.metrics.tensorboard)
     tokenizer = build_tokenizer(cfg)
     pad_id = tokenizer.pad_token_id if tokenizer is not None else p.model_config.pad_token_id or 0
-    rows = build_rows(cfg, p.model_config.vocab_size, pad_id, tokenizer)
+    rows, eval_rows = build_rows(cfg, p.model_config.vocab_size, pad_id, tokenizer)
     rows = even_rows(rows, cfg.train.micro_batch_size * cfg.train.grad_accum, p.world_size)
     if cfg.train.max_steps == 0:  # one epoch of the data actually loaded
         p.total_steps = steps_per_epoch(len(rows), cfg, p.world_size)
@@ -139,7 +141,8 @@ def _run(p: RunSpec, liger: Any) -> int:
     state = {"phase": "engine_ready", "step": 0, "preempt": Preemption(), "preempted": False,
              # the loss on this batch is recorded at every save and checked after every resume
              "fixed_batch": resume.fixed_batch(rows, Collator(pad_id=pad_id, task=cfg.model.task)),
-             "profiler": StepProfiler(p.run_dir, rank, list(cfg.train.profile_steps))}
+             "profiler": StepProfiler(p.run_dir, rank, list(cfg.train.profile_steps)),
+             "eval": _evaluator(p, eval_rows, collator, metrics)}
     metrics.engine_starting(f"ZeRO-{zero_stage(p.ds)}, {cfg.train.path} path, {p.world_size} ranks")
     try:
         with mem.oom_guard(lambda: (state["phase"], state["step"])):
@@ -174,6 +177,20 @@ def _run(p: RunSpec, liger: Any) -> int:
                               "SIGTERM: preempted, checkpoint written" if state["preempted"] else "train.stop_after"),
               flush=True)
     return 0
+
+
+def _evaluator(p: RunSpec, rows: Rows | None, collate: Collator, metrics: MetricsLogger) -> Any:
+    """eval(engine, step, final): the held-out loss every train.eval_every steps and at the end; None
+    without held-out data. Every rank calls it (ZeRO-3 forwards are collectives)."""
+    if rows is None:
+        return None
+    every = p.cfg.train.eval_every
+
+    def run(engine: Any, step: int, final: bool) -> None:
+        if final or (every and step % every == 0 and step < p.total_steps):
+            metrics.log_eval(step, evaluate(engine, rows, collate, p.cfg.train.micro_batch_size, p.cfg.model.task))
+
+    return run
 
 
 def _metrics_logger(p: RunSpec, model: Any) -> MetricsLogger:
@@ -314,6 +331,8 @@ def _run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collat
             state["profiler"].step_done(st.global_step)
             if not state.get("breakdown"):  # after this process's first optimizer step: states exist
                 state["breakdown"] = breakdown.record(p.run_dir, dist.rank(), trainer.model_wrapped, st.global_step)
+            if state["eval"]:
+                state["eval"](trainer.model_wrapped, st.global_step, False)
             if t.stop_after and st.global_step >= t.stop_after:
                 control.should_save = True
                 control.should_training_stop = True
@@ -325,6 +344,11 @@ def _run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collat
             if control.should_save:  # the Trainer saves right after this hook, into checkpoint-<step>
                 clear_stale(Path(args.output_dir) / f"checkpoint-{st.global_step}")
             return control
+
+        def on_train_end(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
+            # the end of the schedule, not a stop (train.stop_after, SIGTERM): the final held-out loss
+            if state["eval"] and st.global_step >= st.max_steps and not state["preempted"]:
+                state["eval"](trainer.model_wrapped, st.global_step, True)
 
         def on_save(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
             # Called on every rank once the Trainer's save returned; DeepSpeed's save ends with a
@@ -465,6 +489,8 @@ def _run_raw(p: RunSpec, model: Any, dataset: ListDataset, collator: Collator, o
             state["breakdown"] = breakdown.record(p.run_dir, rank, engine, step)
         if step > 1:
             mem.maybe_step(step)
+        if state["eval"]:
+            state["eval"](engine, step, False)
         saving = bool((t.save_every and step % t.save_every == 0) or (t.stop_after and step == last and step < total))
         preempted = logged and step < last and state["preempt"].agreed()  # SIGTERM: stop here, with a checkpoint
         if saving or preempted:
@@ -474,6 +500,8 @@ def _run_raw(p: RunSpec, model: Any, dataset: ListDataset, collator: Collator, o
             state["preempted"] = True
             break
         state["profiler"].step_done(step)
+    if state["eval"] and step >= total:
+        state["eval"](engine, step, True)
     metrics.close()  # the bar ends before export and the summary print
     return engine, step, step < total
 
@@ -496,7 +524,7 @@ def _label_count(batches: list[dict[str, torch.Tensor]], device: torch.device) -
 # ----------------------------------------------------------------------------- end of run
 
 
-def _finish(p: RunSpec, engine: Any, tokenizer: Any, rows: list[dict[str, Any]], pad_id: int, stopped: bool) -> None:
+def _finish(p: RunSpec, engine: Any, tokenizer: Any, rows: Rows, pad_id: int, stopped: bool) -> None:
     cfg = p.cfg
     if cfg.train.save_probe:
         _save_probe(p, engine, rows, pad_id)
@@ -517,14 +545,13 @@ def _finish(p: RunSpec, engine: Any, tokenizer: Any, rows: list[dict[str, Any]],
 
 
 @torch.no_grad()
-def _save_probe(p: RunSpec, engine: Any, rows: list[dict[str, Any]], pad_id: int) -> None:
+def _save_probe(p: RunSpec, engine: Any, rows: Rows, pad_id: int) -> None:
     """Logits of the trained engine on two fixed samples, to compare with the exported weights."""
     collate = Collator(pad_id=pad_id, task=p.cfg.model.task)
-    batch = collate(rows[:2])
+    inputs = {k: v for k, v in collate(rows[:2]).items() if k != "labels"}  # packed rows: position_ids, no mask
     engine.eval()
-    out = engine(input_ids=batch["input_ids"].to(dist.device()), attention_mask=batch["attention_mask"].to(dist.device()))
+    out = engine(**{k: v.to(dist.device()) for k, v in inputs.items()})
     if dist.rank() == 0:
-        torch.save({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
-                    "logits": out.logits.float().cpu()}, p.run_dir / "probe.pt")
+        torch.save({**inputs, "logits": out.logits.float().cpu()}, p.run_dir / "probe.pt")
     engine.train()
 

@@ -39,7 +39,10 @@ def model_config(cfg: Config) -> Any:
         mc = AutoConfig.from_pretrained(path, local_files_only=True)
     if cfg.model.task == "seq_cls":
         mc.num_labels = cfg.model.num_labels
-    mc.use_cache = not cfg.model.gradient_checkpointing
+    # No KV cache in training forwards under checkpointing or packing: transformers only reads packed position
+    # ids as separate sequences when no cache is passed (masking_utils._preprocess_mask_arguments), and a
+    # training forward builds one whenever config.use_cache is on. generate() asks for its own cache.
+    mc.use_cache = not (cfg.model.gradient_checkpointing or cfg.data.packing)
     limit = getattr(mc, "max_position_embeddings", None) or getattr(mc, "n_positions", None)
     if limit is not None and cfg.data.seq_len > limit:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is above the model's maximum of {limit} positions")

@@ -1,0 +1,70 @@
+"""The held-out loss (data.eval_source or data.eval_fraction), the same on both training paths.
+
+Every rank runs the same number of forwards on its share of the held-out rows, because under ZeRO-3 each
+forward gathers parameters from all ranks: a rank with fewer rows runs a masked copy of a row (labels all
+-100, so it adds nothing). Token-loss sums and token counts stay on the device and are reduced once at the
+end, so the loss is the token mean over the whole held-out set, whatever the world size.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from toolkit.launch import dist
+from toolkit.runtime.corpus import IGNORE_INDEX
+
+
+def rank_batches(n: int, micro: int, rank: int, world: int) -> list[list[int]]:
+    """Row indices of each of this rank's eval batches; every rank gets the same count. An empty batch (a
+    rank past the end) is [-1]: a masked stand-in."""
+    per_round = micro * world
+    rounds = max(1, -(-n // per_round))
+    out = []
+    for r in range(rounds):
+        start = r * per_round + rank * micro
+        idx = list(range(start, min(start + micro, n)))
+        out.append(idx or [-1])
+    return out
+
+
+@torch.no_grad()
+def evaluate(engine: Any, rows: Sequence[dict[str, Any]], collate: Any, micro: int, task: str) -> dict[str, float]:
+    """Every rank calls it (a collective under ZeRO-3). Eval mode for the pass, the caller's mode after."""
+    t0 = time.perf_counter()
+    device = dist.device()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.float64, device=device)
+    was_training = engine.training
+    engine.eval()
+    try:
+        for idx in rank_batches(len(rows), micro, dist.rank(), dist.world_size()):
+            samples = [rows[i] for i in idx] if idx != [-1] else [_masked(rows[0], task)]
+            b = {k: v.to(device, non_blocking=True) for k, v in collate(samples).items()}
+            if task == "seq_cls":
+                labels = b.pop("labels")
+                logits = engine(**b).logits.float()
+                real = 0 if idx == [-1] else len(idx)
+                loss_sum += torch.nn.functional.cross_entropy(logits[:real], labels[:real], reduction="sum")
+                count += real
+            else:
+                # num_items_in_batch=1: the model's (or Liger's fused) loss is then the sum over the batch's
+                # target tokens, without materializing the logits here
+                loss_sum += engine(**b, num_items_in_batch=torch.ones((), device=device)).loss.double()
+                count += (b["labels"][..., 1:] != IGNORE_INDEX).sum()
+    finally:
+        engine.train(was_training)
+    total = dist.all_reduce_tensor(torch.stack([loss_sum, count]))
+    loss = float(total[0] / total[1]) if float(total[1]) > 0 else float("nan")
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 80.0)), "eval_tokens": int(total[1]),
+            "eval_s": time.perf_counter() - t0}
+
+
+def _masked(row: dict[str, Any], task: str) -> dict[str, Any]:
+    if task == "seq_cls":
+        return dict(row)
+    return {**row, "labels": [IGNORE_INDEX] * len(row["labels"])}
