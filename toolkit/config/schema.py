@@ -38,7 +38,12 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     source: str = "synthetic"
-    """synthetic (embedded, learnable) or a local .jsonl / .parquet / .txt file."""
+    """synthetic (embedded, learnable) or a local .jsonl / .json / .parquet / .txt file, tokenized once into
+    data.cache_dir and memory-mapped by every rank (later launches reuse it)."""
+    format: str = "auto"
+    """auto (from the columns: messages, else prompt+response, else text), prompt_response (prompt masked
+    from the loss), text (all tokens trained on; long documents split into seq_len samples) or messages
+    (chat rows rendered with the tokenizer's chat template, loss on the assistant turns only)."""
     num_samples: int = 256
     """Synthetic samples to generate."""
     seq_len: int = 64
@@ -51,8 +56,19 @@ class DataConfig:
     """Column with plain text (no masking) when prompt/response columns are absent."""
     label_field: str = "label"
     """Column with the class for seq_cls."""
+    messages_field: str = "messages"
+    """Column with the conversation, a list of {"role": system|user|assistant|tool, "content": str}."""
     packing: bool = False
-    """Concatenate samples into seq_len blocks (causal_lm only)."""
+    """Fill seq_len blocks with whole samples (causal_lm only). Position ids restart per sample, so packed
+    samples do not attend to each other (transformers' packed-sequence masks)."""
+    eval_source: str | None = None
+    """A held-out file (same format) for the eval loss; tokenized and cached like data.source."""
+    eval_fraction: float = 0.0
+    """Hold out this fraction of data.source (a seeded draw) for the eval loss instead; 0: none."""
+    cache_dir: str | None = None
+    """Where tokenized files are cached; default $TOOLKIT_CACHE/data (~/.cache/toolkit/data)."""
+    num_proc: int = 0
+    """Processes that tokenize a file on its first launch; 0: the machine's cores (at most 16)."""
     shuffle: bool = True
     """Shuffle with the run seed; the same order on both paths."""
 
@@ -92,6 +108,9 @@ class TrainConfig:
     """Optimizer steps; 0 means one epoch."""
     seed: int = 1234
     log_every: int = 1
+    eval_every: int = 0
+    """Eval loss (and perplexity) on the held-out data every N optimizer steps, and always at the end when
+    held-out data is set (data.eval_source or data.eval_fraction); 0: at the end only."""
     save_every: int = 0
     """DeepSpeed checkpoint every N steps (0: only at the end)."""
     resume: str | None = None
@@ -231,6 +250,15 @@ class Config:
             (self.data.seq_len >= 8, "data.seq_len must be >= 8"),
             (self.data.num_samples >= 1, "data.num_samples must be >= 1"),
             (not (self.data.packing and self.model.task != "causal_lm"), "data.packing needs model.task=causal_lm"),
+            (self.data.format in ("auto", "prompt_response", "text", "messages"),
+             f"data.format must be auto, prompt_response, text or messages, got {self.data.format!r}"),
+            (not (self.data.format == "messages" and self.model.task != "causal_lm"),
+             "data.format=messages needs model.task=causal_lm"),
+            (0 <= self.data.eval_fraction < 1, f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction}"),
+            (not (self.data.eval_source and self.data.eval_fraction),
+             "set data.eval_source or data.eval_fraction, not both"),
+            (self.data.num_proc >= 0, "data.num_proc must be >= 0 (0: the machine's cores)"),
+            (t.eval_every >= 0, "train.eval_every must be >= 0"),
             (self.lora.r >= 1, "lora.r must be >= 1"),
         ]
         for ok, msg in checks:
