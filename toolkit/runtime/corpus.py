@@ -4,8 +4,8 @@ A file is read and tokenized by `datasets` (`.map`, batched, in `data.num_proc` 
 dataset under `data.cache_dir/<key>/`. The key hashes everything that changes the tokens: the file's
 identity (resolved path, size, modification time), the tokenizer (its full serialization, chat template
 and special ids), the format, the fields, `data.seq_len`, packing and the task. One process builds it
-while the others wait; then every rank opens it with `datasets.load_from_disk`, which memory-maps the
-Arrow files, so host memory per rank does not grow with the corpus, and a later launch (or a resume)
+while the others wait; then every rank opens its Arrow files with `datasets.Dataset.from_file`, which
+memory-maps them, so host memory per rank does not grow with the corpus, and a later launch (or a resume)
 reuses it at once.
 
 Who builds: global rank 0 when every rank sees the cache directory (a shared filesystem, or one node),
@@ -255,8 +255,6 @@ class Corpus:
 
 def load_corpus(cfg: Config, source: str, tokenizer: Any, what: str = "data.source") -> Corpus:
     """Every rank: the cache for `source`, built by one process per filesystem if missing."""
-    from datasets import load_from_disk
-
     path = Path(source)
     columns = file_columns(path, what)
     fmt = resolve_format(cfg, path, columns)
@@ -274,8 +272,8 @@ def load_corpus(cfg: Config, source: str, tokenizer: Any, what: str = "data.sour
         info = json.loads((final / DONE).read_text())
         print(f"{what}: reusing the tokenized cache {final} ({info['samples']:,} samples, {info['tokens']:,} tokens; "
               f"built in {info['build_s']:.1f} s)", flush=True)
-    info = json.loads((final / DONE).read_text())
-    return Corpus(load_from_disk(str(final), keep_in_memory=False), info, final)
+    rows, info = open_cache(final)
+    return Corpus(rows, info, final)
 
 
 def _builder(root: Path) -> tuple[str, bool]:
@@ -335,14 +333,30 @@ def _wait(final: Path, root: Path, token: str, what: str) -> None:
         print(f"{what}: rank {dist.rank()} waited {time.monotonic() - t0:.1f} s for the data cache {final}", flush=True)
 
 
+def _features(task: str, packed: bool) -> Any:
+    """int32 tokens (half of what Arrow infers from Python ints): what the cache stores and maps."""
+    from datasets import Features, Sequence, Value
+
+    tokens = Sequence(Value("int32"))
+    cols = {"input_ids": tokens, "labels": Value("int64") if task == "seq_cls" else tokens}
+    cols |= {"seq_lens": tokens} if packed else {"status": Value("int8")}
+    return Features(cols)
+
+
 def build(cfg: Config, path: Path, fmt: str, key: dict[str, Any], tokenizer: Any, final: Path,
           what: str = "data.source") -> dict[str, Any]:
-    """Tokenize `path` into `final` (atomically: a temporary directory renamed at the end)."""
+    """Tokenize `path` into `final` (atomically: a temporary directory renamed at the end).
+
+    The map writes its Arrow files straight into the cache directory (`cache_file_name`), and those files
+    are the cache: no second copy with `save_to_disk`. Rows that cannot train are filtered out, which
+    costs one flattening copy only when there are some."""
     import datasets
     import numpy as np
 
     d = cfg.data
     tmp = final.parent / f"{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+    out = tmp / "data"
+    out.mkdir(parents=True)
     num_proc = d.num_proc or max(1, min(os.cpu_count() or 1, 16))
     t0 = time.perf_counter()
     datasets.utils.logging.enable_progress_bar()
@@ -355,49 +369,65 @@ def build(cfg: Config, path: Path, fmt: str, key: dict[str, Any], tokenizer: Any
         fn = Tokenize(tokenizer, fmt, cfg.model.task, d.seq_len, d.prompt_field, d.response_field, d.text_field,
                       d.label_field, d.messages_field)
         # an explicit fingerprint: hashing the function would serialize the whole tokenizer for nothing
-        tok = raw.map(fn, batched=True, batch_size=1000, num_proc=procs, remove_columns=raw.column_names,
-                      new_fingerprint=f"{key_name(key)}-tok", desc="tokenize")
-        status = np.bincount(tok.with_format("numpy")["status"], minlength=6)
+        ds = raw.map(fn, batched=True, batch_size=1000, num_proc=procs, remove_columns=raw.column_names,
+                     features=_features(cfg.model.task, False), cache_file_name=str(out / "tokens.arrow"),
+                     new_fingerprint=f"{key_name(key)}-tok", desc="tokenize")
+        status = np.bincount(ds.with_format("numpy")["status"], minlength=6)
         _refuse_bad_rows(status, cfg, path, what)
-        kept = tok.filter(_trains, input_columns="status", batched=True, batch_size=10_000, num_proc=procs,
-                          new_fingerprint=f"{key_name(key)}-keep", desc="keep")
-        kept = kept.remove_columns("status")
-        if not len(kept):
+        if status[OK] + status[TRUNCATED] < len(ds):
+            ds = ds.filter(_trains, input_columns="status", batched=True, batch_size=10_000, num_proc=procs,
+                           new_fingerprint=f"{key_name(key)}-keep", desc="keep")
+            ds = ds.flatten_indices(cache_file_name=str(out / "kept.arrow"), new_fingerprint=f"{key_name(key)}-flat")
+        ds = ds.remove_columns("status")
+        if not len(ds):
             raise ConfigError(f"{what}: {path} produced no training samples (every row is shorter than 2 tokens "
                               "or has nothing to learn within data.seq_len)")
         if d.packing:
-            kept = kept.map(pack_batch, batched=True, batch_size=4000, num_proc=procs, fn_kwargs={"block": d.seq_len},
-                            new_fingerprint=f"{key_name(key)}-pack", desc="pack")
-        kept.save_to_disk(str(tmp / "data"))
-        tokens = _token_count(tmp / "data")
-        info = {"key": key, "samples": len(kept), "tokens": tokens, "rows": len(raw),
-                "truncated": int(status[TRUNCATED]), "dropped": int(status[NOTHING_TO_LEARN]),
-                "build_s": time.perf_counter() - t0, "num_proc": num_proc, "format": fmt}
+            ds = ds.map(pack_batch, batched=True, batch_size=4000, num_proc=procs, fn_kwargs={"block": d.seq_len},
+                        features=_features(cfg.model.task, True), cache_file_name=str(out / "packed.arrow"),
+                        new_fingerprint=f"{key_name(key)}-pack", desc="pack")
+        files = [Path(f["filename"]).name for f in ds.cache_files]
+        for f in out.iterdir():  # the intermediate files the final dataset does not read
+            if f.name not in files:
+                f.unlink()
+        info = {"key": key, "files": files, "columns": ds.column_names, "samples": len(ds),
+                "tokens": _token_count(ds), "rows": len(raw), "truncated": int(status[TRUNCATED]),
+                "dropped": int(status[NOTHING_TO_LEARN]), "build_s": time.perf_counter() - t0,
+                "num_proc": num_proc, "format": fmt}
         _say_counts(info, cfg, what)
         shutil.rmtree(tmp / "hf", ignore_errors=True)
-        (tmp / "data" / DONE).write_text(json.dumps(info, indent=1) + "\n")
+        (out / DONE).write_text(json.dumps(info, indent=1) + "\n")
         try:
-            os.rename(tmp / "data", final)
+            os.rename(out, final)
         except OSError:
             if not (final / DONE).is_file():  # another launch won the race with a complete cache: use it
                 raise
-        print(f"{what}: {info['samples']:,} samples, {tokens:,} tokens, cached in {info['build_s']:.1f} s",
+        print(f"{what}: {info['samples']:,} samples, {info['tokens']:,} tokens, cached in {info['build_s']:.1f} s",
               file=sys.stderr, flush=True)
         return info
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def open_cache(final: Path) -> tuple[Any, dict[str, Any]]:
+    """The cache's Arrow files, memory-mapped (`Dataset.from_file`), as one dataset of its columns."""
+    from datasets import Dataset, concatenate_datasets
+
+    info = json.loads((final / DONE).read_text())
+    parts = [Dataset.from_file(str(final / f), in_memory=False) for f in info["files"]]
+    ds = parts[0] if len(parts) == 1 else concatenate_datasets(parts)
+    return ds.select_columns(info["columns"]), info
+
+
 def _trains(status: list[int]) -> list[bool]:
     return [s <= TRUNCATED for s in status]
 
 
-def _token_count(saved: Path) -> int:
-    """From the Arrow list offsets of the saved (memory-mapped) dataset: no token is read into Python."""
+def _token_count(ds: Any) -> int:
+    """From the Arrow list offsets (no indices mapping left at this point): no token is read into Python."""
     import pyarrow.compute as pc
-    from datasets import load_from_disk
 
-    col = load_from_disk(str(saved)).data.column("input_ids")
+    col = ds.data.column("input_ids")
     return int(pc.sum(pc.list_value_length(col)).as_py() or 0)
 
 
