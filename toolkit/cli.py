@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from toolkit import __version__
+from toolkit.config.ds_config import CONSUMERS, DEFAULT_TARGETS  # pure dict code: no torch, fast
 
 OFFLOADS = ("none", "cpu", "nvme")
 PRECISIONS = ("bf16", "fp16", "fp32", "auto")
@@ -32,9 +33,10 @@ def _cmd_gen_config(args: argparse.Namespace) -> int:
         out_dir = Path(args.output or "ds_configs")
         if out_dir.exists() and not out_dir.is_dir():
             raise dc.ConfigError(f"{out_dir} is not a directory")
-        for name in dc.PRESETS:
+        targets = tuple(args.consumer or dc.DEFAULT_TARGETS)
+        for name, (stage, opt, par) in dc.PRESETS.items():
             path = out_dir / f"{name}.json"
-            dc.write_config(dc.preset(name), path, force=args.force)
+            dc.write_config(dc.gen_config(stage, opt, par, targets=targets), path, force=args.force)
             print(f"wrote {path}")
         return 0
     if args.stage is None:
@@ -48,6 +50,8 @@ def _cmd_gen_config(args: argparse.Namespace) -> int:
         micro_batch=args.micro_batch,
         grad_accum=args.grad_accum,
         world_size=args.world_size,
+        lr=args.lr,
+        targets=tuple(args.consumer or dc.DEFAULT_TARGETS),
     )
     if args.output:
         dc.write_config(cfg, Path(args.output), force=args.force)
@@ -81,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     g = sub.add_parser("gen-config", help="write a DeepSpeed ZeRO config",
-                       description="Generate a DeepSpeed config. Values the training config owns are \"auto\".")
+                       description="Generate a DeepSpeed config. Values the training config owns are \"auto\" "
+                                   "where every --consumer fills them, numbers elsewhere.")
     g.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage")
     g.add_argument("--offload-optimizer", choices=OFFLOADS, default="none", help="optimizer state offload")
     g.add_argument("--offload-param", choices=OFFLOADS, default="none", help="parameter offload (stage 3 only)")
@@ -90,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--micro-batch", type=_positive_int, help="fix train_micro_batch_size_per_gpu")
     g.add_argument("--grad-accum", type=_positive_int, help="fix gradient_accumulation_steps")
     g.add_argument("--world-size", type=_positive_int, help="with both above, fixes train_batch_size")
+    g.add_argument("--lr", type=float, default=None, help="fix optimizer.params.lr (needed for --consumer deepspeed)")
+    g.add_argument("--consumer", action="append", choices=CONSUMERS, metavar="CONSUMER",
+                   help=f"who will read the file (repeat for several; default: {' '.join(DEFAULT_TARGETS)}); "
+                        f"one of {', '.join(CONSUMERS)}. See `toolkit check --help`")
     g.add_argument("-o", "--output", help="file to write (a directory with --all); stdout if omitted")
     g.add_argument("--force", action="store_true", help="overwrite existing files")
     g.add_argument("--all", action="store_true", help="write the standard preset set (default dir ds_configs/)")
@@ -102,7 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--optimizer", default=None,
                    help="client optimizer the training code passes (e.g. torch.adamw, bnb.adamw8bit, DeepSpeedCPUAdam); "
                         "omit when the config's optimizer section is used")
-    c.add_argument("--path", choices=("trainer", "raw"), default="trainer", help="which training path reads it")
+    c.add_argument("--consumer", "--path", dest="consumer", choices=CONSUMERS, default="trainer", metavar="CONSUMER",
+                   help="who reads the file, which decides the \"auto\" values that get filled: trainer or raw "
+                        "(toolkit/train.py's paths; --path is the old spelling), hf-trainer (your own HF Trainer "
+                        "script), accelerate (accelerate launch --deepspeed_config_file), deepspeed (bare "
+                        "deepspeed.initialize: fills none). Default: trainer")
     c.add_argument("--micro-batch", type=_positive_int, default=None, help="micro batch the training config gives")
     c.add_argument("--grad-accum", type=_positive_int, default=None, help="accumulation the training config gives")
     c.add_argument("--json", action="store_true", help="print findings as a JSON list")

@@ -93,10 +93,14 @@ def test_torch_adam_under_offload_warns() -> None:
         ("deepspeed.ops.lion.DeepSpeedCPULion", "raw", None),
         (None, "trainer", None),
         (None, "raw", "warning"),
+        # a plain HF Trainer script and accelerate go through the same mapping; bare deepspeed does not
+        ("torch.optim.AdamW", "hf-trainer", None),
+        ("torch.optim.AdamW", "accelerate", None),
+        ("torch.optim.AdamW", "deepspeed", "error"),
     ],
 )
 def test_client_optimizer_under_offload(optimizer: str | None, path: str, level: str | None) -> None:
-    found = by_key(check("offload_no_optimizer.json", optimizer=optimizer, path=path))
+    found = by_key(check("offload_no_optimizer.json", optimizer=optimizer, consumer=path))
     f = found.get("zero_optimization.offload_optimizer")
     assert (f.level if f else None) == level
     if level == "error" and optimizer is None:

@@ -38,7 +38,7 @@ def test_json_lists_every_candidate_fitting_first_fastest_first(capsys: pytest.C
     assert {c["stage"] for c in cands} == {0, 1, 2, 3} and {c["grad_ckpt"] for c in cands} == {False, True}
     assert all(c["micro_batch"] * c["grad_accum"] * 2 == 32 for c in cands)
     # the chosen DeepSpeed JSON passes the toolkit's checks at the plan's world size and batch split
-    errors = [f for f in check_config(chosen["ds_config"], world_size=2, path="trainer",
+    errors = [f for f in check_config(chosen["ds_config"], world_size=2, consumer="trainer",
                                       micro_batch=chosen["micro_batch"], grad_accum=chosen["grad_accum"])
               if f.level == "error"]
     assert not errors, errors
@@ -83,7 +83,7 @@ def test_a_partial_offload_writes_the_ratio(tmp_path: Path, capsys: pytest.Captu
     chosen = json.loads(capsys.readouterr().out)["chosen"]
     zero = json.loads((tmp_path / "p" / "ds_config.json").read_text())["zero_optimization"]
     assert chosen["stage"] == 3 and zero["offload_optimizer"]["ratio"] == chosen["offload_ratio"] < 1
-    assert not [f for f in check_config({**chosen["ds_config"]}, world_size=1, path="raw") if f.level == "error"]
+    assert not [f for f in check_config({**chosen["ds_config"]}, world_size=1, consumer="raw") if f.level == "error"]
 
 
 @pytest.mark.parametrize("argv,message", [

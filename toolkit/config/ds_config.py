@@ -5,6 +5,10 @@ Pure dict code: no torch, no deepspeed import, so the CLI stays fast and tests s
 Ownership (DESIGN.md "one home per knob"): the training config owns batch sizes, precision,
 clipping and optimizer hyper-parameters, so presets carry "auto" for them; the JSON owns stage,
 offload, buckets, overlap and gather-on-save.
+
+Consumers: "auto" is not DeepSpeed syntax, whoever hands the dict to DeepSpeed replaces it first, and
+each consumer fills its own fixed set of keys (FILLS). A preset says "auto" only where every consumer
+it targets fills it and writes numbers elsewhere (`gen_config(targets=...)`).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -67,8 +71,11 @@ def gen_config(
     micro_batch: int | None = None,
     grad_accum: int | None = None,
     world_size: int | None = None,
+    lr: float | None = None,
+    targets: Iterable[str] = ("trainer", "raw", "hf-trainer"),
 ) -> dict[str, Any]:
-    """Build a DeepSpeed config dict. Batch numbers stay "auto" unless given."""
+    """Build a DeepSpeed config dict for the consumers in `targets` (CONSUMERS): "auto" where all of
+    them fill the key, a number elsewhere (`for_targets`). Batch numbers stay "auto" unless given."""
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"stage must be 0, 1, 2 or 3, got {stage}")
     if offload_param != "none" and stage != 3:
@@ -102,7 +109,7 @@ def gen_config(
 
     # A config optimizer (not a client torch one) so that offload gets DeepSpeedCPUAdam.
     cfg["optimizer"] = {"type": "AdamW",
-                        "params": {"lr": AUTO, "betas": AUTO, "eps": AUTO, "weight_decay": AUTO}}
+                        "params": {"lr": AUTO if lr is None else lr, "betas": AUTO, "eps": AUTO, "weight_decay": AUTO}}
 
     zero: dict[str, Any] = {"stage": stage}
     if stage >= 1:
@@ -129,10 +136,11 @@ def gen_config(
                       "single_submit": False, "overlap_events": True}
     cfg["steps_per_print"] = 1_000_000_000  # the toolkit prints its own progress
     cfg["wall_clock_breakdown"] = False
-    return cfg
+    return for_targets(cfg, targets)
 
 
 def preset(name: str) -> dict[str, Any]:
+    """The shipped preset: for both toolkit paths and a plain HF Trainer script (DEFAULT_TARGETS)."""
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
     stage, opt, par = PRESETS[name]
@@ -221,7 +229,8 @@ class AutoValues:
     total_steps: int | None = None
     zero_sizes: Literal["speed", "memory"] = "speed"
     """How "auto" bucket/prefetch/live-parameter sizes resolve: SPEED_SIZES, or the memory-lean
-    rules from the hidden size (needs hidden_size)."""
+    rules from the hidden size (needs hidden_size). "memory" also replaces a size the JSON sets to
+    DeepSpeed's default (SPEED_SIZES), which presets write where a plain HF Trainer leaves "auto"."""
     adapter_autocast: bool = False
     """bf16 as torch autocast (DeepSpeed "torch_autocast") instead of DeepSpeed's bf16 mode: see
     `adapter_autocast` below."""
@@ -287,6 +296,105 @@ def _auto_table(v: AutoValues) -> dict[str, Any]:
     return table
 
 
+# ----------------------------------------------------------------------------- consumers
+# Who reads the JSON and which "auto" keys each fills (read from transformers 5.x / accelerate 1.x):
+# - trainer, raw: toolkit/train.py's paths; `resolve` fills every key of _auto_table before the HF
+#   Trainer or DeepSpeed see the dict.
+# - hf-trainer: a plain script with TrainingArguments(deepspeed=...). transformers'
+#   HfTrainerDeepSpeedConfig.trainer_config_process fills batch sizes, clipping, AdamW lr/betas/eps/
+#   weight decay, the scheduler's min/max lr and fp16/bf16; accelerate's DeepSpeedPlugin fills stage,
+#   offload devices, NVMe paths and the 16-bit gather with its own defaults; trainer_config_finalize and
+#   accelerate's _prepare_deepspeed fill the three hidden-size sizes (the model needs
+#   config.hidden_size) and the scheduler's step counts. Any other "auto" raises in accelerate's
+#   deepspeed_config_process ("`X` not found in kwargs. Please specify `X` without `auto`").
+# - accelerate: `accelerate launch --deepspeed_config_file` and a script that follows accelerate's
+#   DeepSpeed guide (model, dataloader, DummyOptim and DummyScheduler in one prepare call): the same,
+#   except that DummyOptim carries only lr and weight decay, so betas and eps raise.
+# - deepspeed: bare deepspeed.initialize fills nothing; its pydantic models drop a nested "auto" (its
+#   default runs instead of what was meant) and a top-level one crashes.
+CONSUMERS = ("trainer", "raw", "hf-trainer", "accelerate", "deepspeed")
+# What presets target. accelerate is not among them: it fills no betas/eps, and numbers there would
+# turn a Trainer script's own adam_beta2=0.95 into a mismatch error (`--consumer accelerate` opts in).
+DEFAULT_TARGETS = ("trainer", "raw", "hf-trainer")
+
+_HIDDEN_SIZE_KEYS = ("zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+                     "zero_optimization.stage3_param_persistence_threshold")
+# accelerate's DeepSpeedPlugin fills these from ACCELERATE_DEEPSPEED_* variables or these defaults.
+PLUGIN_DEFAULTS: dict[str, Any] = {
+    "zero_optimization.stage": 2,
+    "zero_optimization.offload_optimizer.device": "none",
+    "zero_optimization.offload_param.device": "none",
+    "zero_optimization.offload_optimizer.nvme_path": "none",
+    "zero_optimization.offload_param.nvme_path": "none",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": False,
+}
+_HF_FILLS = frozenset((
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+    "fp16.enabled", "bf16.enabled",
+    "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps", "optimizer.params.weight_decay",
+    "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps",
+    "scheduler.params.total_num_steps", *_HIDDEN_SIZE_KEYS, *PLUGIN_DEFAULTS,
+))
+_TOOLKIT_FILLS = frozenset(_auto_table(AutoValues(micro_batch=1, grad_accum=1, world_size=1, precision="fp32",
+                                                  grad_clip=1.0, lr=1.0, total_steps=1)))
+FILLS: dict[str, frozenset[str]] = {
+    "trainer": _TOOLKIT_FILLS,
+    "raw": _TOOLKIT_FILLS,
+    "hf-trainer": _HF_FILLS,
+    "accelerate": _HF_FILLS - {"optimizer.params.betas", "optimizer.params.eps"},
+    "deepspeed": frozenset(),
+}
+# What to write where a target leaves "auto" and the number does not depend on the run: the toolkit's
+# training defaults (schema.TrainConfig; the same as TrainingArguments' and torch AdamW's) and
+# DeepSpeed's own ZeRO sizes. The run-dependent keys (micro batch, precision, lr) need a flag.
+NUMBERS: dict[str, Any] = {
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 1.0,
+    "optimizer.params.betas": [0.9, 0.999],
+    "optimizer.params.eps": 1e-8,
+    "optimizer.params.weight_decay": 0.0,
+    "scheduler.params.warmup_min_lr": 0.0,
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": True,
+    **SPEED_SIZES,
+}
+_FLAG_FOR = {"train_micro_batch_size_per_gpu": "--micro-batch", "fp16.enabled": "--precision",
+             "bf16.enabled": "--precision", "optimizer.params.lr": "--lr"}
+
+
+def check_consumers(names: Iterable[str]) -> tuple[str, ...]:
+    out = tuple(names)
+    bad = [c for c in out if c not in CONSUMERS]
+    if bad or not out:
+        raise ConfigError(f"unknown consumer {bad[0] if bad else '(none)'!r}; known: {', '.join(CONSUMERS)}")
+    return out
+
+
+def unfilled(ds: dict[str, Any], consumer: str) -> list[str]:
+    """The "auto" keys this consumer leaves as they are, in file order (each one fails or misleads)."""
+    return [k for k, v in iter_leaves(ds) if v == AUTO and k not in FILLS[consumer]]
+
+
+def for_targets(cfg: dict[str, Any], targets: Iterable[str]) -> dict[str, Any]:
+    """Replace every "auto" that one of `targets` does not fill: a number from NUMBERS, no
+    train_batch_size at all (DeepSpeed derives it from micro x accumulation x world size), or an
+    error naming the flag that gives the run-dependent value."""
+    names = check_consumers(targets)
+    out = copy.deepcopy(cfg)
+    missing: dict[str, list[str]] = {}
+    for key in sorted({k for c in names for k in unfilled(out, c)}):
+        if key in NUMBERS:
+            _set(out, key, copy.deepcopy(NUMBERS[key]))
+        elif key == "train_batch_size":
+            del out[key]
+        else:
+            missing.setdefault(_FLAG_FOR.get(key, key), []).append(key)
+    if missing:
+        who = " and ".join(c for c in names if any(k in unfilled(cfg, c) for ks in missing.values() for k in ks))
+        flags = ", ".join(f"{flag} ({', '.join(ks)})" for flag, ks in sorted(missing.items()))
+        raise ConfigError(f'{who} would leave "auto" on values that depend on the run: give {flags}')
+    return out
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
@@ -329,6 +437,10 @@ def resolve(ds: dict[str, Any], values: AutoValues) -> dict[str, Any]:
         if not present:
             continue
         if have == AUTO:
+            _set(out, key, want)
+        elif values.zero_sizes == "memory" and key in SPEED_SIZES and _same(have, SPEED_SIZES[key]):
+            # DeepSpeed's own default written out, as presets do where a plain HF Trainer cannot fill
+            # "auto": it states no choice of its own, so the explicit request for lean sizes wins.
             _set(out, key, want)
         elif key.startswith("bf16") or key.startswith("fp16"):
             # precision enabled flags: an explicit True that the training config contradicts

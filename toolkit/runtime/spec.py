@@ -174,7 +174,7 @@ def _single_gpu_zero3(ds: dict[str, Any], world: int) -> list[str]:
 def _run_checks(ds: dict[str, Any], cfg: Config, world: int) -> list[str]:
     from toolkit.config.checks import check_config
 
-    findings = check_config(ds, world_size=world, path=cfg.train.path,
+    findings = check_config(ds, world_size=world, consumer=cfg.train.path,
                             micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum)
     errors = [f for f in findings if f.level == "error"]
     if errors:

@@ -1,8 +1,8 @@
 """`toolkit check`: will this DeepSpeed config run? DeepSpeed's own validation plus the toolkit's rules.
 
 Order of work (each step feeds the next):
-  1. fill "auto" the way training will (`ds_config.resolve` with placeholder values); keys it cannot
-     fill are errors;
+  1. fill "auto" the way training will (`ds_config.resolve` with placeholder values); keys the
+     consumer (`--consumer`: who reads the file, ds_config.FILLS) cannot fill are errors;
   2. DeepSpeed's own parser (`DeepSpeedConfig`, its pydantic models) on the resolved dict, one error
      at a time (DeepSpeed stops at the first), plus a trace of which keys it reads at all;
   3. the rule table (RULES): things DeepSpeed only finds at `initialize` time, on N ranks, or never.
@@ -14,6 +14,8 @@ Where things live (imports run one way: base <- rule modules <- core <- this fil
   base.py             Finding, Ctx (what every rule sees), the _err/_warn/_num helpers;
   core.py             "auto" resolution, the RULES table (the one list of rules, in order),
                       check_config / check_file / run_check;
+  consumer.py         rule_consumer_auto: every "auto" the consumer reading the file leaves unfilled
+                      (the toolkit's paths, a plain HF Trainer script, accelerate, bare deepspeed);
   batch.py            rule_batch: batch arithmetic at the real world size;
   optimizer.py        rule_optimizer: optimizer section or client optimizer x offload_optimizer;
   offload.py          rule_offload: stage x offload, partial offload, nvme_path;

@@ -30,9 +30,16 @@ class Ctx:
     resolved: dict[str, Any]
     world_size: int
     optimizer: str | None
-    path: str
+    consumer: str  # who reads the file: ds_config.CONSUMERS
     micro_batch: int | None
     grad_accum: int | None
+
+    @property
+    def via_accelerate(self) -> bool:
+        """The optimizer reaches DeepSpeed through accelerate's glue (the toolkit's Trainer path, a plain
+        HF Trainer script, accelerate itself), which swaps a torch Adam for DeepSpeed's CPU one under
+        offload; the raw loop and bare deepspeed.initialize hand it over as it is."""
+        return self.consumer in ("trainer", "hf-trainer", "accelerate")
 
     @property
     def stage(self) -> int:

@@ -4,6 +4,7 @@ DeepSpeed's parse, then RULES; `check_config`, `check_file`, `run_check`."""
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import re
 import sys
@@ -15,6 +16,7 @@ from typing import Any
 from toolkit.config import ds_config as dc
 from toolkit.config.checks.base import Ctx, Finding, _err, _num
 from toolkit.config.checks.batch import _batch, rule_batch
+from toolkit.config.checks.consumer import rule_consumer_auto
 from toolkit.config.checks.deepspeed_parse import _ds_findings, _import_deepspeed, _unread_findings
 from toolkit.config.checks.keys import rule_deprecated, rule_stage3_keys
 from toolkit.config.checks.leaf import rule_leaf_threshold
@@ -23,6 +25,7 @@ from toolkit.config.checks.optimizer import rule_optimizer
 
 # The one rule table: each rule sees the same Ctx; their findings come out in this order within a level.
 RULES: tuple[Callable[[Ctx], list[Finding]], ...] = (
+    rule_consumer_auto,
     rule_batch,
     rule_optimizer,
     rule_offload,
@@ -64,8 +67,6 @@ def _resolve(ds: dict[str, Any], values: dc.AutoValues) -> tuple[list[Finding], 
 
 
 def _drop(ds: dict[str, Any], keys: list[str]) -> dict[str, Any]:
-    import copy
-
     out = copy.deepcopy(ds)
     for key in keys:
         *parents, last = key.split(".")
@@ -84,11 +85,14 @@ def check_config(
     ds: dict[str, Any],
     world_size: int = 1,
     optimizer: str | None = None,
-    path: str = "trainer",
+    consumer: str = "trainer",
     micro_batch: int | None = None,
     grad_accum: int | None = None,
 ) -> list[Finding]:
-    """Every problem the toolkit can see before launch; errors first. Empty list: it will run."""
+    """Every problem the toolkit can see before launch for this consumer (ds_config.CONSUMERS: the
+    toolkit's two paths, a plain HF Trainer script, accelerate, bare deepspeed.initialize); errors
+    first. Empty list: it will run."""
+    dc.check_consumers([consumer])
     _import_deepspeed()
     b = _batch(ds, world_size, micro_batch, grad_accum)
     precision = dc.precision_of(ds) or "fp32"
@@ -113,11 +117,18 @@ def check_config(
         hidden_size=1024,
         total_steps=1000,
     )
-    resolve_findings, resolved = _resolve(ds, values)
+    # Where accelerate's DeepSpeedPlugin fills "auto" (stage, offload devices) the run gets its value.
+    filled = dict(ds)
+    if consumer in ("hf-trainer", "accelerate"):
+        filled = copy.deepcopy(ds)
+        for key, value in dc.PLUGIN_DEFAULTS.items():
+            if dc._get(ds, key) == (True, dc.AUTO):
+                dc._set(filled, key, value)
+    resolve_findings, resolved = _resolve(filled, values)
     # precision "mismatches" from resolve can only mean both enabled: rule_precision says it better
     resolve_findings = [f for f in resolve_findings if not f.key.startswith(("fp16.", "bf16."))]
 
-    ctx = Ctx(ds, resolved, world_size, optimizer, path, micro_batch, grad_accum)
+    ctx = Ctx(ds, resolved, world_size, optimizer, consumer, micro_batch, grad_accum)
     rule_findings = [f for rule in RULES for f in rule(ctx)]
 
     ds_findings: list[Finding] = []
@@ -157,18 +168,18 @@ def check_file(
     file: str | Path,
     world_size: int = 1,
     optimizer: str | None = None,
-    path: str = "trainer",
+    consumer: str = "trainer",
     micro_batch: int | None = None,
     grad_accum: int | None = None,
 ) -> list[Finding]:
     """Load as DeepSpeed does (hjson, duplicate keys refused) and check; ConfigError if unreadable."""
-    return check_config(dc.load_ds_config(file), world_size, optimizer, path, micro_batch, grad_accum)
+    return check_config(dc.load_ds_config(file), world_size, optimizer, consumer, micro_batch, grad_accum)
 
 
 def run_check(args: argparse.Namespace) -> int:
     try:
         findings = check_file(
-            args.file, args.world_size, args.optimizer, args.path, args.micro_batch, args.grad_accum
+            args.file, args.world_size, args.optimizer, args.consumer, args.micro_batch, args.grad_accum
         )
     except dc.ConfigError as e:
         if args.json:

@@ -101,7 +101,7 @@ def rule_optimizer(c: Ctx) -> list[Finding]:
         return out
     force = c.raw.get("zero_force_ds_cpu_optimizer", True) is not False
     key = "zero_optimization.offload_optimizer"
-    if c.path == "trainer" and force:
+    if c.via_accelerate and force:
         # HF Trainer goes through Accelerate, which swaps a client torch/bnb Adam, AdamW, Adagrad or
         # Lion (and the Trainer's own default AdamW) for DeepSpeed's CPU version under offload
         # (accelerate.utils.deepspeed.map_pytorch_optim_to_deepspeed): those run. Anything else is
@@ -137,7 +137,7 @@ def rule_optimizer(c: Ctx) -> list[Finding]:
                     ),
                 )
             )
-    elif c.path == "trainer" and force:
+    elif c.via_accelerate and force:
         out.append(
             _err(
                 key,
@@ -145,7 +145,7 @@ def rule_optimizer(c: Ctx) -> list[Finding]:
                 "under offload; add an optimizer section, e.g. from `toolkit gen-config`",
             )
         )
-    elif c.path == "trainer":
+    elif c.via_accelerate:
         out.append(
             _warn(
                 key,
