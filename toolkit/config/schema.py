@@ -136,7 +136,8 @@ class TrainConfig:
     zero_sizes: str = "speed"
     """How "auto" ZeRO bucket, prefetch and live-parameter sizes resolve: speed (DeepSpeed's defaults,
     measured fastest) or memory (h^2-based rules: about 2 GiB less per rank on a 1B model at ZeRO-3,
-    at a third of its speed)."""
+    at a third of its speed). memory also replaces a size the JSON sets to DeepSpeed's default, as the
+    presets do where a plain HF Trainer cannot fill "auto"."""
     compile: str = "off"
     """torch: compile the model with torch.compile (inductor) through DeepSpeed's engine.compile() on the
     raw path, TrainingArguments(torch_compile=True) on the Trainer path; the first steps pay the compile.
@@ -162,9 +163,15 @@ class MemoryConfig:
 
 @dataclass
 class MetricsConfig:
+    report_to: Any = field(default_factory=lambda: ["tensorboard"])
+    """Trackers that get the training scalars (loss, lr, grad norm, tokens/s, MFU, eval loss) and every rank's
+    memory, on both paths: a list of tensorboard, wandb, mlflow, or one name, or none. wandb and mlflow log from
+    rank 0 (per-rank memory as memory/rank{N}/...), set up by their own variables (WANDB_PROJECT, WANDB_MODE,
+    MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME); their packages are optional (docs/training.md)."""
     tensorboard: bool = True
     """Write TensorBoard event files under run_dir/tb/: training scalars from rank 0, memory per rank
-    in tb/rank{N}/ (`tensorboard --logdir RUN_DIR/tb`)."""
+    in tb/rank{N}/ (`tensorboard --logdir RUN_DIR/tb`). false takes tensorboard out of report_to (the older
+    switch); after loading, it says whether tensorboard is in report_to."""
     peak_tflops: float = 0.0
     """Dense bf16/fp16 peak TFLOPS of one GPU, for MFU; 0: look the GPU up by name (A100, H100, H200, ...).
     MFU is left out where the peak is unknown (fp32 runs, CPU, GPUs not in the table)."""
@@ -172,6 +179,20 @@ class MetricsConfig:
     def __post_init__(self) -> None:
         if self.peak_tflops < 0:
             raise ConfigError("metrics.peak_tflops must be >= 0 (0: look the GPU up by name)")
+        # Typed Any so that both `metrics.report_to=wandb` (as HF's report_to="wandb") and a list load.
+        names = self.report_to
+        if isinstance(names, str):
+            names = [n for n in names.replace(" ", "").split(",") if n]
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise ConfigError(f"metrics.report_to must be a list of tensorboard, wandb, mlflow, got {names!r}")
+        names = [n.lower() for n in names if n.lower() != "none"]
+        bad = [n for n in names if n not in ("tensorboard", "wandb", "mlflow")]
+        if bad:
+            raise ConfigError(f"metrics.report_to: unknown tracker {bad[0]!r}; known: tensorboard, wandb, mlflow, none")
+        if not self.tensorboard:
+            names = [n for n in names if n != "tensorboard"]
+        self.report_to = list(dict.fromkeys(names))
+        self.tensorboard = "tensorboard" in self.report_to
 
 
 @dataclass

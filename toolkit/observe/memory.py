@@ -285,6 +285,22 @@ class MemoryMonitor:
         self.last = snap
         return snap
 
+    def reading(self) -> dict[str, float | None]:
+        """This rank's memory now, for the trackers' per-rank charts (toolkit/observe/trackers.py): the
+        tracker-facing subset of a snapshot, read without writing a line or resetting the peak window
+        (the snapshots own it; peak_allocated_gib is the peak since the last snapshot)."""
+        out: dict[str, float | None] = dict.fromkeys(("allocated_gib", "peak_allocated_gib", "nvml_used_gib"))
+        dev = self._cuda_device()
+        if dev is not None:
+            out["allocated_gib"] = _gib(torch.cuda.memory_allocated(dev))
+            out["peak_allocated_gib"] = _gib(torch.cuda.max_memory_allocated(dev))
+            out["nvml_used_gib"] = self._nvml_used_gib(dev)
+        try:
+            out["host_rss_gib"] = _gib(self._process.memory_info().rss)
+        except Exception:
+            out["host_rss_gib"] = None
+        return out
+
     def _track_peaks(self, snap: dict[str, Any]) -> None:
         for key, fallback in PEAK_KEYS.items():
             value = snap.get(key) if snap.get(key) is not None else snap.get(fallback)

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from toolkit.launch import dist
+from toolkit.observe import trackers
 
 # Dense (no sparsity) bf16/fp16 tensor-core peak per GPU, from NVIDIA's data sheets, matched as a
 # substring of torch.cuda.get_device_name(); the most specific names come first.
@@ -107,6 +109,13 @@ class MetricsLogger:
     peak_flops: float | None = None
     """Peak FLOP/s of all ranks together (per-GPU peak x world size); None where unknown."""
     tensorboard: bool = True
+    report_to: tuple[str, ...] = ()
+    """metrics.report_to: wandb and mlflow (toolkit/observe/trackers.py) open on rank 0 at start."""
+    run_config: dict[str, Any] | None = None
+    """The training config, recorded with a wandb / mlflow run."""
+    memory_reading: Callable[[], dict[str, float | None]] | None = None
+    """This rank's memory now (MemoryMonitor.reading). With wandb or mlflow on, every rank's reading rides
+    on the log line's all-reduce to rank 0, which logs it as memory/rank{N}/..."""
 
     def __post_init__(self) -> None:
         self._t0 = self._last_t = time.perf_counter()
@@ -114,6 +123,7 @@ class MetricsLogger:
         self._last_step = 0
         self._bar: Any = None
         self._tb: Any = None
+        self._trackers: Any = None
         self._engine_t0: float | None = None
         self.history: list[dict[str, Any]] = []  # the lines written (rank 0), for the closing summary
 
@@ -141,6 +151,8 @@ class MetricsLogger:
             from toolkit.observe.tb import TrainWriter
 
             self._tb = TrainWriter(self.run_dir, step)
+        if trackers.external(self.report_to):
+            self._trackers = trackers.Trackers(list(self.report_to), self.run_dir, self.run_config or {}, step)
         from tqdm import tqdm
 
         self._bar = tqdm(
@@ -157,8 +169,11 @@ class MetricsLogger:
         """
         now = time.perf_counter()
         seen_tokens, seen_samples = self.counter.tokens, self.counter.samples
-        tokens, samples, summed = dist.all_reduce_sum(
-            [float(seen_tokens - self._last_tokens), float(seen_samples - self._last_samples), float(loss)]
+        # every rank decides alike (report_to is the same everywhere), so the vectors have one length
+        reading = self.memory_reading() if self.memory_reading and trackers.external(self.report_to) else None
+        tokens, samples, summed, *slots = dist.all_reduce_sum(
+            [float(seen_tokens - self._last_tokens), float(seen_samples - self._last_samples), float(loss),
+             *trackers.memory_slots(reading, dist.rank(), dist.world_size())]
         )
         if loss_scale is not None:
             loss = summed * loss_scale
@@ -189,6 +204,8 @@ class MetricsLogger:
         self.history.append(rec)
         if self._tb is not None:
             self._tb.write(rec)
+        if self._trackers is not None:
+            self._trackers.log(rec, step, trackers.memory_from_slots(slots, dist.world_size()))
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}", lr=f"{lr:.2e}")
             self._bar.update(step - self._bar.n)
@@ -205,6 +222,8 @@ class MetricsLogger:
         self.history.append(line)
         if self._tb is not None:
             self._tb.write(line)
+        if self._trackers is not None:
+            self._trackers.log(line, step)
         msg = f"eval step {step}: loss {rec['eval_loss']:.4f}, perplexity {rec['eval_ppl']:.2f} " \
               f"({rec['eval_tokens']:,} tokens, {rec['eval_s']:.1f} s)"
         if self._bar is not None:
@@ -220,6 +239,9 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._trackers is not None:
+            self._trackers.close()
+            self._trackers = None
 
 
 # ----------------------------------------------------------------------------- closing summary

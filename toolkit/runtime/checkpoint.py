@@ -169,7 +169,8 @@ RUN_MARKERS = ("status.json", "metrics.jsonl", "memory", "checkpoints")
 # Everything a run writes into its directory: train.overwrite removes these and nothing else.
 RUN_ENTRIES = frozenset({*RUN_MARKERS, "config.yaml", "ds_config.json", "versions.json", "export", "export.tmp",
                          "adapter", "adapter.tmp", "tb", "logs", "report.md", "report.png", "memory.png",
-                         "probe.pt", "generations.jsonl", "resumes.jsonl", "plan.json", "micro_batch.json", "profile"})
+                         "probe.pt", "generations.jsonl", "resumes.jsonl", "plan.json", "micro_batch.json", "profile",
+                         "trackers.json", "wandb"})
 
 
 def holds_a_run(run_dir: Path) -> bool:

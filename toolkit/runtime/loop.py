@@ -135,6 +135,7 @@ def _run(p: RunSpec, liger: Any) -> int:
     model = build_model(cfg, p.model_config, frozen_bf16=p.adapter_autocast)
     kernels.apply(model, liger)
     metrics = _metrics_logger(p, model)
+    metrics.memory_reading = mem.reading  # every rank's memory for wandb / mlflow (metrics.report_to)
     mem.phase_boundary("model_loaded", 0)
     collator = Collator(pad_id=pad_id, task=cfg.model.task, drop_full_mask=True)
     order = EpochOrder(len(rows), cfg.train.seed, cfg.data.shuffle)
@@ -205,7 +206,8 @@ def _metrics_logger(p: RunSpec, model: Any) -> MetricsLogger:
     peak = peak_flops_per_gpu(name, p.precision, p.cfg.metrics.peak_tflops)
     return MetricsLogger(p.run_dir, p.total_steps, TokenCounter(), flops_per_token=fpt,
                          peak_flops=None if peak is None else peak * p.world_size,
-                         tensorboard=p.cfg.metrics.tensorboard)
+                         tensorboard=p.cfg.metrics.tensorboard, report_to=tuple(p.cfg.metrics.report_to),
+                         run_config=p.cfg.to_dict())
 
 
 def _deepspeed_config_alive(p: RunSpec) -> Any:

@@ -26,6 +26,7 @@ from toolkit.config.ds_config import (
 )
 from toolkit.config.schema import Config
 from toolkit.launch import dist
+from toolkit.observe import trackers
 from toolkit.runtime.resume import Checkpoint, Reshard, find, reshard_for, universal_config
 
 
@@ -87,6 +88,7 @@ def build_spec(inputs: RunInputs) -> RunSpec:
         _check_resume_mode(Path(t.run_dir), autocast)
     # before the batch checks: on another rank count, resume changes grad_accum to keep the global batch
     ckpt, reshard, notes = _resume(cfg, world, ds_raw)
+    trackers.check(cfg.metrics.report_to)  # a missing wandb/mlflow is one line here, not a rank-0 crash later
     batch = t.micro_batch_size * t.grad_accum * world
     if t.global_batch_size and batch != t.global_batch_size:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} but micro_batch_size {t.micro_batch_size} x "
