@@ -258,7 +258,7 @@ def test_nan_or_inf_stops_the_run_at_that_step_naming_it(runs: Path, path: str) 
     assert "at step 3" in status["error"] or "up to step 3" in status["error"], status
     assert [m["step"] for m in metrics(d)] == [1, 2, 3]  # nothing trained past it
     if path == "raw":  # rank 0's samples of step 3 (micro 4, 2 ranks, batch i to rank i % 2)
-        order = EpochOrder(128, 1234, True).order(0)
+        order = EpochOrder(128, 1234, True).order(0).tolist()
         assert f"samples in that step: {order[16:20]}" in status["error"], (order[16:20], status)
 
 
@@ -358,6 +358,8 @@ def test_chat_data_is_cached_once_and_the_eval_loss_is_the_same_on_both_paths(ru
         assert [m["step"] for m in evals[path]] == [2, 4, 6], evals[path]  # every 2 steps, the last at the end
         assert evals[path][-1]["eval_loss"] < evals[path][0]["eval_loss"], evals[path]
         assert evals[path][0]["eval_tokens"] > 0
+        tb = _tb_scalars(runs / f"{path}-chat" / "tb")
+        assert [s for s, _ in tb["eval/loss"]] == [2, 4, 6] and "eval/perplexity" in tb
     # ZeRO-3, 2 ranks: the same held-out rows, the same weights, the same numbers on both paths
     for a, b in zip(evals["raw"], evals["trainer"], strict=True):
         assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-4 * b["eval_loss"], (evals["raw"], evals["trainer"])

@@ -17,7 +17,7 @@ def _ids(batch: list[dict[str, int]]) -> list[int]:
 def test_resume_skip_holds_with_loader_workers(workers: int) -> None:
     data = ListDataset([{"i": i} for i in range(32)])
     order = EpochOrder(len(data), seed=3, shuffle=True)
-    expected = [order.order(0)[i:i + 2] for i in range(0, 32, 2)][1::2]  # rank 1 of 2, micro 2
+    expected = [order.order(0)[i:i + 2].tolist() for i in range(0, 32, 2)][1::2]  # rank 1 of 2, micro 2
     sampler = ShardedBatches(order, micro_batch=2, rank=1, world=2)
     sampler.skip = 5
     kw = {"num_workers": workers, "persistent_workers": True} if workers else {}

@@ -51,6 +51,10 @@ CACHE_VERSION = 1  # bump when the stored layout or the tokenization rules chang
 ROLES = ("system", "user", "assistant", "tool")
 DONE = "toolkit_cache.json"  # written last into a built cache: its presence means complete
 KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+# Rows per Arrow record batch in the cache. Opening a cache reads every batch's header, and each read faults
+# in 64 KiB of the mapped file (the kernel's fault-around), which counts in the rank's RSS: datasets' default
+# of 1,000 rows made that 64 MiB per million rows; 20,000 makes it about 3 MiB.
+WRITER_BATCH = 20_000
 
 # per-row status from the tokenizing map; 0 and 1 train, the others are counted and reported
 OK, TRUNCATED, NOTHING_TO_LEARN, UNKNOWN_ROLE, MALFORMED, TEMPLATE_UNSTABLE = range(6)
@@ -221,7 +225,10 @@ def pack_batch(batch: dict[str, list[Any]], block: int) -> dict[str, list[Any]]:
     ids: list[int] = []
     labels: list[int] = []
     lens: list[int] = []
-    for x, y in zip(batch["input_ids"], batch["labels"], strict=True):
+    status = batch.get("status") or [OK] * len(batch["input_ids"])
+    for x, y, s in zip(batch["input_ids"], batch["labels"], status, strict=True):
+        if s > TRUNCATED:
+            continue
         if ids and len(ids) + len(x) > block:
             out["input_ids"].append(ids)
             out["labels"].append(labels)
@@ -246,11 +253,12 @@ class Corpus:
     """A tokenized file, memory-mapped: `rows[i]` is a dict of Python lists (input_ids, labels[, seq_lens])."""
 
     rows: Any  # datasets.Dataset
+    index: Any  # numpy array of the rows that train (memory-mapped), or None: all of them
     info: dict[str, Any]
     path: Path
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.rows) if self.index is None else len(self.index)
 
 
 def load_corpus(cfg: Config, source: str, tokenizer: Any, what: str = "data.source") -> Corpus:
@@ -272,8 +280,8 @@ def load_corpus(cfg: Config, source: str, tokenizer: Any, what: str = "data.sour
         info = json.loads((final / DONE).read_text())
         print(f"{what}: reusing the tokenized cache {final} ({info['samples']:,} samples, {info['tokens']:,} tokens; "
               f"built in {info['build_s']:.1f} s)", flush=True)
-    rows, info = open_cache(final)
-    return Corpus(rows, info, final)
+    rows, index, info = open_cache(final)
+    return Corpus(rows, index, info, final)
 
 
 def _builder(root: Path) -> tuple[str, bool]:
@@ -371,27 +379,36 @@ def build(cfg: Config, path: Path, fmt: str, key: dict[str, Any], tokenizer: Any
         # an explicit fingerprint: hashing the function would serialize the whole tokenizer for nothing
         ds = raw.map(fn, batched=True, batch_size=1000, num_proc=procs, remove_columns=raw.column_names,
                      features=_features(cfg.model.task, False), cache_file_name=str(out / "tokens.arrow"),
+                     writer_batch_size=WRITER_BATCH,
                      new_fingerprint=f"{key_name(key)}-tok", desc="tokenize")
-        status = np.bincount(ds.with_format("numpy")["status"], minlength=6)
+        per_row = np.asarray(ds.with_format("numpy")["status"])
+        status = np.bincount(per_row, minlength=6)
         _refuse_bad_rows(status, cfg, path, what)
-        if status[OK] + status[TRUNCATED] < len(ds):
-            ds = ds.filter(_trains, input_columns="status", batched=True, batch_size=10_000, num_proc=procs,
-                           new_fingerprint=f"{key_name(key)}-keep", desc="keep")
-            ds = ds.flatten_indices(cache_file_name=str(out / "kept.arrow"), new_fingerprint=f"{key_name(key)}-flat")
-        ds = ds.remove_columns("status")
-        if not len(ds):
+        if status[OK] + status[TRUNCATED] == 0:
             raise ConfigError(f"{what}: {path} produced no training samples (every row is shorter than 2 tokens "
                               "or has nothing to learn within data.seq_len)")
-        if d.packing:
+        # Rows that cannot train stay in the file and are skipped through an index of the ones that can
+        # (memory-mapped .npy, 8 bytes a row): dropping them from the Arrow data would copy all of it.
+        index = None
+        if status[OK] + status[TRUNCATED] < len(ds):
+            index = "kept.npy"
+            np.save(out / index, np.flatnonzero(per_row <= TRUNCATED))
+        if d.packing:  # packing reads the rows in order anyway: it skips those rows itself, and needs no index
             ds = ds.map(pack_batch, batched=True, batch_size=4000, num_proc=procs, fn_kwargs={"block": d.seq_len},
-                        features=_features(cfg.model.task, True), cache_file_name=str(out / "packed.arrow"),
+                        remove_columns=ds.column_names, features=_features(cfg.model.task, True),
+                        cache_file_name=str(out / "packed.arrow"), writer_batch_size=WRITER_BATCH,
                         new_fingerprint=f"{key_name(key)}-pack", desc="pack")
+            index = None
+        else:
+            ds = ds.remove_columns("status")
         files = [Path(f["filename"]).name for f in ds.cache_files]
         for f in out.iterdir():  # the intermediate files the final dataset does not read
-            if f.name not in files:
+            if f.name not in [*files, index]:
                 f.unlink()
-        info = {"key": key, "files": files, "columns": ds.column_names, "samples": len(ds),
-                "tokens": _token_count(ds), "rows": len(raw), "truncated": int(status[TRUNCATED]),
+        samples = len(ds) if index is None else int(status[OK] + status[TRUNCATED])
+        info = {"key": key, "files": files, "columns": ds.column_names, "index": index, "samples": samples,
+                "tokens": _token_count(ds, None if index is None else np.load(out / index)), "rows": len(raw),
+                "truncated": int(status[TRUNCATED]),
                 "dropped": int(status[NOTHING_TO_LEARN]), "build_s": time.perf_counter() - t0,
                 "num_proc": num_proc, "format": fmt}
         _say_counts(info, cfg, what)
@@ -409,26 +426,25 @@ def build(cfg: Config, path: Path, fmt: str, key: dict[str, Any], tokenizer: Any
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def open_cache(final: Path) -> tuple[Any, dict[str, Any]]:
-    """The cache's Arrow files, memory-mapped (`Dataset.from_file`), as one dataset of its columns."""
+def open_cache(final: Path) -> tuple[Any, Any, dict[str, Any]]:
+    """(rows, index of the trainable rows or None, info): the cache's Arrow files and index, memory-mapped."""
+    import numpy as np
     from datasets import Dataset, concatenate_datasets
 
     info = json.loads((final / DONE).read_text())
     parts = [Dataset.from_file(str(final / f), in_memory=False) for f in info["files"]]
     ds = parts[0] if len(parts) == 1 else concatenate_datasets(parts)
-    return ds.select_columns(info["columns"]), info
+    index = np.load(final / info["index"], mmap_mode="r") if info.get("index") else None
+    return ds.select_columns(info["columns"]), index, info
 
 
-def _trains(status: list[int]) -> list[bool]:
-    return [s <= TRUNCATED for s in status]
-
-
-def _token_count(ds: Any) -> int:
-    """From the Arrow list offsets (no indices mapping left at this point): no token is read into Python."""
+def _token_count(ds: Any, index: Any = None) -> int:
+    """From the Arrow list offsets: no token is read into Python."""
+    import numpy as np
     import pyarrow.compute as pc
 
-    col = ds.data.column("input_ids")
-    return int(pc.sum(pc.list_value_length(col)).as_py() or 0)
+    lengths = np.asarray(pc.list_value_length(ds.data.column("input_ids")))
+    return int(lengths.sum() if index is None else np.asarray(lengths)[index].sum())
 
 
 def _refuse_bad_rows(status: Any, cfg: Config, path: Path, what: str) -> None:

@@ -131,21 +131,22 @@ def build_rows(cfg: Config, vocab_size: int, pad_id: int, tokenizer: Any) -> tup
         rows: Rows = Rows(synthetic_classification(cfg, vocab_size, cfg.model.num_labels)
                           if cfg.model.task == "seq_cls" else synthetic_causal(cfg, vocab_size, pad_id))
     else:
-        rows = Rows(_corpus(cfg, cfg.data.source, tokenizer, "data.source"))
+        rows = _corpus(cfg, cfg.data.source, tokenizer, "data.source")
     if cfg.data.eval_source:
-        return rows, Rows(_corpus(cfg, cfg.data.eval_source, tokenizer, "data.eval_source"))
+        return rows, _corpus(cfg, cfg.data.eval_source, tokenizer, "data.eval_source")
     if cfg.data.eval_fraction:
         return split_eval(rows, cfg.data.eval_fraction, cfg.train.seed)
     return rows, None
 
 
-def _corpus(cfg: Config, source: str, tokenizer: Any, what: str) -> Any:
+def _corpus(cfg: Config, source: str, tokenizer: Any, what: str) -> Rows:
     from toolkit.runtime.corpus import load_corpus
 
     if tokenizer is None:
         raise ConfigError(f"{what} is a file: set model.tokenizer to a local tokenizer directory "
                           "(or use a local model directory that contains one)")
-    return load_corpus(cfg, source, tokenizer, what).rows
+    c = load_corpus(cfg, source, tokenizer, what)
+    return Rows(c.rows, c.index)
 
 
 def split_eval(rows: Rows, fraction: float, seed: int) -> tuple[Rows, Rows]:
@@ -231,14 +232,15 @@ class EpochOrder(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def order(self, epoch: int) -> list[int]:
+    def order(self, epoch: int) -> torch.Tensor:
+        """The epoch's sample indices as one int64 tensor (8 bytes a sample, not a Python int each)."""
         if not self.shuffle:
-            return list(range(self.n))
+            return torch.arange(self.n)
         g = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(self.n, generator=g).tolist()
+        return torch.randperm(self.n, generator=g)
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.order(self.epoch))
+        return (int(i) for i in self.order(self.epoch))
 
     def __len__(self) -> int:
         return self.n
@@ -259,12 +261,12 @@ class ShardedBatches(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         idx = self.order.order(self.order.epoch)
-        batches = [idx[i:i + self.micro] for i in range(0, len(idx) - self.micro + 1, self.micro)]
-        mine = batches[self.rank::self.world][: len(self)]
         # A generator, so the skip is consumed when batches are drawn, not when iter() is called: a
         # DataLoader with workers calls iter() on its batch sampler twice before the first batch.
         skip, self.skip = self.skip, 0  # only the first (resumed) epoch starts part-way
-        for batch in mine[skip:]:
+        for k in range(skip, len(self)):  # this rank's k-th batch is the epoch's batch rank + k * world
+            start = (self.rank + k * self.world) * self.micro
+            batch = idx[start:start + self.micro].tolist()
             self.drawn.append(batch)
             yield batch
 
