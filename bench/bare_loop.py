@@ -6,6 +6,8 @@ Imports nothing from `toolkit`. Random-init causal LM, random full-length token 
         --global-batch 64 --stage 3 --offload none --warmup 3 --steps 10 --out result.json
 
 CPU smoke test (gloo, fp32): prefix with `DS_ACCELERATOR=cpu` and use `--model tiny`.
+`--liger`: Liger's kernels applied to the model the way its README shows (what a user tuning by hand adds;
+bench/speed.py's `bare-tuned` variant runs it at the fastest micro-batch measured for it).
 Rank 0 writes the result JSON (step times of the timed steps, losses of all steps, memory peaks).
 """
 
@@ -81,6 +83,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--out", required=True)
+    p.add_argument("--liger", action="store_true", help="Liger kernels on the model (RMSNorm, SwiGLU, RoPE, fused loss)")
     p.add_argument("--local_rank", type=int, default=-1, help="appended by the launcher; LOCAL_RANK is used")
     return p.parse_args()
 
@@ -129,6 +132,10 @@ def main() -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    if args.liger:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
 
     gen = torch.Generator().manual_seed(1234 + rank)
@@ -157,7 +164,7 @@ def main() -> None:
         if rank == 0:
             print(f"step {step} loss {losses[-1]:.4f} time {dt:.3f}s", flush=True)
 
-    write_result(args, "bare", device, grad_accum, step_times, losses, n_params, config)
+    write_result(args, "bare-tuned" if args.liger else "bare", device, grad_accum, step_times, losses, n_params, config)
     engine.destroy()
     del dschf
     dist.barrier()

@@ -10,6 +10,8 @@
 #   bash bench/gpu_runs.sh lora-liger OUT  # 2-GPU: LoRA (adapter autocast) with Liger kernels, 3 steps
 #   bash bench/gpu_runs.sh paths-auto OUT  # 2-GPU: tests/gpu/test_gpu_speed_paths.py, llama-1b ZeRO-3 with
 #                                          # train.micro_batch_size=auto, Qwen2 ZeRO-2 raw vs Trainer speed
+#   bash bench/gpu_runs.sh compile-fp8 OUT [STEPS]  # 1-GPU: tests/gpu/test_gpu_compile.py, and beside it on the same
+#                                          # GPU the float8 vs bf16 A/B on real text (bench/fp8_ab.py, STEPS steps)
 set -uo pipefail
 mode=$1 out=$2 cmdline="$*"
 mkdir -p "$out"
@@ -21,6 +23,13 @@ tabulate() {
     --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee "$out/speed.md"
 }
 case $mode in
+  compile-fp8)  # the A/B runs beside the tests: neither is timed, and one machine start serves both
+    ( python bench/fp8_ab.py make --work "$out/abwork" && \
+      python bench/fp8_ab.py run --work "$out/abwork" --out "$out/ab" --steps "${3:-1000}" --together ) > "$out/ab.log" 2>&1 &
+    TOOLKIT_BENCH_OUT="$out/gpu" timeout 480 python -m pytest -q tests/gpu/test_gpu_compile.py -p no:cacheprovider \
+      > "$out/gputest.log" 2>&1; echo "gpu tests rc=$?"; tail -15 "$out/gputest.log"
+    wait; echo "ab:"; tail -22 "$out/ab.log"
+    exit 0 ;;
   speed)
     python bench/speed.py run --out "$out" "${@:3}" 2>&1 | tee "$out/speed.log"
     tabulate "$out"/*.json

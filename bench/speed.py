@@ -54,7 +54,12 @@ STAGES: dict[str, list[tuple[int, str]]] = {
 # (zero3_tuning.md, and what train.micro_batch_size=auto chose). GPT-2 has no Liger kernels: the docs' 16.
 TOOLKIT_MICRO: dict[str, dict[int, int]] = {"gpt2-124m-seq1024": {2: 16, 3: 16}, "qwen2-0.5b-seq2048": {2: 8, 3: 8},
                                             "llama-1b-seq2048": {2: 16, 3: 16}, "tiny-seq64": {2: 4, 3: 4}}
-VARIANTS = ("bare", "raw", "trainer", "hf")
+# bare-tuned: the bare loop with Liger's kernels at the micro-batch fastest for it, what a user tunes by hand.
+# llama-1b on one H200: micro 16 x 2 65.8k/66.0k, 8 x 4 62.8k tokens/s (../shared/anchors.md, 2026-11-23);
+# Qwen2-0.5B: 8 x 4 (97.4k, the same day). Capped at the per-rank batch like every micro-batch here.
+BARE_TUNED_MICRO: dict[str, int] = {"gpt2-124m-seq1024": 16, "qwen2-0.5b-seq2048": 8, "llama-1b-seq2048": 16,
+                                    "tiny-seq64": 4}
+VARIANTS = ("bare", "bare-tuned", "raw", "trainer", "hf")
 # --tune NAME,...: extra toolkit rows that try one lever each (at ZeRO-3; ANY_STAGE ones at every stage) (../shared/notes/zero3_speed.md §3, §6):
 # (training overrides, DeepSpeed JSON sections merged over the preset's, micro-batch or None).
 # llama-1b: a decoder layer is 60.8M parameters, about 5.1e6 per leaf module; 1.2e8 prefetch = 2 layers.
@@ -66,14 +71,16 @@ TUNES: dict[str, tuple[list[str], dict[str, Any], int | None]] = {
     "sizes": ([], {"zero_optimization": SIZES}, None),  # prefetch 2 layers ahead, small k/v projections and norms stay resident
     "leaf": ([], {"zero_optimization": LEAF}, None),  # one fetch per decoder layer instead of one per linear
     "all": (["model.liger_fused_loss=true"], {"zero_optimization": SIZES | LEAF}, 16),
-    "compile": (["train.compile=torch"], {}, None),  # torch.compile through DeepSpeed's engine.compile()
+    "compile": (["train.compile=torch"], {}, None),  # each decoder layer compiled in place, Liger's fused loss only
+    "fp8": (["train.precision=fp8"], {}, None),  # torchao float8 matmuls in the decoder layers (compile on)
+    "fp8-m32": (["train.precision=fp8"], {}, 32),  # ... at micro 32: float8 frees activation memory
     # DeepCompile: DeepSpeed's compiler passes (gather/release, prefetch, selective unsharding) on engine.compile();
     # its schedule re-profiles at step 5, so it needs --warmup 15 or so (zero3_speed.md §2). Liger's Triton kernels
     # and the fused loss's .item() are not known to work under it: eager HF modules.
     "deepcompile": (["train.compile=torch", "model.liger=false"], {"compile": {"deepcompile": True}}, None),
     "noliger": (["model.liger=false"], {}, None),  # eager without Liger: what DeepCompile is measured against
 }
-ANY_STAGE = {"compile"}  # the other levers are ZeRO-3's
+ANY_STAGE = {"compile", "fp8", "fp8-m32"}  # the other levers are ZeRO-3's
 
 
 def _ds_preset(stage: int, offload: str) -> str:
@@ -86,12 +93,13 @@ def _command(variant: str, workload: str, stage: int, offload: str, gpus: int, p
     model, seq, bare_micro = WORKLOADS[workload]
     where = ["--include", include] if include else ["--num_gpus", str(gpus)]
     launch = ["deepspeed", *where, "--master_port", str(port)]
-    if variant in ("bare", "hf"):
-        micro = micro or min(bare_micro, GLOBAL_BATCH // gpus)
-        script = "bench/bare_loop.py" if variant == "bare" else "bench/hf_trainer.py"
+    if variant in ("bare", "bare-tuned", "hf"):
+        tuned = variant == "bare-tuned"
+        micro = micro or min(BARE_TUNED_MICRO[workload] if tuned else bare_micro, GLOBAL_BATCH // gpus)
+        script = "bench/hf_trainer.py" if variant == "hf" else "bench/bare_loop.py"
         return [*launch, script, "--model", model, "--seq", str(seq), "--micro", str(micro), "--global-batch",
                 str(GLOBAL_BATCH), "--stage", str(stage), "--offload", offload, "--warmup", str(warmup),
-                "--steps", str(steps), "--out", str(out)], out
+                "--steps", str(steps), "--out", str(out), *(["--liger"] if tuned else [])], out
     micro = micro or min(TOOLKIT_MICRO[workload][stage], GLOBAL_BATCH // gpus)
     run_dir = out.with_suffix("")
     total = warmup + steps
@@ -301,16 +309,21 @@ def _markdown(doc: dict[str, Any]) -> str:
         by.setdefault((r["workload"], r["stage"], r["offload"], r["gpus"]), {})[r["variant"]] = r
     lines = [f"Command: `{doc['command']}` ({doc['gpu']}, {doc['date']}). Global batch {doc['global_batch']} "
              "sequences per optimizer step for every variant. Tokens/s per GPU, median of the timed steps; "
-             "ratios against the bare loop of the same row.", "",
-             "| workload | ZeRO | GPUs | variant | micro x accum | tokens/s/GPU | vs bare | MFU | peak GiB | host GiB | run |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ratios against the bare loop (and the hand-tuned bare loop, bare-tuned) of the same workload, stage "
+             "and run. MFU is bf16-equivalent (float8 rows count the same FLOPs against the bf16 peak).", "",
+             "| workload | ZeRO | GPUs | variant | micro x accum | tokens/s/GPU | vs bare | vs tuned | MFU | peak GiB "
+             "| host GiB | run |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (w, s, o, g), vs in by.items():
-        bare_row = vs.get("bare", {})
-        bare = bare_row.get("tokens_per_s_per_gpu")
+        def vs_row(r: dict[str, Any], base_name: str, vs: dict[str, dict[str, Any]] = vs) -> str:
+            base_row = vs.get(base_name, {})
+            t, base = r.get("tokens_per_s_per_gpu"), base_row.get("tokens_per_s_per_gpu")
+            same_run = r.get("measured_in") == base_row.get("measured_in")
+            return f"{t / base:.2f}x" if t and base and same_run else "other run" if t and base else "n/a"
+
         for name, r in vs.items():
             t = r.get("tokens_per_s_per_gpu")
-            same_run = r.get("measured_in") == bare_row.get("measured_in")
-            ratio = f"{t / bare:.2f}x" if t and bare and same_run else "other run" if t and bare else "n/a"
+            ratio, tuned = vs_row(r, "bare"), vs_row(r, "bare-tuned")
             stage = f"{s}" + (" + opt offload" if o != "none" else "")
             tput = f"{t / 1000:.1f}k" if t else f"failed (rc {r.get('rc')})"
             if t and r.get("repeat_tokens_per_s_per_gpu"):
@@ -319,7 +332,7 @@ def _markdown(doc: dict[str, Any]) -> str:
             peak = f"{r['peak_allocated_gib']:.1f}" if r.get("peak_allocated_gib") else ""
             host = f"{r['host_rss_gib']:.1f}" if r.get("host_rss_gib") else ""
             lines.append(f"| {w} | {stage} | {g} | {name} | {r.get('micro_batch')} x {r.get('grad_accum')} | "
-                         f"{tput} | {ratio} | {mfu} | {peak} | {host} | {r.get('measured_in', '')} |")
+                         f"{tput} | {ratio} | {tuned} | {mfu} | {peak} | {host} | {r.get('measured_in', '')} |")
     return "\n".join(lines)
 
 

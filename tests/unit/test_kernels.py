@@ -39,3 +39,13 @@ def test_the_fused_loss_switch_and_zero3_external_head() -> None:
     assert on2.kwargs["fused_linear_cross_entropy"] and not on2.external_head  # nothing to gather below ZeRO-3
     off = choose(True, stage=2, fused_loss="false", **kw)
     assert not off.kwargs["fused_linear_cross_entropy"] and "model.liger_fused_loss=false" in off.describe()
+
+
+def test_under_compile_only_the_fused_loss_stays() -> None:
+    # Liger's layer kernels inside a compiled layer crash inductor (issue 25); inductor fuses them itself
+    kw = dict(cuda=True, model_type="llama", task="causal_lm", supported=LIGER)
+    c = choose(True, stage=3, compiled=True, **kw)
+    assert c.kwargs == {"rope": False, "rms_norm": False, "swiglu": False, "fused_linear_cross_entropy": True}
+    assert c.external_head and "rope, rms_norm, swiglu off: train.compile" in c.describe()
+    off = choose(True, stage=2, compiled=True, fused_loss="false", **kw)
+    assert not off.enabled and "train.compile" in off.describe()

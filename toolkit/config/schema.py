@@ -90,7 +90,11 @@ class TrainConfig:
     ds_config: str = "ds_configs/zero2.json"
     """DeepSpeed JSON; "auto" values are filled from this config."""
     precision: str = "auto"
-    """bf16, fp16, fp32, or auto: the DeepSpeed JSON's if it pins one, else bf16 on GPUs that support it, fp32 on CPU."""
+    """bf16, fp16, fp32, fp8, or auto: the DeepSpeed JSON's if it pins one, else bf16 on GPUs that support it, fp32
+    on CPU. fp8: bf16 training (DeepSpeed's bf16 mode) with torchao float8 matmuls in the decoder layers' Linear
+    modules (toolkit/runtime/fp8.py); needs float8 tensor cores (SM 8.9+), compile, and no LoRA."""
+    fp8_recipe: str = "tensorwise"
+    """train.precision=fp8 scaling: tensorwise (one dynamic scale per tensor; fastest) or rowwise (one per row)."""
     micro_batch_size: Union[int, str] = 4  # noqa: UP007 (omegaconf reads typing.Union, not int | str)
     """Sequences per rank per forward, or auto: the fastest that fits train.global_batch_size, found by short
     probe runs before training (toolkit/runtime/autotune.py), recorded in run_dir/micro_batch.json and reused."""
@@ -138,10 +142,11 @@ class TrainConfig:
     measured fastest) or memory (h^2-based rules: about 2 GiB less per rank on a 1B model at ZeRO-3,
     at a third of its speed). memory also replaces a size the JSON sets to DeepSpeed's default, as the
     presets do where a plain HF Trainer cannot fill "auto"."""
-    compile: str = "off"
-    """torch: compile the model with torch.compile (inductor) through DeepSpeed's engine.compile() on the
-    raw path, TrainingArguments(torch_compile=True) on the Trainer path; the first steps pay the compile.
-    off (default): eager. bench/results/compile.md has the measurement behind the default."""
+    compile: str = "auto"
+    """torch: compile each decoder layer in place (inductor) before DeepSpeed starts, both paths; Liger then keeps
+    only its fused loss. off: eager. auto: compile where it pays (toolkit/plan/speedups.py compile_on: fp8 runs,
+    and CUDA runs of models without Liger kernels of at least COMPILE_AUTO_MIN_STEPS steps); the run says which.
+    The first optimizer step pays the compile (toolkit/runtime/compile.py; docs/speed.md)."""
     stop_after: int = 0
     """Stop (with a checkpoint) after this many steps, keeping the schedule of max_steps: for resume tests."""
     profile_steps: list[int] = field(default_factory=list)
@@ -250,10 +255,11 @@ class Config:
             (self.model.liger_fused_loss in ("auto", "true", "false"),
              f"model.liger_fused_loss must be auto, true or false, got {self.model.liger_fused_loss!r}"),
             (t.path in ("trainer", "raw"), f"train.path must be trainer or raw, got {t.path!r}"),
-            (t.precision in ("auto", "bf16", "fp16", "fp32"),
-             f"train.precision must be auto, bf16, fp16 or fp32, got {t.precision!r}"),
+            (t.precision in ("auto", "bf16", "fp16", "fp32", "fp8"),
+             f"train.precision must be auto, bf16, fp16, fp32 or fp8, got {t.precision!r}"),
+            (t.fp8_recipe in ("tensorwise", "rowwise"), f"train.fp8_recipe must be tensorwise or rowwise, got {t.fp8_recipe!r}"),
             (t.zero_sizes in ("speed", "memory"), f"train.zero_sizes must be speed or memory, got {t.zero_sizes!r}"),
-            (t.compile in ("off", "torch"), f"train.compile must be off or torch, got {t.compile!r}"),
+            (t.compile in ("off", "torch", "auto"), f"train.compile must be auto, off or torch, got {t.compile!r}"),
             (t.keep_checkpoints >= 0, "train.keep_checkpoints must be >= 0"),
             (t.collective_timeout_s >= 1, "train.collective_timeout_s must be >= 1"),
             (t.micro_batch_size == "auto" or (isinstance(t.micro_batch_size, int) and t.micro_batch_size >= 1),

@@ -13,8 +13,13 @@ def prepare_env() -> list[str]:
 
     DeepSpeed reads DS_ACCELERATOR once, at its first import, so this must come first.
     """
+    import logging
+
     import torch
 
+    # transformers and peft import torchao (a dependency, for train.precision=fp8) whenever it is installed;
+    # its import logs a warning per optional CUDA extension a CPU-only torch cannot load, on every rank
+    logging.getLogger("torchao").setLevel(logging.ERROR)
     notes: list[str] = []
     ranks_from_openmpi(os.environ)
     if not torch.cuda.is_available() and "DS_ACCELERATOR" not in os.environ:

@@ -28,9 +28,14 @@ class LigerChoice:
 
 
 def choose(wanted: bool, *, cuda: bool, model_type: str, task: str, stage: int,
-           supported: frozenset[str] | None, fused_loss: str = "auto") -> LigerChoice:
+           supported: frozenset[str] | None, fused_loss: str = "auto", compiled: bool = False) -> LigerChoice:
     """Pure decision, so it is testable without a GPU. `supported` is None when liger-kernel is
-    not installed (or not importable: it needs triton)."""
+    not installed (or not importable: it needs triton).
+
+    compiled (train.compile on): the fused loss only. Liger's RMSNorm, SwiGLU and RoPE kernels inside a
+    compiled decoder layer crash inductor (Liger #1364/#1366, pytorch #170049: Triton CompilationError,
+    then an illegal memory access, seen on llama-1b), and inductor fuses those three itself; the fused
+    loss runs in the model's forward, outside the compiled layers."""
     if not wanted:
         return LigerChoice(reason="model.liger=false")
     if not cuda:
@@ -42,6 +47,11 @@ def choose(wanted: bool, *, cuda: bool, model_type: str, task: str, stage: int,
     if task != "causal_lm":
         return LigerChoice(reason=f"only causal_lm models are patched (task {task!r})")
     fused = fused_loss != "false"
-    kwargs = {"rope": True, "rms_norm": True, "swiglu": True, "fused_linear_cross_entropy": fused}
-    reason = "" if fused else "model.liger_fused_loss=false"
+    if compiled and not fused:
+        return LigerChoice(reason="train.compile fuses RMSNorm, SwiGLU and RoPE itself and "
+                                  "model.liger_fused_loss=false turns off the one kernel left")
+    layer = not compiled
+    kwargs = {"rope": layer, "rms_norm": layer, "swiglu": layer, "fused_linear_cross_entropy": fused}
+    reason = ("train.compile: inductor fuses these inside the compiled decoder layers, where Liger's "
+              "kernels crash it" if compiled else "" if fused else "model.liger_fused_loss=false")
     return LigerChoice(kwargs=kwargs, reason=reason, external_head=fused and stage == 3)

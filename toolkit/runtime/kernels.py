@@ -30,14 +30,16 @@ def supported_model_types() -> frozenset[str] | None:
     return frozenset(MODEL_TYPE_TO_APPLY_LIGER_FN)
 
 
-def choice_for(cfg: Any, model_type: str, stage: int) -> LigerChoice:
+def choice_for(cfg: Any, model_type: str, stage: int, compiled: bool = False) -> LigerChoice:
+    """compiled: the decoder layers will be compiled, so only the fused loss is applied (liger.choose)."""
     import torch
 
     from toolkit.launch import dist
 
     cuda = torch.cuda.is_available() and not dist.on_cpu()
     return choose(cfg.model.liger, cuda=cuda, model_type=model_type, task=cfg.model.task, stage=stage,
-                  supported=supported_model_types() if cuda else None, fused_loss=cfg.model.liger_fused_loss)
+                  supported=supported_model_types() if cuda else None, fused_loss=cfg.model.liger_fused_loss,
+                  compiled=compiled)
 
 
 def apply(model: Any, choice: LigerChoice) -> None:

@@ -31,7 +31,8 @@ from toolkit.observe.metrics import (
     peak_flops_per_gpu,
 )
 from toolkit.observe.profiling import StepProfiler
-from toolkit.runtime import autotune, kernels, resume
+from toolkit.runtime import autotune, fp8, kernels, resume
+from toolkit.runtime import compile as compiling
 from toolkit.runtime.checkpoint import (
     DEFAULT_RUN_DIR,
     atomic_write,
@@ -73,7 +74,9 @@ if TYPE_CHECKING:
 def run(p: RunSpec) -> int:
     cfg = p.cfg
     rank = dist.rank()
-    liger = kernels.choice_for(cfg, p.model_config.model_type, zero_stage(p.ds))
+    compiled, compile_why = compiling.decide(cfg, p.model_config.model_type, zero_stage(p.ds), p.total_steps,
+                                             bool(p.fp8))
+    liger = kernels.choice_for(cfg, p.model_config.model_type, zero_stage(p.ds), compiled)
     refused = _claim_run_dir(p)
     if refused:
         if rank == 0:
@@ -81,9 +84,12 @@ def run(p: RunSpec) -> int:
         return 1
     if rank == 0:
         print(liger.describe(), flush=True)
+        if not compiled:
+            print(f"torch.compile: off ({compile_why})", flush=True)
         write_run_files(p.run_dir, cfg, p.ds, {"world_size": p.world_size, "precision": p.precision,
                                                "adapter_autocast": p.adapter_autocast, "path": cfg.train.path,
-                                               "liger": liger.kwargs, "liger_note": liger.describe()})
+                                               "liger": liger.kwargs, "liger_note": liger.describe(),
+                                               "compile": compiled, "compile_note": compile_why, "fp8": p.fp8})
         write_status(p.run_dir, "running")
         note = breakdown.copy_plan(cfg.train.plan, p.run_dir)
         if note:
@@ -96,7 +102,7 @@ def run(p: RunSpec) -> int:
             atomic_write(p.run_dir / autotune.RECORD, json.dumps(p.autotune, indent=1) + "\n")
     dist.barrier()
     with console.rank_log(p.run_dir, rank):
-        return _run(p, liger)
+        return _run(p, liger, (compiled, compile_why))
 
 
 def _claim_run_dir(p: RunSpec) -> str | None:
@@ -115,7 +121,7 @@ def _claim_run_dir(p: RunSpec) -> str | None:
     return error
 
 
-def _run(p: RunSpec, liger: Any) -> int:
+def _run(p: RunSpec, liger: Any, compiled: tuple[bool, str]) -> int:
     cfg = p.cfg
     rank = dist.rank()
     # Python/NumPy/torch RNGs: dropout and PEFT's LoRA init draw from them. The HF Trainer seeds on
@@ -134,6 +140,7 @@ def _run(p: RunSpec, liger: Any) -> int:
     keep_alive = _deepspeed_config_alive(p)  # must exist before the model under ZeRO-3
     model = build_model(cfg, p.model_config, frozen_bf16=p.adapter_autocast)
     kernels.apply(model, liger)
+    _fp8_and_compile(p, model, *compiled)
     metrics = _metrics_logger(p, model)
     metrics.memory_reading = mem.reading  # every rank's memory for wandb / mlflow (metrics.report_to)
     mem.phase_boundary("model_loaded", 0)
@@ -178,6 +185,21 @@ def _run(p: RunSpec, liger: Any) -> int:
                               "SIGTERM: preempted, checkpoint written" if state["preempted"] else "train.stop_after"),
               flush=True)
     return 0
+
+
+def _fp8_and_compile(p: RunSpec, model: Any, compiled: bool, why: str) -> None:
+    """After LoRA and Liger, before deepspeed.initialize (both paths): float8 Linears first, so the compiled
+    graph is the float8 one, then each decoder layer compiled in place (toolkit/runtime/compile.py)."""
+    if not (compiled or p.fp8):
+        return
+    layers = compiling.decoder_layers(model)
+    lines = []
+    if p.fp8:
+        lines.append(fp8.describe(fp8.convert(model, layers, p.fp8), p.fp8, len(layers)))
+    if compiled:
+        lines.append(compiling.describe(compiling.compile_layers(model), layers[0], why))
+    if dist.rank() == 0:
+        print("\n".join(lines), flush=True)
 
 
 def _evaluator(p: RunSpec, rows: Rows | None, collate: Collator, metrics: MetricsLogger) -> Any:
@@ -243,22 +265,13 @@ def _training_args(p: RunSpec) -> Any:
         bf16=p.precision == "bf16" and not p.adapter_autocast, fp16=p.precision == "fp16",
         seed=t.seed, data_seed=t.seed, report_to=[], disable_tqdm=True, dataloader_drop_last=True,
         remove_unused_columns=False, deepspeed=p.ds, use_cpu=dist.on_cpu(), ddp_timeout=t.collective_timeout_s,
-        torch_compile=t.compile == "torch",  # accelerate then calls DeepSpeed's engine.compile(), as raw does
-        # with torch_compile the Trainer turns TF32 on globally; the raw path leaves PyTorch's default
-        tf32=False if t.compile == "torch" else None,
+        # train.compile compiles the decoder layers before the Trainer exists (loop._fp8_and_compile); the
+        # Trainer's own torch_compile would compile the whole engine again (and turn TF32 on globally)
+        torch_compile=False,
         **{f"dataloader_{k}": v for k, v in loader_kwargs().items()},
         # accelerate copies batches with non_blocking=False by default: a wait per copy
         accelerator_config={"non_blocking": bool(loader_kwargs().get("pin_memory"))},
     )
-
-
-def _say_compiled(engine: Any) -> None:
-    """train.compile=torch: say what the engine reports (accelerate compiles on the Trainer path)."""
-    if not getattr(engine, "is_compiled", False):
-        raise RuntimeError("train.compile=torch: the DeepSpeed engine is not compiled (DeepSpeed >= 0.14.4 "
-                           "and accelerate's torch_compile are needed)")
-    if dist.rank() == 0:
-        print("torch.compile: the engine is compiled (inductor); the first steps include compiling", flush=True)
 
 
 def _first_step(p: RunSpec, step: int, loss: float, mem: MemoryMonitor) -> None:
@@ -319,8 +332,6 @@ def _run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collat
     class Hooks(TrainerCallback):
         def on_train_begin(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
             leaf_check(trainer.model)  # the Trainer has built the engine by now
-            if t.compile == "torch":
-                _say_compiled(trainer.model_wrapped)
             if p.resume_from:  # the Trainer has loaded the checkpoint by now
                 resume.verify(trainer.model_wrapped, state["fixed_batch"], p.resume_from, p.run_dir, p.precision,
                               p.world_size, t.grad_accum, universal)
@@ -422,9 +433,6 @@ def _run_raw(p: RunSpec, model: Any, dataset: ListDataset, collator: Collator, o
     engine, _, _, scheduler = deepspeed.initialize(model=model, model_parameters=params, config=p.ds,
                                                    lr_scheduler=_lr_schedule(p))
     leaf_check(engine.module)
-    if t.compile == "torch":
-        engine.compile()  # nn.Module.compile on the wrapped model (inductor); DeepSpeed's ZeRO hooks are compiler-disabled
-        _say_compiled(engine)
     ckpt_dir = p.run_dir / "checkpoints"
     global_batch = t.micro_batch_size * t.grad_accum * world
     step = 0

@@ -62,10 +62,16 @@ class RunSpec:
     resume_from: Checkpoint | None = None  # train.resume: the complete checkpoint found
     reshard: Reshard | None = None  # ... written on another number of ranks: loaded as a universal checkpoint
     autotune: dict[str, Any] | None = None  # train.micro_batch_size=auto: the probes and the choice
+    fp8: str | None = None  # train.precision=fp8: the float8 recipe (precision is then bf16, DeepSpeed's mode)
 
 
 def _precision(cfg: Config, ds: dict[str, Any]) -> str:
     pinned = precision_of(ds)
+    if cfg.train.precision == "fp8":  # float8 matmuls inside DeepSpeed's bf16 mode
+        if pinned not in (None, "bf16"):
+            raise ConfigError(f"train.precision=fp8 trains in DeepSpeed's bf16 mode; {cfg.train.ds_config} pins "
+                              f"{pinned}: set bf16.enabled to \"auto\" or true")
+        return "bf16"
     if cfg.train.precision != "auto":
         return cfg.train.precision
     if pinned is not None:
@@ -82,13 +88,17 @@ def build_spec(inputs: RunInputs) -> RunSpec:
 
     cfg, ds_raw, mc, world = inputs.cfg, inputs.ds_raw, inputs.model_config, inputs.world_size
     t = cfg.train
+    trackers.check(cfg.metrics.report_to)  # a missing wandb/mlflow is one line here, not a rank-0 crash later
     precision = _precision(cfg, ds_raw)
+    if t.precision == "fp8":
+        from toolkit.runtime import fp8
+
+        fp8.check(cfg, dist.on_cpu(), dist.local_rank())
     autocast = adapter_autocast(ds_raw, precision, cfg.lora.enabled)
     if t.resume:
         _check_resume_mode(Path(t.run_dir), autocast)
     # before the batch checks: on another rank count, resume changes grad_accum to keep the global batch
     ckpt, reshard, notes = _resume(cfg, world, ds_raw)
-    trackers.check(cfg.metrics.report_to)  # a missing wandb/mlflow is one line here, not a rank-0 crash later
     batch = t.micro_batch_size * t.grad_accum * world
     if t.global_batch_size and batch != t.global_batch_size:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} but micro_batch_size {t.micro_batch_size} x "
@@ -111,7 +121,8 @@ def build_spec(inputs: RunInputs) -> RunSpec:
     ds = resolve(ds_raw, values)
     if reshard:
         ds = universal_config(ds)
-    return RunSpec(cfg, ds, mc, Path(t.run_dir), world, precision, total, warnings, autocast, ckpt, reshard)
+    return RunSpec(cfg, ds, mc, Path(t.run_dir), world, precision, total, warnings, autocast, ckpt, reshard,
+                   fp8=t.fp8_recipe if t.precision == "fp8" else None)
 
 
 def _resume(cfg: Config, world: int, ds: dict[str, Any]) -> tuple[Checkpoint | None, Reshard | None, list[str]]:

@@ -1,0 +1,69 @@
+"""The compile and float8 decisions, pure: which runs compile, which Linear modules float8 converts, and
+which GPUs can run it. Shared by the runtime (toolkit/runtime/compile.py, fp8.py) and `toolkit plan`;
+testable without a GPU. The measurements behind each constant are in bench/results/fp8_compile.md.
+"""
+
+from __future__ import annotations
+
+# float8 tensor cores: Ada (SM 8.9) and Hopper (9.0) and later. Below that torchao can only emulate
+# float8 (eager, slower than bf16), so the run is refused instead.
+FP8_MIN_CAPABILITY = (8, 9)
+FP8_RECIPES = ("tensorwise", "rowwise")
+
+# train.compile=auto compiles a CUDA run when it is long enough for the compile to pay back, and every
+# float8 run (float8 without compile ran at 0.41x of compiled float8 on llama-1b: 32.4k against 79.4k
+# tokens/s, ../shared/anchors.md). "Long enough": the steps it takes the compiled layers to win back
+# the compile time, at the measured gain (bench/results/fp8_compile.md).
+COMPILE_AUTO_MIN_STEPS = 300
+
+
+def compile_on(setting: str, *, cuda: bool, steps: int | None, fp8: bool, liger_layers: bool) -> tuple[bool, str]:
+    """(compile or not, why), for train.compile = off | torch | auto.
+
+    liger_layers: Liger's layer kernels (RMSNorm, SwiGLU, RoPE) would otherwise run. They already fuse
+    what inductor fuses, so there compiling buys about nothing in bf16 (66.8k against 65.8k tokens/s on
+    llama-1b), and auto leaves such runs eager unless float8 needs the compile."""
+    if setting == "torch":
+        return True, "train.compile=torch"
+    if setting == "off":
+        return False, "train.compile=off"
+    if not cuda:
+        return False, "train.compile=auto: no CUDA device"
+    if fp8:
+        return True, "train.compile=auto: float8 needs compile to be fast"
+    if liger_layers:
+        return False, ("train.compile=auto: Liger's kernels already fuse the layers (compile measured no faster "
+                       "in bf16); train.compile=torch compiles anyway")
+    if steps is not None and steps < COMPILE_AUTO_MIN_STEPS:
+        return False, (f"train.compile=auto: {steps} steps are too few to pay back the compile "
+                       f"(>= {COMPILE_AUTO_MIN_STEPS}); train.compile=torch compiles anyway")
+    return True, "train.compile=auto: no Liger kernels for this model, inductor fuses its layers"
+
+
+def fp8_converts(recipe: str, in_features: int, out_features: int) -> bool:
+    """Whether a decoder layer's Linear (in -> out features) gets float8 matmuls.
+
+    Its dimensions, never its weight's shape: under ZeRO-3 a partitioned weight has shape (0,), and a
+    filter on `weight.shape` converts nothing and trains in bf16 without a word. Both dimensions must be
+    multiples of 16 (`torch._scaled_mm`); below torchao's size thresholds (measured on H100, its
+    float8_linear_utils._auto_filter_for_recipe) the casts cost more than the float8 matmul saves.
+    """
+    n, k = out_features, in_features
+    if n % 16 or k % 16:
+        return False
+    if recipe == "tensorwise":
+        return not (k <= 4096 and n <= 1024)
+    if recipe == "rowwise":
+        return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))
+    raise ValueError(f"float8 recipe must be one of {FP8_RECIPES}, got {recipe!r}")
+
+
+def fp8_support_error(capability: tuple[int, int] | None, gpu: str = "") -> str | None:
+    """One line when this machine cannot train in float8 (None: it can); capability None means no CUDA GPU."""
+    if capability is None:
+        return ("train.precision=fp8 needs a CUDA GPU with float8 tensor cores (SM 8.9+: L4, L40, H100, H200, "
+                "B200); this run has none (CPU ranks); use train.precision=bf16")
+    if tuple(capability) < FP8_MIN_CAPABILITY:
+        return (f"train.precision=fp8 needs float8 tensor cores (SM 8.9+); {gpu or 'this GPU'} is SM "
+                f"{capability[0]}.{capability[1]}; use train.precision=bf16")
+    return None
