@@ -22,11 +22,17 @@ TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", 
 
 
 def wandb_history(run_dir: Path) -> list[dict[str, float]]:
-    """The history rows of an offline wandb run, from its .wandb file: wandb's record log (LevelDB-style
-    32 KiB blocks of crc32/length/type-framed protobuf records after a 7-byte W&B header)."""
+    """The history rows of a run's offline wandb runs, oldest first (a resumed run writes a second one)."""
+    files = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert files, f"no offline wandb run in {run_dir}"
+    return [row for f in files for row in _wandb_file(f)]
+
+
+def _wandb_file(path: Path) -> list[dict[str, float]]:
+    """History rows from a .wandb file: wandb's record log (LevelDB-style 32 KiB blocks of crc32/length/type
+    framed protobuf records after a 7-byte W&B header)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     data, block, pos, part, rows = path.read_bytes(), 32768, 7, b"", []
     assert data[:4] == b":W&B"
     while pos + 7 <= len(data):
@@ -57,6 +63,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
               "metrics.peak_tflops=0.001"]  # a made-up peak, so that CPU runs log an MFU too
     spec = [{"name": path, "argv": ["--ds", str(ROOT / "ds_configs" / "zero2.json"), *common, f"train.path={path}",
                                     f"train.run_dir={tmp / path}"]} for path in PATHS]
+    # stopped after step 2 with a checkpoint, then resumed: the same wandb and mlflow runs continue
+    spec += [{"name": f"resume-{i}", "argv": ["--ds", str(ROOT / "ds_configs" / "zero2.json"), *common,
+                                             "train.path=raw", f"train.run_dir={tmp / 'resumed'}", *extra]}
+             for i, extra in enumerate((["train.stop_after=2"], ["train.resume=latest"]))]
     (tmp / "runs.json").write_text(json.dumps(spec))
     env = os.environ | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline",
                         "WANDB_PROJECT": "toolkit-test", "MLFLOW_TRACKING_URI": f"file:{tmp / 'mlruns'}",
@@ -115,3 +125,19 @@ def test_mlflow_file_store_has_the_metrics_and_every_ranks_memory(runs: Path, pa
 def test_tensorboard_still_written_beside_them(runs: Path, path: str) -> None:
     assert list((runs / path / "tb").glob("events.out.tfevents.*"))
     assert list((runs / path / "tb" / "rank1").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.timeout(900)
+def test_a_resumed_run_continues_the_same_tracker_runs(runs: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    run_dir = runs / "resumed"
+    files = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 2 and len({f.stem for f in files}) == 1  # one run id, two attempts
+    assert [int(r["_step"]) for r in wandb_history(run_dir)] == [1, 2, 3]
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    client = MlflowClient(tracking_uri=f"file:{runs / 'mlruns'}")
+    run_id = json.loads((run_dir / "trackers.json").read_text())["mlflow"]["run_id"]
+    assert sorted(h.step for h in client.get_metric_history(run_id, "train/loss")) == [1, 2, 3]
+    assert [r.info.run_name for r in client.search_runs([client.get_run(run_id).info.experiment_id])].count(
+        "resumed") == 1
