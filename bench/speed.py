@@ -195,7 +195,8 @@ def _extras(variant: str, workload: str, stage: int, offload: str,
     if variant in ("raw", "trainer") and args.overhead:
         return [("-metrics-on", ["memory.every=1", *args.set], None, {}),
                 ("-metrics-off", ["memory.every=0", f"train.log_every={args.warmup + args.steps}", *args.set], None, {})]
-    rows: list[tuple[str, list[str], int | None, dict[str, Any]]] = [("", list(args.set), None, {})]
+    plain = not (getattr(args, "tune_only", False) and variant in ("raw", "trainer"))
+    rows: list[tuple[str, list[str], int | None, dict[str, Any]]] = [("", list(args.set), None, {})] if plain else []
     if variant in ("raw", "trainer") and args.tune:
         for name in filter(None, args.tune.split(",")):
             if stage != 3 and name not in ANY_STAGE:
@@ -352,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--timeout", type=int, default=420, help="seconds per variant")
     r.add_argument("--tune", default="", help=f"comma-separated levers to add as toolkit rows (ZeRO-3 only except {', '.join(sorted(ANY_STAGE))}): "
                         f"{', '.join(TUNES)}")
+    r.add_argument("--tune-only", action="store_true", help="toolkit rows: only the --tune ones, not the plain row")
     r.add_argument("--repeat", type=int, default=1,
                    help="run every variant this many times, in turn; `table` pools each variant's timed steps")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

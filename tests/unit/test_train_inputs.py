@@ -67,7 +67,8 @@ def test_unknown_config_key_and_bad_type(tmp_path: Path) -> None:
 def test_compile_value_is_checked() -> None:
     from toolkit.config.schema import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"train\.compile must be off or torch"):
+    with pytest.raises(ConfigError, match=r"train\.compile must be auto, off or torch"):
         load_config(None, ["train.compile=inductor"])
+    assert load_config(None, []).train.compile == "auto"
     assert load_config(None, ["train.compile=off"]).train.compile == "off"
     assert load_config(None, ["train.compile=true"]).train.compile == "torch"

@@ -61,13 +61,36 @@ def decoder_layers(model: Any) -> list[Any]:
 def compile_layers(model: Any) -> int:
     """Compile every decoder layer in place (inductor); returns how many. Call after LoRA, Liger and
     float8 conversion (the compiled graph must see the final modules) and before deepspeed.initialize."""
+    import torch._dynamo
+
     layers = decoder_layers(model)
     if not layers:
         raise RuntimeError(f"train.compile=torch: no repeated decoder layer found in {type(model).__name__}; "
                            "set train.compile=off")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    # No KV cache in training forwards: the cache's per-layer state (`past_key_values.layers[i]`) is a guard,
+    # so every layer recompiled until dynamo's limit of 8 and the rest ran eager (llama-1b: layers 8-15,
+    # seen on one H200). generate() asks for its own cache, and runs eager (`eager()` below).
+    base.config.use_cache = False
+    # Under ZeRO-3 dynamo traces DeepSpeed's module hooks inside the layer (by design: DeepSpeed's own compile
+    # support), and they guard on the module's class: one entry per class of submodule, more than the default
+    # 8 on a Llama layer. Past the limit a frame runs eager, and a checkpointed layer's recompute then saved
+    # other tensors than its forward (CheckpointError, Qwen2 at ZeRO-3 with gradient checkpointing).
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for layer in layers:
         layer.compile()
     return len(layers)
+
+
+RECOMPILE_LIMIT = 64
+
+
+def eager() -> Any:
+    """Context: compiled layers run eager inside (generation: one token at a time over a growing cache, shapes
+    and cache states that would each compile anew)."""
+    import torch
+
+    return torch.compiler.set_stance("force_eager")
 
 
 def describe(n_layers: int, layer: Any, why: str) -> str:
