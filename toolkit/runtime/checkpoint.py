@@ -13,12 +13,14 @@ import os
 import platform
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 from toolkit.config.schema import Config, save_config
 from toolkit.launch import dist
+from toolkit.runtime import integrity
 
 PACKAGES = ("torch", "deepspeed", "transformers", "peft", "datasets", "accelerate", "liger-kernel")
 
@@ -146,20 +148,84 @@ def save_deepspeed_checkpoint(engine: Any, root: Path, step: int, keep: int,
                               record: Callable[[], dict[str, Any]] | None = None) -> Path:
     """All ranks call. DeepSpeed's own `save_checkpoint` writes `latest` on rank 0 as soon as rank 0's
     files are written, before the other ranks finish, and without a rename (../shared/notes/faults.md
-    (c)); so `latest` is written here instead, after a barrier, atomically, with a completion marker."""
+    (c)); so `latest` is written here instead, after a barrier, atomically, with a completion marker
+    that holds a digest of every file (toolkit/runtime/integrity.py). A checkpoint that cannot fit is
+    refused before a byte is written; a disk that fills during the save stops the run with one line
+    (integrity.CheckpointError on every rank) and leaves no partial checkpoint and `latest` unchanged."""
     tag = f"global_step{step}"
-    clear_stale(root / tag)
+    save = begin_save(engine, root / tag, "global_step")
     # save_checkpoint ends with a barrier (deepspeed/runtime/engine.py save_checkpoint): once it
-    # returns, every rank's shard is written.
+    # returns, every rank's shard is written (or its failed write recorded).
     engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
+    digests = end_save(save, root / tag)
+    keep_note = save.keep_note
     # after the save: a failure here (e.g. the fixed-batch forward) must not cost the checkpoint's files
     fields = record() if record else None  # every rank: a collective under ZeRO-3
+    error = None
     if dist.rank() == 0:
-        mark_complete(root / tag, step, fields)
-        atomic_write(root / "latest", tag)
-        prune(root, "global_step", keep)
-    dist.barrier()
+        try:
+            mark_complete(root / tag, step, {**(fields or {}), **digests})
+        except OSError as e:  # no marker, no checkpoint: give its space back
+            shutil.rmtree(root / tag, ignore_errors=True)
+            error = f"saving {root / tag} failed writing its {COMPLETE} ({e.strerror or e}); {keep_note}"
+        if error is None:
+            with contextlib.suppress(OSError):  # resume goes by complete.json; `latest` is for DeepSpeed's tools
+                atomic_write(root / "latest", tag)
+            prune(root, "global_step", keep)
+    error = dist.broadcast_object(error)  # also the barrier: nobody leaves before the marker is written
+    if error:
+        raise integrity.CheckpointError(error)
     return root / tag
+
+
+@dataclass(frozen=True)
+class Save:
+    """A save under way: what `end_save` needs to report a failed write."""
+
+    writer: integrity.DigestingEngine | None
+    needed: int
+    known_from: str
+    keep_note: str
+    free_before: int
+
+
+def begin_save(engine: Any, ckpt: Path, prefix: str) -> Save:
+    """All ranks, before a DeepSpeed save into `ckpt` (either path): refuse a checkpoint that cannot fit,
+    clear a stale directory of that name, and route the shards through a digest."""
+    needed, known_from, keep_note = expected_size(engine, ckpt.parent, prefix)
+    integrity.precheck(ckpt, needed, known_from, keep_note)
+    free_before = integrity.free_bytes(ckpt.parent)
+    clear_stale(ckpt)
+    writer = integrity.install(engine)
+    if writer is not None:
+        writer.start()
+    return Save(writer, needed, known_from, keep_note, free_before)
+
+
+def end_save(save: Save, ckpt: Path) -> dict[str, Any]:
+    """All ranks, after the save returned: the digests for the completion marker (rank 0), or the same
+    CheckpointError on every rank when a write failed."""
+    return integrity.finish_save(save.writer, ckpt, save.needed, save.known_from, save.free_before, save.keep_note)
+
+
+def expected_size(engine: Any, root: Path, prefix: str) -> tuple[int, str, str]:
+    """All ranks: (bytes the next checkpoint takes, how that is known, what stays if it fails). The size of
+    the newest complete checkpoint when it recorded one (every save of a run has the same tensors), else an
+    estimate from the engine's tensors (the first save)."""
+    known = None
+    if dist.rank() == 0:
+        done = complete_checkpoints(root, prefix)
+        keep_note = (f"{done[-1][1].name} stays the newest complete checkpoint (train.resume=latest resumes it)"
+                     if done else "no complete checkpoint exists yet")
+        size = None
+        if done:
+            with contextlib.suppress(OSError, ValueError):
+                size = json.loads((done[-1][1] / COMPLETE).read_text()).get("bytes")
+        known = (size, f"the size of {done[-1][1].name}" if size else "", keep_note)
+    size, how, keep_note = dist.broadcast_object(known)
+    if not size:  # a collective: every rank takes this branch or none does (rank 0 decided)
+        size, how = integrity.estimate_bytes(engine), "estimated from the model and optimizer tensors"
+    return int(size), how, keep_note
 
 
 # ----------------------------------------------------------------------------- one run, one record

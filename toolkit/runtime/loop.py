@@ -31,13 +31,14 @@ from toolkit.observe.metrics import (
     peak_flops_per_gpu,
 )
 from toolkit.observe.profiling import StepProfiler
-from toolkit.runtime import autotune, fp8, kernels, resume
+from toolkit.runtime import autotune, fp8, integrity, kernels, resume
 from toolkit.runtime import compile as compiling
 from toolkit.runtime.checkpoint import (
     DEFAULT_RUN_DIR,
     atomic_write,
+    begin_save,
     claim_run_dir,
-    clear_stale,
+    end_save,
     export_model,
     mark_complete,
     save_deepspeed_checkpoint,
@@ -57,6 +58,7 @@ from toolkit.runtime.data import (
 )
 from toolkit.runtime.evaluate import evaluate
 from toolkit.runtime.guards import NonFiniteError, NonFiniteGuard
+from toolkit.runtime.integrity import CheckpointError
 from toolkit.runtime.model import (
     build_model,
     build_tokenizer,
@@ -78,6 +80,10 @@ def run(p: RunSpec) -> int:
                                              bool(p.fp8))
     liger = kernels.choice_for(cfg, p.model_config.model_type, zero_stage(p.ds), compiled)
     refused = _claim_run_dir(p)
+    if refused is None and p.resume_from:  # before anything is loaded or moved aside
+        refused = resume.check_intact(p.resume_from, cfg.train.path)
+        if refused:  # this run's own directory: its status says why the resume stopped
+            write_status(p.run_dir, "failed", error=refused, phase="resume", step=p.resume_from.step)
     if refused:
         if rank == 0:
             print(f"error: {refused}", file=sys.stderr, flush=True)
@@ -101,8 +107,13 @@ def run(p: RunSpec) -> int:
         if p.autotune:  # train.micro_batch_size=auto: the probes and the choice, reused by a later run
             atomic_write(p.run_dir / autotune.RECORD, json.dumps(p.autotune, indent=1) + "\n")
     dist.barrier()
-    with console.rank_log(p.run_dir, rank):
-        return _run(p, liger, (compiled, compile_why))
+    try:
+        with console.rank_log(p.run_dir, rank):  # the traceback goes to logs/rank{N}.log
+            return _run(p, liger, (compiled, compile_why))
+    except CheckpointError as e:  # a save that could not happen: the same one line on every rank
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
 
 
 def _claim_run_dir(p: RunSpec) -> str | None:
@@ -332,6 +343,7 @@ def _run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collat
     class Hooks(TrainerCallback):
         def on_train_begin(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
             leaf_check(trainer.model)  # the Trainer has built the engine by now
+            integrity.install(trainer.model_wrapped)  # shards digested as they are written
             if p.resume_from:  # the Trainer has loaded the checkpoint by now
                 resume.verify(trainer.model_wrapped, state["fixed_batch"], p.resume_from, p.run_dir, p.precision,
                               p.world_size, t.grad_accum, universal)
@@ -355,7 +367,8 @@ def _run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collat
                 control.should_training_stop = True
                 state["preempted"] = True
             if control.should_save:  # the Trainer saves right after this hook, into checkpoint-<step>
-                clear_stale(Path(args.output_dir) / f"checkpoint-{st.global_step}")
+                state["save"] = begin_save(trainer.model_wrapped, Path(args.output_dir) / f"checkpoint-{st.global_step}",
+                                           "checkpoint-")
             return control
 
         def on_train_end(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
@@ -366,9 +379,12 @@ def _run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collat
         def on_save(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
             # Called on every rank once the Trainer's save returned; DeepSpeed's save ends with a
             # barrier, so every rank's shard is on disk. Resume only trusts marked checkpoints.
+            ckpt = Path(args.output_dir) / f"checkpoint-{st.global_step}"
+            # every rank ran on_step_end's begin_save (the Trainer saves only where should_save was set there)
+            digests = end_save(state.pop("save"), ckpt) if "save" in state else {}
             record = resume.save_record(trainer.model_wrapped, state["fixed_batch"], p.world_size, global_batch)
             if dist.rank() == 0:
-                mark_complete(Path(args.output_dir) / f"checkpoint-{st.global_step}", st.global_step, record)
+                mark_complete(ckpt, st.global_step, record | digests)
 
         def on_log(self, args: Any, st: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
             if not logs or "loss" not in logs:

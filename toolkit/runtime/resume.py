@@ -26,6 +26,7 @@ from typing import Any
 
 from toolkit.config.ds_config import ConfigError
 from toolkit.launch import dist
+from toolkit.runtime import integrity
 from toolkit.runtime.checkpoint import COMPLETE, atomic_write, complete_checkpoints
 
 # ZeRO-1/2/3 optimizer shards, one per data-parallel rank (bf16_ when DeepSpeed's BF16_Optimizer wrote them).
@@ -77,6 +78,24 @@ def find(run_dir: Path, path: str, resume: str) -> Checkpoint:
     if not tag_dir.is_dir():
         raise FileNotFoundError(f"train.resume={resume}: {ckpt} holds no DeepSpeed checkpoint ({tag_dir.name})")
     return Checkpoint(ckpt, tag_dir, step, record)
+
+
+def check_intact(ckpt: Checkpoint, path: str) -> str | None:
+    """All ranks, before anything is loaded or moved: every file of the checkpoint against the digest taken
+    when it was written (toolkit/runtime/integrity.py). Returns the refusal (one line, the same on every rank),
+    naming the damaged file and the previous complete checkpoint with the setting that resumes it; None when
+    the checkpoint is whole."""
+    problems, note = integrity.verify(ckpt.dir, ckpt.record)
+    if not problems:
+        if dist.rank() == 0:
+            print(f"train.resume: {note}", flush=True)
+        return None
+    prefix = "checkpoint-" if path == "trainer" else "global_step"
+    earlier = [d for step, d in complete_checkpoints(ckpt.dir.parent, prefix) if step < ckpt.step]
+    more = f" (and {len(problems) - 1} more file(s))" if len(problems) > 1 else ""
+    fix = (f"the previous complete checkpoint is {earlier[-1].name}: resume from it with train.resume={earlier[-1].name}"
+           if earlier else "there is no earlier complete checkpoint: start again with train.overwrite=true")
+    return f"checkpoint {ckpt.dir} is damaged: {problems[0]}{more}; not resuming from it; {fix}"
 
 
 def set_aside_newer(ckpt: Checkpoint, path: str) -> str | None:
