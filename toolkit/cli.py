@@ -26,6 +26,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _gen_options(args: argparse.Namespace) -> dict[str, object]:
+    """What gen-config's flags set besides stage and offload; --all applies them to every preset."""
+    return {"nvme_path": args.nvme_path, "precision": args.precision, "micro_batch": args.micro_batch,
+            "grad_accum": args.grad_accum, "world_size": args.world_size, "lr": args.lr,
+            "targets": tuple(args.consumer or DEFAULT_TARGETS)}
+
+
 def _cmd_gen_config(args: argparse.Namespace) -> int:
     from toolkit.config import ds_config as dc
 
@@ -33,26 +40,15 @@ def _cmd_gen_config(args: argparse.Namespace) -> int:
         out_dir = Path(args.output or "ds_configs")
         if out_dir.exists() and not out_dir.is_dir():
             raise dc.ConfigError(f"{out_dir} is not a directory")
-        targets = tuple(args.consumer or dc.DEFAULT_TARGETS)
         for name, (stage, opt, par) in dc.PRESETS.items():
             path = out_dir / f"{name}.json"
-            dc.write_config(dc.gen_config(stage, opt, par, targets=targets), path, force=args.force)
+            dc.write_config(dc.gen_config(stage, opt, par, **_gen_options(args)), path, force=args.force)
             print(f"wrote {path}")
         return 0
     if args.stage is None:
         raise dc.ConfigError("give --stage {0,1,2,3} or --all")
-    cfg = dc.gen_config(
-        args.stage,
-        offload_optimizer=args.offload_optimizer,
-        offload_param=args.offload_param,
-        nvme_path=args.nvme_path,
-        precision=args.precision,
-        micro_batch=args.micro_batch,
-        grad_accum=args.grad_accum,
-        world_size=args.world_size,
-        lr=args.lr,
-        targets=tuple(args.consumer or dc.DEFAULT_TARGETS),
-    )
+    cfg = dc.gen_config(args.stage, offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
+                        **_gen_options(args))
     if args.output:
         dc.write_config(cfg, Path(args.output), force=args.force)
         print(f"wrote {args.output}")

@@ -227,7 +227,7 @@ def _probe(cfg: Config, argv: list[str], micro: int, accum: int, run_dir: Path, 
     over = [f"train.micro_batch_size={micro}", f"train.grad_accum={accum}", f"train.max_steps={PROBE_STEPS}",
             f"train.run_dir={run_dir}", "train.overwrite=true", "train.resume=null", "train.export=false",
             "train.save_every=0", "train.stop_after=0", "train.log_every=1", "eval.generate=false",
-            "memory.every=1", "metrics.tensorboard=false", "train.warmup_steps=1",
+            "memory.every=1", "metrics.report_to=none", "train.warmup_steps=1",  # no tracker runs per probe
             "train.profile_steps=[]"]  # a profiler in a probe would slow the steps it times
     port = dist.broadcast_object([_free_port() if dist.rank() == 0 else None])[0]
     env = os.environ | {"MASTER_PORT": str(port), "TOOLKIT_AUTOTUNE_PROBE": "1"}
