@@ -192,10 +192,10 @@ class Save:
 def begin_save(engine: Any, ckpt: Path, prefix: str) -> Save:
     """All ranks, before a DeepSpeed save into `ckpt` (either path): refuse a checkpoint that cannot fit,
     clear a stale directory of that name, and route the shards through a digest."""
+    clear_stale(ckpt)  # first: a stale directory of this name is not space the save lacks
     needed, known_from, keep_note = expected_size(engine, ckpt.parent, prefix)
     integrity.precheck(ckpt, needed, known_from, keep_note)
     free_before = integrity.free_bytes(ckpt.parent)
-    clear_stale(ckpt)
     writer = integrity.install(engine)
     if writer is not None:
         writer.start()

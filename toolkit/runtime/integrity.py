@@ -55,21 +55,31 @@ def file_digest(path: Path) -> tuple[int, str]:
 
 
 class _HashingFile:
-    """What torch.save writes through: every chunk goes to the file and into the digest."""
+    """What torch.save writes through: every chunk goes to the file and into the digest. The file is
+    unbuffered, so a full disk shows up in this write (kept in `error`) and not later in a flush at close;
+    torch's zip writer reports a failed write only as a RuntimeError about a position."""
 
     def __init__(self, f: Any) -> None:
         self._f = f
         self._h = _hasher()
         self.size = 0
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
-        n = self._f.write(data)
-        self._h.update(data)
-        self.size += memoryview(data).nbytes
-        return n
+        view = memoryview(data).cast("B")
+        done = 0
+        try:
+            while done < len(view):
+                done += self._f.write(view[done:])  # a raw file may take less than it was given
+        except OSError as e:
+            self.error = e
+            raise
+        self._h.update(view)
+        self.size += len(view)
+        return len(view)
 
     def flush(self) -> None:
-        self._f.flush()
+        pass  # unbuffered
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
@@ -123,15 +133,18 @@ class DigestingEngine:
         if self.failure is not None:  # this rank's disk is already full: do not try the rest of the save
             return
         needed = tensor_bytes(state_dict)
+        out = None
         try:
-            with open(path, "wb") as f:
+            with open(path, "wb", buffering=0) as f:
                 out = _HashingFile(f)
                 torch.save(state_dict, out,
                            _use_new_zipfile_serialization=getattr(self._inner, "zipfile_serialization", True))
-                f.flush()
                 os.fsync(f.fileno())  # complete.json promises the bytes are on disk, not in the page cache
-        except OSError as e:
-            self.failure = WriteFailure(path, needed, e.strerror or str(e))
+        except (OSError, RuntimeError) as e:
+            cause = out.error if out is not None and out.error is not None else e
+            if not isinstance(cause, OSError):
+                raise  # not the filesystem: a real error of the save
+            self.failure = WriteFailure(path, needed, cause.strerror or str(cause))
             with contextlib.suppress(OSError):
                 os.remove(path)  # the partial file's space goes back to the filesystem
             return

@@ -520,8 +520,10 @@ def _run_raw(p: RunSpec, model: Any, dataset: ListDataset, collator: Collator, o
         saving = bool((t.save_every and step % t.save_every == 0) or (t.stop_after and step == last and step < total))
         preempted = logged and step < last and state["preempt"].agreed()  # SIGTERM: stop here, with a checkpoint
         if saving or preempted:
+            state["phase"] = "save"  # what status.json says if the save fails
             save_deepspeed_checkpoint(engine, ckpt_dir, step, t.keep_checkpoints,
                                       lambda: resume.save_record(engine, state["fixed_batch"], world, global_batch))
+            state["phase"] = "train"
         if preempted:
             state["preempted"] = True
             break
