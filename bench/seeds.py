@@ -246,7 +246,7 @@ def run_hf(suite: str, out: Path, only: list[str]) -> None:
         assert PRESETS  # the same preset shapes as the toolkit
         if v.get("lora"):
             model = apply_lora(cfg, model)
-        rows = build_rows(cfg, mc.vocab_size, 0, None)
+        rows, _ = build_rows(cfg, mc.vocab_size, 0, None)
         _empty_cache()
         cb = NvmlPeak()
         trainer = Trainer(model=model, args=args, train_dataset=ListDataset(rows),

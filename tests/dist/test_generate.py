@@ -169,7 +169,7 @@ def _expected_prompts() -> list[list[int]]:
 
     cfg = load_config(None, COMMON)
     mc = model_config(cfg)
-    rows = build_rows(cfg, mc.vocab_size, mc.pad_token_id, None)
+    rows, _ = build_rows(cfg, mc.vocab_size, mc.pad_token_id, None)
     rows = even_rows(rows, cfg.train.micro_batch_size * cfg.train.grad_accum, WORLD)
     return eval_prompts(rows, 3)
 
