@@ -135,6 +135,11 @@ class TrainConfig:
     collective_timeout_s: int = 600
     """A rank waiting in a collective for a peer that died fails after this many seconds (the HF
     Trainer's own default is 30 minutes). Raise it when one rank alone does long work, e.g. slow saves."""
+    heartbeat_timeout_s: int = 30
+    """A rank (or host) whose heartbeat through the rendezvous store stops for this long is lost, and the
+    job ends on every host with its stacks in logs/rank{N}.log and the lost ranks in status.json; a training
+    step past train.collective_timeout_s + twice the slowest step is a hang and ends it the same way
+    (toolkit/runtime/watchdog.py). 0: off."""
     save_probe: bool = False
     """Save the final engine's logits on two samples (probe.pt) to verify the export against."""
     zero_sizes: str = "speed"
@@ -262,6 +267,7 @@ class Config:
             (t.compile in ("off", "torch", "auto"), f"train.compile must be auto, off or torch, got {t.compile!r}"),
             (t.keep_checkpoints >= 0, "train.keep_checkpoints must be >= 0"),
             (t.collective_timeout_s >= 1, "train.collective_timeout_s must be >= 1"),
+            (t.heartbeat_timeout_s >= 0, "train.heartbeat_timeout_s must be >= 0 (0: no watchdog)"),
             (t.micro_batch_size == "auto" or (isinstance(t.micro_batch_size, int) and t.micro_batch_size >= 1),
              f"train.micro_batch_size must be >= 1 or auto, got {t.micro_batch_size!r}"),
             (t.global_batch_size >= 0, "train.global_batch_size must be >= 0"),

@@ -31,7 +31,7 @@ from toolkit.observe.metrics import (
     peak_flops_per_gpu,
 )
 from toolkit.observe.profiling import StepProfiler
-from toolkit.runtime import autotune, fp8, integrity, kernels, resume
+from toolkit.runtime import autotune, fp8, integrity, kernels, resume, watchdog
 from toolkit.runtime import compile as compiling
 from toolkit.runtime.checkpoint import (
     DEFAULT_RUN_DIR,
@@ -80,11 +80,14 @@ def run(p: RunSpec) -> int:
                                              bool(p.fp8))
     liger = kernels.choice_for(cfg, p.model_config.model_type, zero_stage(p.ds), compiled)
     refused = _claim_run_dir(p)
+    if refused is None:  # heartbeats from here on: a rank that dies, stops or hangs ends the job everywhere
+        watchdog.start(p.run_dir, cfg.train.heartbeat_timeout_s, cfg.train.collective_timeout_s)
     if refused is None and p.resume_from:  # before anything is loaded or moved aside
         refused = resume.check_intact(p.resume_from, cfg.train.path)
         if refused:  # this run's own directory: its status says why the resume stopped
             write_status(p.run_dir, "failed", error=refused, phase="resume", step=p.resume_from.step)
     if refused:
+        watchdog.close()
         if rank == 0:
             print(f"error: {refused}", file=sys.stderr, flush=True)
         return 1
@@ -109,11 +112,17 @@ def run(p: RunSpec) -> int:
     dist.barrier()
     try:
         with console.rank_log(p.run_dir, rank):  # the traceback goes to logs/rank{N}.log
-            return _run(p, liger, (compiled, compile_why))
+            rc = _run(p, liger, (compiled, compile_why))
     except CheckpointError as e:  # a save that could not happen: the same one line on every rank
+        watchdog.failing(e)
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
+    except BaseException as e:
+        watchdog.failing(e)  # ends this process instead when a peer is lost (watchdog.EXIT_LOST)
+        raise
+    watchdog.close()
+    return rc
 
 
 def _claim_run_dir(p: RunSpec) -> str | None:
@@ -162,6 +171,7 @@ def _run(p: RunSpec, liger: Any, compiled: tuple[bool, str]) -> int:
              "fixed_batch": resume.fixed_batch(rows, Collator(pad_id=pad_id, task=cfg.model.task)),
              "profiler": StepProfiler(p.run_dir, rank, list(cfg.train.profile_steps)),
              "eval": _evaluator(p, eval_rows, collator, metrics)}
+    watchdog.follow(lambda: (state["phase"], state["step"]))
     metrics.engine_starting(f"ZeRO-{zero_stage(p.ds)}, {cfg.train.path} path, {p.world_size} ranks")
     try:
         with mem.oom_guard(lambda: (state["phase"], state["step"])):
@@ -178,7 +188,9 @@ def _run(p: RunSpec, liger: Any, compiled: tuple[bool, str]) -> int:
                 mem.phase_boundary("final", step)
             breakdown.finish(p.run_dir, rank, mem.run_peaks)
     except BaseException as e:
-        # rank 0 writes what it saw; a peer that died shows up here as a collective error
+        # A peer that died shows up here as a collective error: the watchdog names it in status.json and
+        # ends this process; otherwise rank 0 writes what it saw.
+        watchdog.failing(e)
         write_status(p.run_dir, "failed", error=f"{type(e).__name__}: {e}"[:2000], phase=state["phase"],
                      step=state["step"])
         raise
@@ -351,7 +363,11 @@ def _run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collat
             metrics.start(st.global_step)
             state["profiler"].step_done(st.global_step)  # a window that includes the first step opens here
 
+        def on_step_begin(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
+            watchdog.step_begin(st.global_step + 1)  # the hang deadline covers the step, not the save after it
+
         def on_step_end(self, args: Any, st: Any, control: Any, **kw: Any) -> Any:
+            watchdog.step_end()
             state["step"] = st.global_step
             state["profiler"].step_done(st.global_step)
             if not state.get("breakdown"):  # after this process's first optimizer step: states exist
@@ -480,6 +496,7 @@ def _run_raw(p: RunSpec, model: Any, dataset: ListDataset, collator: Collator, o
     # Nothing in this loop waits for the GPU except on log steps: the label count is reduced on the
     # device, the loss accumulates there, and host values (loss, grad norm) are read only to log.
     while step < last:
+        watchdog.step_begin(step + 1)  # the hang deadline covers the step, not the save or eval after it
         batches = [next(stream) for _ in range(t.grad_accum)]
         samples = [i for _ in batches for i in sampler.drawn.popleft()]
         for b in batches:
@@ -515,6 +532,7 @@ def _run_raw(p: RunSpec, model: Any, dataset: ListDataset, collator: Collator, o
             state["breakdown"] = breakdown.record(p.run_dir, rank, engine, step)
         if step > 1:
             mem.maybe_step(step)
+        watchdog.step_end()
         if state["eval"]:
             state["eval"](engine, step, False)
         saving = bool((t.save_every and step % t.save_every == 0) or (t.stop_after and step == last and step < total))

@@ -1,0 +1,410 @@
+"""The job ends on every host when a rank dies, stops or hangs, and says where.
+
+Nothing in torch or DeepSpeed carries a rank's death across hosts: a rank on another node waits in its
+collective until `train.collective_timeout_s` (gloo), or forever (DeepSpeed's CPU shared-memory
+all-reduce, NCCL without its watchdog), and DeepSpeed's pdsh runner waits with it
+(../shared/notes/faults.md (a)). What every rank does share is the rendezvous store, torch's TCPStore at
+MASTER_ADDR:MASTER_PORT (served by rank 0's process). This module uses it for heartbeats:
+
+- beats: each rank's I/O thread writes a small record (a counter, its host, pid, step and phase) every
+  `heartbeat_timeout_s / 10` seconds. Rank 0 reads all of them and publishes a view (how long since each
+  rank's counter last moved); the other ranks read that view and the verdict key.
+- judge: a second thread, which never touches the network (a store call can block forever: TCPStore has
+  no receive timeout, seen with a stopped server), decides. A rank is lost when its counter has not moved
+  for `heartbeat_timeout_s`, when its process is gone (ranks on the same host check each other's pids at
+  once), or, for rank 0, when the view stops changing (rank 0 serves the store: its host is gone, stopped
+  or cut off). A lost rank ends the job on every rank: each dumps the Python stack of every thread
+  (faulthandler) into logs/rank{N}.log, the lowest live rank writes status.json naming the lost ranks and
+  their hosts, a stopped local peer is SIGKILLed (the launcher would wait 30 s for it: SIGTERM is not
+  delivered to a stopped process), and the rank exits with EXIT_LOST. The verdict is also written to the
+  store, best effort, for ranks whose view lags.
+- failures: a rank that raises publishes a "failed" verdict; a rank that is still running 10 s later (it
+  is stuck, not failing with the others) dumps its stack and exits. Errors every rank raises together
+  (a NaN, a refused save) finish on their own within that grace.
+- hangs: the main thread arms a deadline around each training step (not the first step, which compiles
+  and allocates, and not saves, evaluation or export, whose length depends on the disk and the data; the
+  heartbeat still covers a rank that dies or stops there): collective_timeout_s plus twice the slowest step
+  so far. A step past it is a hang (a stuck read, a deadlocked loader, a collective nothing times out).
+  The thread judging it needs the GIL, so faulthandler's C watchdog (dump_traceback_later) is armed 30 s
+  later as a backstop: it dumps every stack without the GIL and exits 1.
+Cost per step: a few attribute writes and one dump_traceback_later (measured in
+tests/unit/test_watchdog.py); the threads wake every few seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import faulthandler
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from toolkit.launch import dist
+from toolkit.observe import console
+from toolkit.runtime.checkpoint import atomic_write
+
+EXIT_LOST = 75  # sysexits EX_TEMPFAIL: the job lost a rank or host, or hung; train.resume=latest continues it
+FAILED_GRACE_S = 10.0  # how long a rank may take to fail on its own after another rank failed
+_PREFIX = "toolkit/watchdog/"
+
+
+def _client(timeout_s: float) -> Any:
+    """A connection of our own to the rendezvous store (rank 0 serves it; the process group uses another)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                    wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _proc_state(pid: int, start: float | None) -> str | None:
+    """'gone', 'stopped' or None (running), for a process on this host; `start` guards against pid reuse."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        if start is not None and abs(p.create_time() - start) > 1.0:
+            return "gone"
+        status = p.status()
+    except psutil.Error:
+        return "gone"
+    if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+        return "gone"
+    return "stopped" if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP) else None
+
+
+class Watchdog:
+    """One per rank, for the whole run. The loop calls step_begin/step_end, failing(exc) and close()."""
+
+    def __init__(self, run_dir: Path, heartbeat_timeout_s: float, collective_timeout_s: float,
+                 where: Callable[[], tuple[str, int]]) -> None:
+        import psutil
+
+        self.run_dir = Path(run_dir)
+        self.rank, self.world = dist.rank(), dist.world_size()
+        self.timeout_s = float(heartbeat_timeout_s)
+        self.beat_s = max(0.5, self.timeout_s / 10)
+        self.collective_timeout_s = float(collective_timeout_s)
+        self.where = where  # the main thread's (phase, step), for status.json
+        self.host = socket.gethostname()
+        self.me = {"host": self.host, "pid": os.getpid(), "start": psutil.Process().create_time()}
+        path = console.log_path(self.run_dir, self.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.log = path.open("a")  # stacks land here
+        self.n = 0
+        self.view: dict[str, Any] = {}
+        self.view_changed = time.monotonic()
+        self.verdict: dict[str, Any] | None = None
+        self.verdict_seen = 0.0
+        self.exiting = False  # this rank's main thread is failing or finishing on its own
+        self.armed_at: float | None = None
+        self.armed_step = 0
+        self.steps_done = 0
+        self.slowest_step_s = 0.0
+        self.acting = threading.Lock()
+        self.stop = threading.Event()
+        self.store = _client(max(60.0, self.timeout_s))
+        self._beat()  # before the loop's barrier: rank 0 sees every rank from its first look
+        if self.rank == 0:  # created empty where missing, so reading them never waits for them
+            for key in ("view", "verdict", *(f"beat/{r}" for r in range(self.world))):
+                self.store.compare_set(_PREFIX + key, "", "")
+        self.threads = [threading.Thread(target=self._io, name="toolkit-heartbeat", daemon=True),
+                        threading.Thread(target=self._judge, name="toolkit-watchdog", daemon=True)]
+        for t in self.threads:
+            t.start()
+
+    # ------------------------------------------------------------------ main thread
+
+    def step_begin(self, step: int) -> None:
+        """Arm the hang deadline, except on this process's first step (it compiles and allocates)."""
+        self.armed_step = step
+        if not self.steps_done:
+            return
+        self.armed_at = time.monotonic()
+        faulthandler.dump_traceback_later(self.deadline_s() + 30.0, exit=True, file=self.log)
+
+    def step_end(self) -> None:
+        if self.armed_at is not None:
+            self.slowest_step_s = max(self.slowest_step_s, time.monotonic() - self.armed_at)
+            faulthandler.cancel_dump_traceback_later()
+            self.armed_at = None
+        self.steps_done += 1
+
+    def deadline_s(self) -> float:
+        return self.collective_timeout_s + 2.0 * self.slowest_step_s
+
+    def failing(self, exc: BaseException) -> None:
+        """The main thread is leaving with `exc`. Tell every rank (a peer stuck elsewhere would wait for us),
+        then wait until every peer has answered since (a beat) or said goodbye: a peer that is dead, stopped
+        or cut off is named by the judge within heartbeat_timeout_s, which ends this process. Returns when
+        every peer answered: the caller reports its own error."""
+        self.exiting = True
+        self._disarm()
+        began, seen = time.monotonic(), {r: rec.get("n", 0) for r, rec in self._ranks().items()}
+        self._publish({"kind": "failed", "rank": self.rank, "host": self.host,
+                       "error": f"{type(exc).__name__}: {exc}"[:500]})
+        while time.monotonic() < began + self.timeout_s + 2 * self.beat_s:
+            lost = self._lost(time.monotonic())
+            if lost:
+                self._act_lost(lost)
+            if self._answered_since(began, seen):
+                break
+            time.sleep(0.2)
+        self._leave()
+
+    def close(self) -> None:
+        """Every rank after its last collective: stop, and say goodbye (a rank that finishes first is not lost)."""
+        self.exiting = True
+        self._disarm()
+        self._leave()
+
+    def _disarm(self) -> None:
+        self.armed_at = None
+        faulthandler.cancel_dump_traceback_later()
+
+    def _leave(self) -> None:
+        self.stop.set()
+        bye = json.dumps({**self.me, "n": self.n + 1, "bye": True})
+        t = threading.Thread(target=lambda: self.store.set(_PREFIX + f"beat/{self.rank}", bye), daemon=True)
+        t.start()
+        t.join(timeout=2.0)  # the store may be gone already (rank 0 left first)
+
+    # ------------------------------------------------------------------ I/O thread (may block on the store)
+
+    def _beat(self) -> None:
+        self.n += 1
+        phase, step = self.where()
+        self.store.set(_PREFIX + f"beat/{self.rank}",
+                       json.dumps({**self.me, "n": self.n, "phase": phase, "step": step, "bye": False}))
+
+    def _io(self) -> None:
+        keys = [_PREFIX + f"beat/{r}" for r in range(self.world)]
+        counters: dict[int, int] = {}
+        changed = {r: time.monotonic() for r in range(self.world)}
+        seq = 0
+        while not self.stop.wait(self.beat_s):
+            try:
+                self._beat()
+                if self.rank == 0:
+                    now = time.monotonic()
+                    ranks = {}
+                    for r, raw in enumerate(self.store.multi_get(keys)):
+                        rec = json.loads(raw) if raw else {}
+                        ranks[r] = rec
+                        if rec.get("n") != counters.get(r):
+                            counters[r], changed[r] = rec.get("n", 0), now
+                    seq += 1
+                    # string keys, as every other rank reads them back from JSON
+                    view = {"seq": seq, "ranks": {str(r): rec for r, rec in ranks.items()},
+                            "ages": {str(r): round(now - changed[r], 1) for r in ranks}}
+                    self.store.set(_PREFIX + "view", json.dumps(view))
+                    raw_verdict = self.store.get(_PREFIX + "verdict")
+                else:
+                    raw_view, raw_verdict = self.store.multi_get([_PREFIX + "view", _PREFIX + "verdict"])
+                    view = json.loads(raw_view) if raw_view else {}
+                if view.get("seq") != self.view.get("seq"):
+                    self.view, self.view_changed = view, time.monotonic()
+                if raw_verdict and self.verdict is None:
+                    self.verdict, self.verdict_seen = json.loads(raw_verdict), time.monotonic()
+                    self.store.add(_PREFIX + "acks", 1)
+            except Exception:  # the store is gone or refuses: the judge sees the view go stale
+                time.sleep(self.beat_s)
+
+    def _publish(self, verdict: dict[str, Any]) -> None:
+        """Best effort, from a throwaway thread and connection: the store may be stopped or cut off."""
+        def put() -> None:
+            with contextlib.suppress(Exception):
+                _client(5.0).compare_set(_PREFIX + "verdict", "", json.dumps(verdict))
+        t = threading.Thread(target=put, daemon=True)
+        t.start()
+        t.join(timeout=3.0)
+
+    # ------------------------------------------------------------------ judge thread (no network)
+
+    def _judge(self) -> None:
+        while not self.stop.wait(self.beat_s / 2):
+            now = time.monotonic()
+            lost = self._lost(now)
+            if lost:
+                self._act_lost(lost)
+            v = self.verdict
+            if v and v.get("kind") == "lost":
+                self._act_lost({int(r): why for r, why in v["lost"].items()}, adopted=True)
+            if v and v.get("kind") == "failed" and not self.exiting and now - self.verdict_seen > FAILED_GRACE_S:
+                self._act_failed(v)
+            if (self.armed_at is not None and not self.exiting and now - self.armed_at > self.deadline_s()
+                    and not self._late(now)):  # a late peer is named by its heartbeat within heartbeat_timeout_s
+                self._act_hang(now - self.armed_at)
+
+    def _ranks(self) -> dict[int, dict[str, Any]]:
+        return {int(r): rec for r, rec in self.view.get("ranks", {}).items() if rec}
+
+    def _lost(self, now: float) -> dict[int, str]:
+        """rank -> why, for every peer this rank can tell is gone, stopped or silent."""
+        lost: dict[int, str] = {}
+        ranks = self._ranks()
+        for r, rec in ranks.items():
+            if r == self.rank or rec.get("bye"):
+                continue
+            local = rec.get("host") == self.host
+            state = _proc_state(rec["pid"], rec.get("start")) if local and "pid" in rec else None
+            age = float(self.view.get("ages", {}).get(str(r), 0.0))
+            if state == "gone":
+                lost[r] = "its process is gone"
+            elif age > self.timeout_s:
+                lost[r] = f"no heartbeat for {age:.0f} s" + (" (its process is stopped: SIGSTOP or a debugger)"
+                                                             if state == "stopped" else "")
+        silent = now - self.view_changed
+        if self.rank != 0 and silent > self.timeout_s and not ranks.get(0, {}).get("bye"):
+            lost[0] = (f"the rendezvous store it serves has not answered for {silent:.0f} s (its host is down, "
+                       "stopped or cut off)")
+        return lost
+
+    def _late(self, now: float) -> list[int]:
+        """Peers whose beat is more than three beats old (or rank 0, when the view stopped changing)."""
+        late = [r for r, a in self.view.get("ages", {}).items() if int(r) != self.rank and float(a) > 3 * self.beat_s
+                and not self._ranks().get(int(r), {}).get("bye")]
+        if self.rank != 0 and now - self.view_changed > 3 * self.beat_s:
+            late.append("0")
+        return sorted({int(r) for r in late})
+
+    def _answered_since(self, began: float, seen: dict[int, int]) -> bool:
+        """Every peer has beaten since `began` (its counter moved) or said goodbye."""
+        if self.rank != 0 and self.view_changed <= began:
+            return False
+        for r, rec in self._ranks().items():
+            if r != self.rank and not rec.get("bye") and rec.get("n", 0) <= seen.get(r, 0):
+                return False
+        return True
+
+    # ------------------------------------------------------------------ ending the job
+
+    def _dump(self, line: str) -> None:
+        self.log.write(f"--- watchdog, rank {self.rank} on {self.host}: {line}\n"
+                       f"--- Python stacks of this rank's threads (most recent call first):\n")
+        self.log.flush()
+        faulthandler.dump_traceback(file=self.log, all_threads=True)
+        self.log.flush()
+
+    def _write_status(self, fields: dict[str, Any], lost: set[int]) -> None:
+        """The lowest live rank writes; a rank other than 0 only over a status that still says running
+        (in a network partition rank 0 may be alive on the other side and has written its own view)."""
+        live = [r for r in range(self.world) if r not in lost]
+        if not live or live[0] != self.rank:
+            return
+        path = self.run_dir / "status.json"
+        if self.rank != 0:
+            with contextlib.suppress(OSError, ValueError):
+                if json.loads(path.read_text()).get("status") != "running":
+                    return
+        phase, step = self.where()
+        with contextlib.suppress(OSError):
+            atomic_write(path, json.dumps({"status": "failed", **fields, "phase": phase, "step": step,
+                                           "detected_by": self.rank, "stacks": "logs/rank{N}.log"}, indent=2) + "\n")
+
+    def _end(self, code: int, line: str, status: dict[str, Any] | None, lost: set[int],
+             kill: Sequence[int] = ()) -> NoReturn:
+        if not self.acting.acquire(blocking=False):
+            while True:  # another thread of this rank is ending it
+                time.sleep(60)
+        self.stop.set()
+        self._dump(line)
+        if status is not None:
+            self._write_status(status, lost)
+        ranks = self._ranks()
+        for r in kill:  # a stopped local peer: SIGTERM from the launcher would wait for it 30 s
+            rec = ranks.get(r, {})
+            if rec.get("host") == self.host and _proc_state(rec["pid"], rec.get("start")) == "stopped":
+                with contextlib.suppress(OSError):
+                    os.kill(rec["pid"], signal.SIGKILL)
+        print(f"\nerror: rank {self.rank}: {line}; stacks in {console.log_path(self.run_dir, self.rank)}",
+              file=sys.stderr, flush=True)
+        if self.rank == 0:  # rank 0 serves the store: give the others a beat to read the verdict
+            deadline = time.monotonic() + 2 * self.beat_s
+            with contextlib.suppress(Exception):
+                others = len([r for r in range(1, self.world) if r not in lost])
+                while others and time.monotonic() < deadline and self.store.add(_PREFIX + "acks", 0) < others:
+                    time.sleep(0.1)
+        self.log.flush()
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        os._exit(code)
+
+    def _act_lost(self, lost: dict[int, str], adopted: bool = False) -> NoReturn:
+        ranks = self._ranks()
+        hosts = sorted({ranks.get(r, {}).get("host", "?") for r in lost})
+        what = "; ".join(f"rank {r} on {ranks.get(r, {}).get('host', '?')}: {why}" for r, why in sorted(lost.items()))
+        line = f"lost {what}; ending the job"
+        if not adopted:
+            self._publish({"kind": "lost", "lost": {str(r): w for r, w in lost.items()}, "by": self.rank})
+        status = {"error": f"lost {what}", "lost_ranks": sorted(lost), "lost_hosts": hosts}
+        self._end(EXIT_LOST, line, status, set(lost), kill=sorted(lost))
+
+    def _act_failed(self, v: dict[str, Any]) -> NoReturn:
+        line = (f"rank {v.get('rank')} on {v.get('host')} failed ({v.get('error')}) and this rank was still "
+                f"running {FAILED_GRACE_S:.0f} s later; ending it")
+        self._end(EXIT_LOST, line, None, set())
+
+    def _act_hang(self, took_s: float) -> NoReturn:
+        """Every peer beats, yet this step is past its deadline: name the ranks furthest behind (lowest step at
+        their last beat) when they differ; the stacks in the rank logs show where each one waits."""
+        ranks = self._ranks()
+        steps = {r: int(rec.get("step") or 0) for r, rec in ranks.items()}
+        behind = sorted(r for r, st in steps.items() if steps and st == min(steps.values()) and len(set(steps.values())) > 1)
+        where = ", ".join(f"rank {r}: step {rec.get('step')} {rec.get('phase')}" for r, rec in sorted(ranks.items()))
+        line = (f"step {self.armed_step} has run {took_s:.0f} s, past its deadline of {self.deadline_s():.0f} s "
+                f"(train.collective_timeout_s + twice the slowest step) with every rank still beating: a hang"
+                + (f"; behind: rank(s) {', '.join(map(str, behind))}" if behind else "")
+                + f"; at their last beat: {where}")
+        self._publish({"kind": "failed", "rank": self.rank, "host": self.host, "error": f"hang in step {self.armed_step}"})
+        self._end(EXIT_LOST, line, {"error": line, "hung_ranks": behind}, set())
+
+
+_current: Watchdog | None = None
+
+
+def start(run_dir: Path, heartbeat_timeout_s: float, collective_timeout_s: float) -> Watchdog | None:
+    """Every rank, after the process group exists; nothing on one process or with heartbeat_timeout_s=0."""
+    global _current
+    if dist.world_size() < 2 or heartbeat_timeout_s <= 0 or "MASTER_ADDR" not in os.environ:
+        return None
+    _current = Watchdog(run_dir, heartbeat_timeout_s, collective_timeout_s, lambda: ("start", 0))
+    return _current
+
+
+def follow(where: Callable[[], tuple[str, int]]) -> None:
+    """Where the main thread is (phase, step), for the beats and status.json."""
+    if _current is not None:
+        _current.where = where
+
+
+def step_begin(step: int) -> None:
+    if _current is not None:
+        _current.step_begin(step)
+
+
+def step_end() -> None:
+    if _current is not None:
+        _current.step_end()
+
+
+def failing(exc: BaseException) -> None:
+    """The main thread leaves with `exc`: may end the process (EXIT_LOST) when a peer is lost."""
+    global _current
+    if _current is not None:
+        wd, _current = _current, None
+        wd.failing(exc)
+
+
+def close() -> None:
+    global _current
+    if _current is not None:
+        wd, _current = _current, None
+        wd.close()
