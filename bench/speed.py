@@ -313,8 +313,8 @@ def _markdown(doc: dict[str, Any]) -> str:
              "ratios against the bare loop (and the hand-tuned bare loop, bare-tuned) of the same workload, stage "
              "and run. MFU is bf16-equivalent (float8 rows count the same FLOPs against the bf16 peak).", "",
              "| workload | ZeRO | GPUs | variant | micro x accum | tokens/s/GPU | vs bare | vs tuned | MFU | peak GiB "
-             "| host GiB | run |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| host GiB | run | code |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (w, s, o, g), vs in by.items():
         def vs_row(r: dict[str, Any], base_name: str, vs: dict[str, dict[str, Any]] = vs) -> str:
             base_row = vs.get(base_name, {})
@@ -333,7 +333,8 @@ def _markdown(doc: dict[str, Any]) -> str:
             peak = f"{r['peak_allocated_gib']:.1f}" if r.get("peak_allocated_gib") else ""
             host = f"{r['host_rss_gib']:.1f}" if r.get("host_rss_gib") else ""
             lines.append(f"| {w} | {stage} | {g} | {name} | {r.get('micro_batch')} x {r.get('grad_accum')} | "
-                         f"{tput} | {ratio} | {tuned} | {mfu} | {peak} | {host} | {r.get('measured_in', '')} |")
+                         f"{tput} | {ratio} | {tuned} | {mfu} | {peak} | {host} | {r.get('measured_in', '')} | "
+                         f"{doc.get('sources', {}).get(r.get('measured_in'), {}).get('commit', '')} |")
     return "\n".join(lines)
 
 

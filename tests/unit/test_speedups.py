@@ -23,13 +23,13 @@ def _meta(preset: str, auto: type = AutoModelForCausalLM, **over: object) -> tor
 
 
 def test_compile_auto_rule() -> None:
-    on = dict(cuda=True, steps=10_000, fp8=False, liger_layers=False)
+    on = dict(cuda=True, steps=10_000, fp8=False, stage=2)
     assert compile_on("torch", **on | {"cuda": False})[0]  # an explicit request is honoured
     assert not compile_on("off", **on | {"fp8": True})[0]
     assert compile_on("auto", **on)[0]
     assert not compile_on("auto", **on | {"cuda": False})[0]
-    assert not compile_on("auto", **on | {"liger_layers": True})[0]  # Liger already fuses: no gain in bf16
-    assert compile_on("auto", **on | {"liger_layers": True, "fp8": True})[0]  # float8 needs it
+    assert not compile_on("auto", **on | {"stage": 3})[0]  # ZeRO-3's hooks split the layers: slower there
+    assert compile_on("auto", **on | {"stage": 3, "fp8": True})[0]  # float8 needs it anyway
     short, why = compile_on("auto", **on | {"steps": COMPILE_AUTO_MIN_STEPS - 1})
     assert not short and "too few" in why
     assert compile_on("auto", **on | {"steps": None})[0]  # one epoch of a file: length unknown yet

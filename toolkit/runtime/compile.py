@@ -23,18 +23,15 @@ from __future__ import annotations
 from typing import Any
 
 
-def decide(cfg: Any, model_type: str, stage: int, steps: int | None, fp8: bool) -> tuple[bool, str]:
+def decide(cfg: Any, stage: int, steps: int | None, fp8: bool) -> tuple[bool, str]:
     """(compile the decoder layers or not, why): train.compile, with auto resolved for this run."""
     import torch
 
     from toolkit.launch import dist
     from toolkit.plan.speedups import compile_on
-    from toolkit.runtime import kernels
 
     cuda = torch.cuda.is_available() and not dist.on_cpu()
-    eager_liger = kernels.choice_for(cfg, model_type, stage)
-    return compile_on(cfg.train.compile, cuda=cuda, steps=steps, fp8=fp8,
-                      liger_layers=bool(eager_liger.kwargs.get("rms_norm")))
+    return compile_on(cfg.train.compile, cuda=cuda, steps=steps, fp8=fp8, stage=stage)
 
 
 def decoder_layers(model: Any) -> list[Any]:
