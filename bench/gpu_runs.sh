@@ -12,6 +12,8 @@
 #                                          # train.micro_batch_size=auto, Qwen2 ZeRO-2 raw vs Trainer speed
 #   bash bench/gpu_runs.sh compile-fp8 OUT [STEPS]  # 1-GPU: tests/gpu/test_gpu_compile.py, and beside it on the same
 #                                          # GPU the float8 vs bf16 A/B on real text (bench/fp8_ab.py, STEPS steps)
+#   bash bench/gpu_runs.sh auto-fp8 OUT    # 1-GPU: llama-1b fp8 with train.micro_batch_size=auto (the probes compile),
+#                                          # a bf16 run's float8 hint line, then tests/gpu/test_gpu_compile.py
 set -uo pipefail
 mode=$1 out=$2 cmdline="$*"
 mkdir -p "$out"
@@ -29,6 +31,21 @@ case $mode in
     TOOLKIT_BENCH_OUT="$out/gpu" timeout 480 python -m pytest -q tests/gpu/test_gpu_compile.py -p no:cacheprovider \
       > "$out/gputest.log" 2>&1; echo "gpu tests rc=$?"; tail -15 "$out/gputest.log"
     wait; echo "ab:"; tail -22 "$out/ab.log"
+    exit 0 ;;
+  auto-fp8)
+    common="--ds ds_configs/zero2.json model.name=llama-1b data.seq_len=2048 train.path=raw train.export=false train.lr=1e-4"
+    # shellcheck disable=SC2086
+    t0=$SECONDS
+    timeout 300 deepspeed --num_gpus 1 --master_port 29610 toolkit/train.py $common \
+      data.num_samples=640 train.micro_batch_size=auto train.global_batch_size=32 train.max_steps=8 train.precision=fp8 \
+      train.warmup_steps=1 train.run_dir="$out/auto-fp8" > "$out/auto-fp8.log" 2>&1; echo "auto rc=$? wall $((SECONDS - t0)) s"
+    grep -E "micro_batch_size=auto|  micro|fp8:|torch.compile" "$out/auto-fp8.log"
+    # shellcheck disable=SC2086
+    timeout 150 deepspeed --num_gpus 1 --master_port 29620 toolkit/train.py $common data.num_samples=64 \
+      train.micro_batch_size=16 train.max_steps=3 train.run_dir="$out/hint" > "$out/hint.log" 2>&1; echo "hint rc=$?"
+    grep -E "fp8:|torch.compile|liger kernels" "$out/hint.log"
+    TOOLKIT_BENCH_OUT="$out/gpu" timeout 330 python -m pytest -q tests/gpu/test_gpu_compile.py -p no:cacheprovider \
+      > "$out/gputest.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$out/gputest.log"
     exit 0 ;;
   speed)
     python bench/speed.py run --out "$out" "${@:3}" 2>&1 | tee "$out/speed.log"

@@ -91,7 +91,8 @@ def test_a_partial_offload_writes_the_ratio(tmp_path: Path, capsys: pytest.Captu
     (["--model", "llama-1b", "--gpus", "0"], "--gpus must be at least 1"),
     (["--model", "llama-3-70b", "--gpus", "1", "--gpu-mem", "24", "--host-mem", "64"], "nothing fits"),
     (["--model", "llama-3-70b", "--gpus", "1", "--gpu-mem", "4"], "nothing fits in 4 GiB per GPU"),
-    (["--model", "gpt2-124m", "--gpus", "1"], "no activation model for model type 'gpt2'"),
+    (["--model", "gpt2-124m", "--gpus", "1", "--lora", "--lora-targets", "c_attn"], "toolkit plan models LoRA on llama"),
+    (["--model", "gpt2-124m", "--gpus", "1", "--precision", "fp8"], "has none to convert (GPT-2: Conv1D)"),
     (["--model", "llama-1b", "--gpus", "3"], "does not split evenly over 3 ranks"),
 ])
 def test_an_impossible_request_is_one_line_and_exit_1(argv: list[str], message: str) -> None:

@@ -27,7 +27,7 @@ def candidate_json(p: pl.Prediction) -> dict[str, Any]:
             "grad_ckpt": c.grad_ckpt, "liger": p.liger, "gpu_peak_gib": round(p.peak_allocated_gib, 3),
             "host_gib": round(p.host_node_gib, 3), "fits": p.fits,
             "offload_ratio": c.ratio if c.offload != "none" else None, "zero_sizes": c.zero_sizes,
-            "fused_loss": p.fused_loss, "gpu_need_gib": round(p.gpu_need_gib, 3),
+            "fused_loss": p.fused_loss, "compiled": p.compiled, "gpu_need_gib": round(p.gpu_need_gib, 3),
             "tokens_per_s_per_gpu": round(p.tokens_per_s_per_gpu, 1)}
 
 
@@ -50,6 +50,13 @@ def train_overrides(args: Any, p: pl.Prediction, out_dir: Path | None) -> dict[s
                          "lora.enabled": bool(args.lora)}
     if args.fused_loss != "auto":
         o["model.liger_fused_loss"] = args.fused_loss
+    if args.compile != "auto":
+        o["train.compile"] = args.compile
+    if args.precision == "fp8":
+        o["train.precision"] = "fp8"
+        o["train.fp8_recipe"] = args.fp8_recipe
+    if args.task != "causal_lm":
+        o["model.task"] = args.task
     if args.lora:
         o["lora.r"] = args.lora_r
         o["lora.target_modules"] = list(_targets(args))
@@ -82,7 +89,11 @@ def _workload(args: Any) -> tuple[pl.Workload, pl.Hardware]:
                           f"(it knows {', '.join(sorted(pl.ACTIVATION_MODELS))})")
     shape = load_shape(args.model)
     lora = pl.Lora(args.lora_r, _targets(args)) if args.lora else None
-    w = pl.Workload(shape, args.seq, args.global_batch, lora, not args.no_liger, args.attn, args.fused_loss)
+    if args.task != shape.task:
+        raise ConfigError(f"toolkit plan models {args.model} as {shape.task} (the task the toolkit trains it on), "
+                          f"not {args.task}")
+    w = pl.Workload(shape, args.seq, args.global_batch, lora, not args.no_liger, args.attn, args.fused_loss,
+                    args.compile, args.fp8_recipe if args.precision == "fp8" else None)
     hw = pl.Hardware(args.gpus, args.nodes, args.gpu_mem, args.host_mem)
     return w, hw
 
@@ -155,7 +166,8 @@ def render(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predictio
         f"toolkit plan: {args.model} ({s.total_params / 1e9:.2f}B parameters, {kind}), {hw.gpus_per_node} GPU(s) x "
         f"{hw.nodes} node(s), {hw.gpu_mem_gib:g} GiB per GPU, {host}",
         f"sequence {w.seq_len}, global batch {w.global_batch} ({w.global_batch // hw.world} per rank), "
-        f"attention {w.attn}, Liger {'on where supported' if w.liger else 'off'}",
+        f"attention {w.attn}, Liger {'on where supported' if w.liger else 'off'}, train.compile={w.compile} "
+        f"(auto: compiled at ZeRO 0-2, eager at ZeRO-3), " + (f"float8 matmuls ({w.fp8})" if w.fp8 else "bf16"),
         f"GPU need = predicted peak allocated x {1 + pl.ALLOC_MARGIN:.2f} + {pl.CUDA_CONTEXT_GIB} GiB CUDA context; "
         "host = RSS of all ranks of a node",
         "",
@@ -186,7 +198,24 @@ def render(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predictio
     build = (f"; {chosen.host_build_rank_gib:.2f} GiB while the model is built in fp32"
              if chosen.host_build_rank_gib > chosen.host_rank_gib else "")
     lines.append(f"  host per rank: {host_parts} = {chosen.host_rank_gib:.2f} GiB{build}")
+    hint = fp8_hint(w, hw, chosen)
+    if hint:
+        lines.append(hint)
     return "\n".join(lines)
+
+
+def fp8_hint(w: pl.Workload, hw: pl.Hardware, chosen: pl.Prediction) -> str | None:
+    """For a bf16 plan: what float8 would give on the same choice (it stays opt-in: it changes numerics)."""
+    if w.fp8 or w.lora is not None or w.shape.model_type not in pl.LLAMA_LIKE:
+        return None
+    from dataclasses import replace
+
+    alt = pl.predict(replace(w, fp8="tensorwise"), chosen.choice, hw)
+    ratio = alt.tokens_per_s_per_gpu / chosen.tokens_per_s_per_gpu
+    fits = "" if alt.fits else " (it would not fit)"
+    return (f"  float8: off (it changes the matmuls' numerics: bench/results/fp8_ab/); --precision fp8 predicts "
+            f"{alt.tokens_per_s_per_gpu:,.0f} tokens/s per GPU on this choice, {ratio:.2f}x, at "
+            f"{alt.peak_allocated_gib:.1f} GiB{fits}")
 
 
 def plan_json(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Prediction],
@@ -202,7 +231,8 @@ def plan_json(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predic
                    "global_batch": w.global_batch, "gpus_per_node": hw.gpus_per_node, "nodes": hw.nodes,
                    "world_size": hw.world, "gpu_mem_gib": hw.gpu_mem_gib, "host_mem_gib": hw.host_mem_gib,
                    "lora": None if w.lora is None else {"r": w.lora.r, "targets": list(w.lora.targets)},
-                   "liger": w.liger, "fused_loss": w.fused_loss, "attn": w.attn},
+                   "liger": w.liger, "fused_loss": w.fused_loss, "attn": w.attn, "compile": w.compile,
+                   "fp8": w.fp8, "task": w.shape.task},
         "constants": {"cuda_context_gib": pl.CUDA_CONTEXT_GIB, "alloc_margin": pl.ALLOC_MARGIN,
                       "host_baseline_gib": pl.HOST_BASELINE_GIB},
     }
@@ -233,6 +263,8 @@ def command(args: Any) -> str:
     flags = (("--grad-ckpt", args.grad_ckpt), ("--no-liger", args.no_liger))
     parts += [f for f, on in flags if on]
     for flag, value, default in (("--fused-loss", args.fused_loss, "auto"), ("--attn", args.attn, "sdpa"),
+                                 ("--compile", args.compile, "auto"), ("--precision", args.precision, "bf16"),
+                                 ("--fp8-recipe", args.fp8_recipe, "tensorwise"), ("--task", args.task, "causal_lm"),
                                  ("--stage", args.stage, None), ("--offload", args.offload, None),
                                  ("--micro-batch", args.micro_batch, None), ("-o", args.output, None)):
         if value != default:
@@ -305,6 +337,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--fused-loss", choices=("auto", "true", "false"), default="auto",
                    help="model.liger_fused_loss (auto, true: Liger's fused loss where Liger applies; false: off)")
     p.add_argument("--attn", choices=("sdpa", "eager", "flash_attention_2"), default="sdpa")
+    p.add_argument("--compile", choices=("auto", "off", "torch"), default="auto",
+                   help="train.compile (auto: compiled at ZeRO 0-2 for a run of 200+ steps, eager at ZeRO-3)")
+    p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                   help="fp8: torchao float8 matmuls in the decoder layers (train.precision=fp8; compile on)")
+    p.add_argument("--fp8-recipe", choices=("tensorwise", "rowwise"), default="tensorwise")
+    p.add_argument("--task", choices=("causal_lm", "seq_cls"), default=None,
+                   help="model.task (default: seq_cls for BERT, causal_lm otherwise)")
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=None, help="only this ZeRO stage")
     p.add_argument("--offload", choices=pl.OFFLOADS, default=None,
                    help="only this offload: none, optimizer (states to CPU), all (and parameters, stage 3)")
@@ -317,4 +356,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _cmd(args: Any) -> int:
+    if args.task is None:
+        kind = _model_type(args.model)
+        args.task = "seq_cls" if kind == "bert" else "causal_lm"
     return run_plan(args)

@@ -40,10 +40,12 @@ OFFLOADS: tuple[Offload, ...] = ("none", "optimizer", "all")
 # on the CPU; the planner looks for such splits itself.
 RATIOS = (1.0, 0.75, 0.5, 0.25)
 
-# Model families with an activation model here (RMSNorm + SwiGLU + rotary decoders; Liger patches
-# all three). Others are refused with one line rather than guessed.
-ACTIVATION_MODELS = frozenset({"llama", "mistral", "qwen2"})
-LIGER_MODEL_TYPES = ACTIVATION_MODELS  # Liger has kernels for each (liger_kernel MODEL_TYPE_TO_APPLY_LIGER_FN)
+# Model families with an activation model here: RMSNorm + SwiGLU + rotary decoders (Liger patches all three),
+# GPT-2 (LayerNorm, Conv1D, tanh-GELU, dropout) and BERT (post-LayerNorm encoder, GELU, dropout; trained as a
+# sequence classifier). Others are refused with one line rather than guessed.
+LLAMA_LIKE = frozenset({"llama", "mistral", "qwen2"})
+ACTIVATION_MODELS = LLAMA_LIKE | {"gpt2", "bert"}
+LIGER_MODEL_TYPES = LLAMA_LIKE  # Liger has kernels for each (liger_kernel MODEL_TYPE_TO_APPLY_LIGER_FN)
 
 # -- constants from measurements ----------------------------------------------------------------
 # Memory the CUDA driver, NCCL and DeepSpeed's kernels hold outside PyTorch's allocator: NVML used
@@ -68,6 +70,13 @@ HOST_BASELINE_CPU_GIB = 0.5
 # backward starts, 12 bytes per logit (bench/results/anatomy.md: 0.98 + 1.99 GiB at 2048 x 128256).
 LOGIT_BYTES = 12
 
+# float8 (train.precision=fp8) saves its converted Linears' inputs for backward in float8, and compile then
+# keeps fewer bf16 copies around them: llama-1b ZeRO-2, micro 16, one H200 peaked at 50.8 GiB in float8 against
+# 59.4 compiled in bf16 (bench/results/fp8_compile.md, run s20), 17.6 kB less per token per layer, 0.54 of the
+# bf16 bytes of the converted Linears' inputs (2 x (4 x 2048 + 8192) = 32.8 kB). Qwen2-0.5B measured 4.0 GiB
+# less where this gives 2.6; the A/B model (hidden 2048, 8 layers) 0.81 where it gives 0.91.
+FP8_INPUT_SAVING = 0.54
+
 # -- speed model constants (the order of candidates; absolute figures are rough) -------------------
 GPU_PEAK_FLOPS = 989.4e12  # H100/H200 dense bf16 (toolkit/observe/metrics.py GPU_PEAK_TFLOPS)
 # Achieved MFU vs tokens per micro-step t: MFU_MAX * t / (t + MFU_HALF_TOKENS), fitted to llama-1b
@@ -86,6 +95,17 @@ ZERO3_S_PER_GPARAM = 0.012
 # train.zero_sizes=memory (h^2 buckets, ~2-layer live limit) against the speed sizes: llama-1b ZeRO-3
 # lost 35% of its tokens/s, GPT-2 ZeRO-2 a quarter (ds_config.py SPEED_SIZES comment).
 MEMORY_SIZES_SPEED = {3: 0.65, 2: 0.75, 1: 0.75, 0: 1.0}
+# Compiled decoder layers at ZeRO-3: DeepSpeed's hooks split each layer into a graph per module; llama-1b on one
+# H200 ran 48.0k compiled against 65.2k eager in bf16 (run s23), 51.6k in float8 (s21).
+ZERO3_COMPILED_SPEED = 0.74
+# float8 matmuls against bf16 ones, the gain on the converted Linears' share of the FLOPs (f): step time goes
+# from 1 to (1 - f) + f / G. G fitted where measured (bench/results/fp8_compile.md, fp8 against compiled bf16 at
+# ZeRO-2): llama-1b (hidden 2048, f 0.69) 79.9k / 67.7k -> G 1.29; Qwen2-0.5B (hidden 896, f 0.54) 106.7k / 102.6k
+# -> G 1.08. Between the two G follows log2(hidden); above 2048 it stays at 1.29 (not measured there; torchtitan's
+# published tensorwise gains at 8B, +10-28%, sit at or below what 1.29 gives), below 896 at 1.0.
+FP8_GAIN = ((896, 1.077), (2048, 1.287))
+# At ZeRO-3 the casts do not fuse (hooks split the layers): float8 51.6k against compiled bf16's 48.0k (s21, s23).
+FP8_GAIN_ZERO3 = 1.07
 # DeepSpeedCPUAdam parameters per second on the H200 host (16 cores): issue 11's Llama-2-7B runs,
 # all states on the CPU at micro 1 (270 tokens/s) and half at micro 8 (3,180), leave 0.98e9 and
 # 1.13e9 parameters/s once the GPU's share of the step is taken out.
@@ -129,6 +149,11 @@ class Workload:
     attn: str = "sdpa"
     fused_loss: str = "auto"
     """model.liger_fused_loss: auto or true (on; at ZeRO-3 with the head as an external parameter), false."""
+    compile: str = "off"
+    """train.compile: off, torch, or auto (toolkit/plan/speedups.py compile_on, resolved per stage for a run long
+    enough to pay it back). Compiled, Liger keeps its fused loss only and inductor fuses the rest."""
+    fp8: str | None = None
+    """train.precision=fp8: the float8 recipe (tensorwise, rowwise); None: bf16 matmuls."""
 
 
 @dataclass(frozen=True)
@@ -176,6 +201,8 @@ class Prediction:
     """Liger kernels applied (RMSNorm, SwiGLU, RoPE)."""
     fused_loss: bool
     """Liger's fused linear cross-entropy (toolkit/plan/liger.py: on unless model.liger_fused_loss=false)."""
+    compiled: bool
+    """The decoder layers compiled (train.compile resolved for this stage)."""
     phase: str
     gpu: dict[str, float]
     """GiB per rank at the peak, by category."""
@@ -257,8 +284,10 @@ def _cpu_groups(n_groups: int, ratio: float) -> int:
 
 
 def layer_activation_bytes(shape: ModelShape, *, seq_len: int, attn: str, liger: bool,
-                           lora: Lora | None, autocast: bool = False) -> float:
+                           lora: Lora | None, autocast: bool = False, compiled: bool = False) -> float:
     """Bytes one decoder layer saves for backward, per token (bf16 activations).
+
+    GPT-2 and BERT: `_layernorm_layer_bytes`. The rest of this docstring is the Llama/Qwen2 layer.
 
     Counted tensor by tensor from what autograd keeps in transformers' Llama/Qwen2 layer, and checked
     against the live tensors at the peak of llama-1b (bench/results/anatomy.md: 3.35 GiB for 16 layers
@@ -281,6 +310,8 @@ def layer_activation_bytes(shape: ModelShape, *, seq_len: int, attn: str, liger:
     Qwen2-0.5B layer under CPU autocast (peft 0.21): two (tokens, 896) bf16 tensors, one with the cast
     disabled (cast_input_dtype_enabled=False).
     """
+    if shape.model_type not in LLAMA_LIKE:
+        return _layernorm_layer_bytes(shape, seq_len=seq_len, attn=attn, compiled=compiled)
     h, inter = shape.hidden_size, shape.intermediate_size
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     full = lora is None
@@ -310,22 +341,91 @@ def layer_activation_bytes(shape: ModelShape, *, seq_len: int, attn: str, liger:
     return float(total)
 
 
+def _layernorm_layer_bytes(shape: ModelShape, *, seq_len: int, attn: str, compiled: bool) -> float:
+    """Bytes a GPT-2 block or a BERT layer saves for backward, per token (bf16, full fine-tune, dropout 0.1 as
+    the presets have it), counted from what autograd keeps in transformers' modules:
+      LayerNorm: its input (2h; its fp32 mean and rstd are 8 bytes), twice a layer;
+      projections (GPT-2's Conv1D, BERT's Linear): their input, once per distinct input: GPT-2's fused qkv
+        projection, attention output, MLP in and MLP out (4 of them, the MLP out's at the intermediate width);
+        BERT's q, k and v share theirs (3 in all besides);
+      attention (sdpa): q, k, v and the output (8h), fp32 log-sum-exp; its dropout runs inside the kernel;
+        eager: the fp32 softmax and its bf16 copy (6 bytes per score) plus the dropout mask (1 byte);
+      GPT-2's tanh-GELU ("gelu_new") is eager Python arithmetic: its input, the tanh, 0.5x and 1 + tanh (4 x 2i)
+        and the product the output projection keeps (2i); compiled, one fused kernel keeps only its input (2i);
+        BERT's exact GELU keeps its input (2i);
+      dropout on the attention output and the MLP output: a 1-byte mask each (h).
+    GPT-2: 20h + 10i (compiled 20h + 4i); BERT: 20h + 4i. Checked against measured peaks in
+    tests/unit/test_planner.py (GPT-2-124M eager and compiled, bench/results/speed.json run s21; BERT-large at
+    ZeRO-0, 2 and 3, toolkit-bert.json and toolkit-zero-2gpu.json).
+    """
+    h, i, heads = shape.hidden_size, shape.intermediate_size, shape.num_heads
+    norms = 2 * (2 * h + 8)
+    proj_inputs = 3 * 2 * h + 2 * i
+    attention = 8 * h + 4 * heads
+    if attn == "eager":
+        attention += 7 * heads * seq_len
+    gelu = 8 * i if (shape.model_type == "gpt2" and not compiled) else 2 * i
+    dropout = 2 * h
+    # the output projection's input is the GELU output (2i), counted in proj_inputs; 20h in all besides the MLP
+    return float(norms + proj_inputs + attention + gelu + dropout)
+
+
 def _final_norm_bytes(shape: ModelShape, *, liger: bool, full: bool, head_saves_input: bool) -> float:
     h = shape.hidden_size
+    if shape.model_type not in LLAMA_LIKE:
+        # GPT-2: ln_f keeps its input, the embedding dropout its mask; BERT: the embeddings' LayerNorm and dropout
+        # (its classifier reads one token)
+        return float(2 * h + 8 + h + (2 * h if head_saves_input else 0))
     norm = 2 * h if liger else 4 * h + (2 * h if full else 0)
     return float(norm + (2 * h if head_saves_input else 0))
+
+
+def fp8_saved_bytes(shape: ModelShape, recipe: str) -> float:
+    """Bytes per token per layer float8 saves against bf16 (FP8_INPUT_SAVING x the converted Linears' inputs)."""
+    from toolkit.plan.speedups import fp8_converts
+
+    return FP8_INPUT_SAVING * 2.0 * sum(i for _, i, o in shape.linears if fp8_converts(recipe, i, o))
+
+
+def fp8_flop_share(shape: ModelShape, recipe: str, flops_per_token: float) -> float:
+    """The share of a step's FLOPs in the Linears float8 converts (6 x in x out per token per layer)."""
+    from toolkit.plan.speedups import fp8_converts
+
+    conv = sum(i * o for _, i, o in shape.linears if fp8_converts(recipe, i, o))
+    return min(1.0, 6.0 * conv * shape.num_layers / flops_per_token)
+
+
+def fp8_gain(hidden: int) -> float:
+    """G of FP8_GAIN at this hidden size: log-linear between the measured points, flat outside them."""
+    (h0, g0), (h1, g1) = FP8_GAIN
+    if hidden <= h0:
+        return g0 if hidden == h0 else max(1.0, g0)
+    if hidden >= h1:
+        return g1
+    return g0 + (g1 - g0) * (math.log2(hidden) - math.log2(h0)) / (math.log2(h1) - math.log2(h0))
 
 
 # -- the prediction ------------------------------------------------------------------------------------
 
 
+def compiled(w: Workload, stage: int) -> bool:
+    """Whether this choice's decoder layers are compiled (train.compile, auto resolved for a CUDA run)."""
+    from toolkit.plan.speedups import compile_on
+
+    return compile_on(str(w.compile), cuda=True, steps=None, fp8=bool(w.fp8), stage=stage)[0]
+
+
 def _liger(w: Workload, stage: int) -> tuple[bool, bool]:
-    """(kernels, fused loss) as toolkit/plan/liger.choose decides them on a CUDA machine with Liger."""
+    """(layers fused, fused loss): Liger's layer kernels or compiled layers, and Liger's fused loss, as
+    toolkit/plan/liger.choose decides them on a CUDA machine with Liger."""
     from toolkit.plan.liger import choose
 
-    c = choose(w.liger, cuda=True, model_type=w.shape.model_type, task="causal_lm", stage=stage,
-               supported=LIGER_MODEL_TYPES, fused_loss=w.fused_loss)
-    return c.enabled, bool(c.kwargs.get("fused_linear_cross_entropy"))
+    c = choose(w.liger, cuda=True, model_type=w.shape.model_type, task=w.shape.task, stage=stage,
+               supported=LIGER_MODEL_TYPES, fused_loss=w.fused_loss, compiled=compiled(w, stage))
+    # compiled, inductor fuses RMSNorm, SwiGLU and RoPE where Liger's kernels would (the same peak within 1.4%:
+    # llama-1b micro 16, 59.4 GiB compiled against 58.6 with Liger, run s20): the activations Liger's keep
+    layers = bool(c.kwargs.get("rms_norm")) or (compiled(w, stage) and w.shape.model_type in LLAMA_LIKE)
+    return layers, bool(c.kwargs.get("fused_linear_cross_entropy"))
 
 
 def _gathered_bytes(shape: ModelShape, n: int, sizes: ZeroSizes, offload_param: bool) -> float:
@@ -357,13 +457,19 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     if s.model_type not in ACTIVATION_MODELS:
         raise ConfigError(f"toolkit plan has no activation model for model type {s.model_type!r} "
                           f"(it knows {', '.join(sorted(ACTIVATION_MODELS))})")
+    if s.model_type not in LLAMA_LIKE and w.lora is not None:
+        raise ConfigError(f"toolkit plan models LoRA on {', '.join(sorted(LLAMA_LIKE))} layers, not {s.model_type!r}")
+    if w.fp8 and s.model_type not in LLAMA_LIKE:
+        raise ConfigError(f"float8 (train.precision=fp8) converts nn.Linear in causal LMs; {s.model_type!r} has "
+                          "none to convert (GPT-2: Conv1D) or is not a causal LM (BERT)")
     n = hw.world
     stage, lora = c.stage, w.lora
     offload_opt = c.offload in ("optimizer", "all") and stage >= 1
     offload_param = c.offload == "all" and stage == 3
     ratio = c.ratio if (offload_opt and stage == 3) else (1.0 if offload_opt else 0.0)
     sizes = ZeroSizes.named(c.zero_sizes, s.hidden_size)
-    liger, flce = _liger(w, stage)
+    fused, flce = _liger(w, stage)
+    liger = flce or (fused and not compiled(w, stage))  # Liger's own kernels (the table's "liger" column)
     p_all = s.total_params
     t_all = trainable_params(s, lora)
     frozen = p_all - t_all
@@ -408,9 +514,18 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
         held = (4.0 if autocast else 2.0) * t_all / (1 if stage == 0 else n)
 
     # ---- activations ---------------------------------------------------------------------------------
-    per_layer = layer_activation_bytes(s, seq_len=w.seq_len, attn=w.attn, liger=liger, lora=lora, autocast=autocast)
-    head_saves_input = full and not flce
-    final = _final_norm_bytes(s, liger=liger, full=full, head_saves_input=head_saves_input) * tokens
+    per_layer = layer_activation_bytes(s, seq_len=w.seq_len, attn=w.attn, liger=fused, lora=lora, autocast=autocast,
+                                       compiled=compiled(w, stage))
+    if compiled(w, stage) and stage == 3 and s.model_type in LLAMA_LIKE:
+        # DeepSpeed's ZeRO-3 hooks split a compiled layer into a graph per module, and less fuses: llama-1b micro 16
+        # peaked at 66.5 GiB compiled against 57.6 eager with Liger (run s23), between Liger's per-layer bytes and
+        # eager transformers' (the mean gives 67.0); float8 there peaked where bf16 did (66.8, run s21)
+        eager = layer_activation_bytes(s, seq_len=w.seq_len, attn=w.attn, liger=False, lora=lora, autocast=autocast)
+        per_layer = (per_layer + eager) / 2
+    elif w.fp8:
+        per_layer -= fp8_saved_bytes(s, w.fp8)
+    head_saves_input = full and not flce and s.task == "causal_lm"
+    final = _final_norm_bytes(s, liger=fused, full=full, head_saves_input=head_saves_input) * tokens
     if c.grad_ckpt:
         # non-reentrant checkpointing keeps each layer's input; backward recomputes one layer at a time
         saved = s.num_layers * 2.0 * h * tokens + final
@@ -420,7 +535,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
         recompute = 0.0
     # backward of the top layer's MLP: the gradient of the down projection's input, and in plain
     # transformers the two gradients the SiLU-mul product splits into (Liger computes them in place)
-    mlp_bwd = (1 if liger else 3) * 2.0 * s.intermediate_size * tokens + 2 * 2.0 * h * tokens
+    mlp_bwd = (1 if fused else 3) * 2.0 * s.intermediate_size * tokens + 2 * 2.0 * h * tokens
     if flce:
         # liger fused_linear_cross_entropy: grad_input and (trained head) grad_weight are computed in
         # forward and kept; chunks of chunk_size x V logits; the fp32 matmul per chunk for grad_weight
@@ -431,9 +546,10 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     else:
         kept_loss = 0.0
         loss_fwd = 0.0
-        loss_bwd = float(LOGIT_BYTES) * vocab * tokens
+        # a classifier (BERT) has a logit per class: nothing vocabulary-sized
+        loss_bwd = float(LOGIT_BYTES) * vocab * tokens if s.task == "causal_lm" else 0.0
     # the tied (or any trained) head's gradient waits for the embedding's at the end of backward
-    head_grad = 2.0 * vocab * h if (full and s.tied_embeddings and not flce) else 0.0
+    head_grad = 2.0 * vocab * h if (full and s.tied_embeddings and not flce and s.task == "causal_lm") else 0.0
     # stage_1_and_2.py setup_buckets: two reduce_bucket_size buffers (overlap_comm double buffer) of
     # _gradient_reduction_buffer_dtype(), which is self.dtype, the dtype of the optimizer's first
     # parameter: bf16 in DeepSpeed's bf16 mode, fp32 for the fp32 adapters under autocast (whatever
@@ -490,7 +606,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
                           else (t_all / n if offload_opt else 0.0))
     tps = c.micro_batch * c.grad_accum * w.seq_len / step_s
     return Prediction(
-        choice=c, liger=liger, fused_loss=flce, phase=phase, gpu=gpu,
+        choice=c, liger=liger, fused_loss=flce, compiled=compiled(w, stage), phase=phase, gpu=gpu,
         persistent={"params": params / GIB, "grads": grads / GIB, "optimizer": optimizer / GIB},
         peak_allocated_gib=peak_gib, gpu_need_gib=need, host={k: v / GIB for k, v in host.items()},
         host_rank_gib=host_rank, host_build_rank_gib=host_build, host_node_gib=host_node, fits_gpu=fits_gpu, fits_host=fits_host,
@@ -569,9 +685,18 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     if c.grad_ckpt:
         flops += 2.0 * p_all + attn / 3  # one more forward
     mfu = MFU_MAX * tokens / (tokens + MFU_HALF_TOKENS)  # fitted on runs with Liger's kernels and fused loss
-    if not fused_loss:
+    comp = compiled(w, c.stage)
+    if not (fused_loss or comp):  # compiled layers fuse what Liger's kernels fuse (1.02x llama-1b, run s20)
         mfu /= LIGER_SPEEDUP
     micro = flops * tokens / (mfu * GPU_PEAK_FLOPS)
+    if comp and c.stage == 3:
+        micro /= ZERO3_COMPILED_SPEED
+    if w.fp8:
+        if c.stage == 3:
+            micro /= FP8_GAIN_ZERO3
+        else:
+            f = fp8_flop_share(s, w.fp8, flops)
+            micro *= (1 - f) + f / fp8_gain(s.hidden_size)
     if c.stage == 3:
         micro += ZERO3_S_PER_GPARAM * p_all / 1e9
     if offload_param:
@@ -682,20 +807,21 @@ def fitting_micro_batches(model_config: Any, ds_config: dict[str, Any], world_si
                           per_rank_batch: int, gpu_mem_gib: float, *, lora: Lora | bool | None = None,
                           grad_ckpt: bool = False, liger: bool = True, attn: str = "sdpa",
                           zero_sizes: str = "speed", fused_loss: str = "auto",
-                          gpus_per_node: int | None = None) -> list[int]:
+                          gpus_per_node: int | None = None, compile: str = "off", fp8: str | None = None) -> list[int]:
     """Micro-batch sizes (divisors of per_rank_batch = micro x grad_accum) predicted to fit in
     gpu_mem_gib per GPU for this DeepSpeed config, largest first; [] when none does.
 
     model_config: an HF config object (train.py's RunSpec.model_config) or a ModelShape. The stage,
     offload and ratio come from ds_config; its bucket/live sizes follow zero_sizes, as "auto" does.
     lora: a Lora (r, target modules), True for the defaults (r=8 on q_proj, v_proj), or None/False.
-    fused_loss: model.liger_fused_loss. Raises ConfigError for a model type without an activation model.
+    fused_loss: model.liger_fused_loss. compile: train.compile (off, torch, auto); fp8: the float8 recipe or None.
+    Raises ConfigError for a model type without an activation model.
     """
     shape = model_config if isinstance(model_config, ModelShape) else _shape_of(model_config)
     gpn = gpus_per_node or world_size
     hw = Hardware(gpus_per_node=gpn, nodes=max(1, world_size // gpn), gpu_mem_gib=gpu_mem_gib)
     adapters = Lora() if lora is True else (lora or None)
-    w = Workload(shape, seq_len, per_rank_batch * world_size, adapters, liger, attn, fused_loss)
+    w = Workload(shape, seq_len, per_rank_batch * world_size, adapters, liger, attn, fused_loss, compile, fp8)
     out = []
     for m in sorted(divisors(per_rank_batch), reverse=True):
         c = choice_from_ds(ds_config, micro_batch=m, grad_accum=per_rank_batch // m, grad_ckpt=grad_ckpt,

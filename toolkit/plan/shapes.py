@@ -28,7 +28,7 @@ from typing import Any
 from toolkit.config.ds_config import ConfigError
 
 SHAPES_FILE = Path(__file__).with_name("model_shapes.json")
-SHAPE_VERSION = 1  # bump when ModelShape changes: cached and committed shapes are then read again
+SHAPE_VERSION = 2  # bump when ModelShape changes: cached and committed shapes are then read again
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,9 @@ class ModelShape:
     suffix_params: tuple[tuple[str, int], ...]
     """(name, numel) after the last layer: the final norm, and the LM head when it is not tied."""
     linears: tuple[tuple[str, int, int], ...]
-    """One decoder layer's nn.Linear modules: (name inside the layer, in_features, out_features)."""
+    """One decoder layer's nn.Linear modules (and GPT-2's Conv1D): (name inside the layer, in_features, out_features)."""
+    task: str = "causal_lm"
+    """causal_lm (a vocabulary-sized head and loss) or seq_cls (BERT: a classifier on one token)."""
 
     @property
     def layer_numel(self) -> int:
@@ -90,17 +92,28 @@ class ModelShape:
 _LAYER = re.compile(r"^(?P<stack>.+?)\.(?P<index>\d+)\.(?P<rest>.+)$")
 
 
+def task_of(model_type: str) -> str:
+    """The task the toolkit trains a model type on: encoders (BERT) classify, everything else is a causal LM."""
+    return "seq_cls" if model_type in ENCODERS else "causal_lm"
+
+
+ENCODERS = frozenset({"bert"})
+
+
 def read_shape(mc: Any) -> ModelShape:
-    """Build the causal LM described by the HF config `mc` on the meta device and read its parameters."""
+    """Build the model described by the HF config `mc` on the meta device and read its parameters: a causal LM,
+    or for an encoder (BERT) the sequence classifier the toolkit trains (model.task=seq_cls)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     from transformers.initialization import no_init_weights
 
+    task = task_of(str(mc.model_type))
+    auto = AutoModelForSequenceClassification if task == "seq_cls" else AutoModelForCausalLM
     try:
         with torch.device("meta"), no_init_weights():
-            model = AutoModelForCausalLM.from_config(mc)
-    except ValueError as e:  # not a causal LM (BERT, ...)
-        raise ConfigError(f"toolkit plan needs a causal language model; {mc.model_type!r} is not one ({e})") from None
+            model = auto.from_config(mc)
+    except ValueError as e:  # neither (T5, ...)
+        raise ConfigError(f"toolkit plan needs a causal language model or BERT; {mc.model_type!r} is neither ({e})") from None
     model.tie_weights()  # no_init_weights skips the tying that a real build does (toolkit/runtime/model.py ties too)
     seen: set[int] = set()
     params: list[tuple[str, int]] = []
@@ -114,8 +127,11 @@ def read_shape(mc: Any) -> ModelShape:
     first = next(i for i, (n, _) in enumerate(params) if n.startswith(f"{stack}.0."))
     last = max(i for i, (n, _) in enumerate(params) if _LAYER.match(n) and n.startswith(f"{stack}."))
     layer0 = model.get_submodule(f"{stack}.0")
-    linears = tuple((n, m.in_features, m.out_features) for n, m in layer0.named_modules()
-                    if isinstance(m, torch.nn.Linear))
+    # GPT-2's projections are transformers' Conv1D: a Linear with its weight stored (in, out)
+    linears = tuple((n, m.in_features, m.out_features) if isinstance(m, torch.nn.Linear)
+                    else (n, int(m.weight.shape[0]), int(m.weight.shape[1]))
+                    for n, m in layer0.named_modules()
+                    if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")
     hidden = int(_cfg(mc, "hidden_size", "n_embd"))
     heads = int(_cfg(mc, "num_attention_heads", "n_head"))
     return ModelShape(
@@ -133,6 +149,7 @@ def read_shape(mc: Any) -> ModelShape:
         layer_params=per_layer,
         suffix_params=tuple(params[last + 1:]),
         linears=linears,
+        task=task,
     )
 
 
@@ -251,13 +268,11 @@ def shape_of_config(mc: Any) -> ModelShape:
 
 
 def write_committed_shapes(names: list[str] | None = None) -> dict[str, Any]:
-    """Read every causal-LM preset on the meta device (python -m toolkit.plan.shapes rewrites the file)."""
+    """Read every preset on the meta device (python -m toolkit.plan.shapes rewrites the file)."""
     from toolkit.config.models import PRESETS
 
     out: dict[str, Any] = {}
     for name in names or list(PRESETS):
-        if PRESETS[name]["model_type"] == "bert":
-            continue
         out[name] = {"fingerprint": preset_fingerprint(name), "version": SHAPE_VERSION,
                      "shape": read_shape(preset_config(name)).to_json()}
     return out

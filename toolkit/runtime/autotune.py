@@ -7,7 +7,15 @@ fails leaves its peers waiting in a collective. Every rank polls its own child, 
 second over a CPU (gloo) group, so one child's failure stops the other children at once.
 
 The largest predicted-fitting micro-batch is probed first, then smaller ones while they are faster; the
-fastest that ran wins. The result is recorded in the run directory (`micro_batch.json`) and in a cache
+fastest that ran wins.
+
+Compile and float8 (`train.compile`, `train.precision=fp8`) change both memory and speed, so the planner
+predicts with them and the probes run them: each probe is told the run's resolved compile setting (`auto`
+would see a 4-step probe as too short to compile). The compile is not paid blindly: it lands in a probe's
+first step, which its speed leaves out; the decoder layers share one compiled graph, so a probe compiles one
+layer (6-12 s on an H200, bench/results/fp8_compile.md); and inductor's on-disk cache, shared by the probes and
+the run on a machine, lets the run load the winning probe's compiled graphs (same shapes) instead of compiling
+them again. The result is recorded in the run directory (`micro_batch.json`) and in a cache
 keyed by everything that changes it (~/.cache/toolkit/micro_batch.json), and reused from either.
 """
 
@@ -53,7 +61,8 @@ def key_of(inputs: RunInputs, gpu: str) -> dict[str, Any]:
     return {"model": m.name, "seq_len": cfg.data.seq_len, "packing": cfg.data.packing, "task": m.task,
             "attn": m.attn_implementation, "grad_ckpt": m.gradient_checkpointing, "liger": m.liger,
             "fused_loss": m.liger_fused_loss, "lora": cfg.lora.enabled and [cfg.lora.r, *cfg.lora.target_modules],
-            "precision": t.precision, "zero_sizes": t.zero_sizes, "compile": t.compile, "path": t.path, "world": world, "gpu": gpu,
+            "precision": t.precision, "fp8_recipe": t.fp8_recipe if t.precision == "fp8" else None,
+            "zero_sizes": t.zero_sizes, "compile": t.compile, "path": t.path, "world": world, "gpu": gpu,
             "global_batch": t.global_batch_size, "ds": hashlib.sha256(json.dumps(ds, sort_keys=True).encode()).hexdigest()[:16],
             "data": _data_identity(cfg.data.source), "versions": _versions()}
 
@@ -103,13 +112,25 @@ def candidates(inputs: RunInputs, per_rank: int, gpu_gib: float | None) -> list[
                                     per_rank, gpu_gib, grad_ckpt=cfg.model.gradient_checkpointing,
                                     liger=cfg.model.liger, attn=cfg.model.attn_implementation,
                                     zero_sizes=cfg.train.zero_sizes, fused_loss=cfg.model.liger_fused_loss,
-                                    lora=Lora(cfg.lora.r, tuple(cfg.lora.target_modules)) if cfg.lora.enabled else None)
+                                    lora=Lora(cfg.lora.r, tuple(cfg.lora.target_modules)) if cfg.lora.enabled else None,
+                                    compile="torch" if run_compiles(inputs) else "off",
+                                    fp8=cfg.train.fp8_recipe if cfg.train.precision == "fp8" else None)
     except Exception as e:  # a shape the planner refuses: the probes still find the answer
         print(f"micro_batch_size=auto: no prediction ({type(e).__name__}: {e}); probing every divisor", flush=True)
         return every
     # one size above the prediction too: the planner keeps a margin, the probe is the judge
     above = [d for d in every if fit and d > fit[0]][-1:]
     return above + fit if fit else every[-1:]
+
+
+def run_compiles(inputs: RunInputs) -> bool:
+    """Whether the run itself will compile its layers (train.compile with auto resolved for its step count)."""
+    from toolkit.config.ds_config import zero_stage
+    from toolkit.plan.speedups import compile_on
+
+    t = inputs.cfg.train
+    return compile_on(t.compile, cuda=not dist.on_cpu(), steps=t.max_steps or None, fp8=t.precision == "fp8",
+                      stage=zero_stage(inputs.ds_raw))[0]
 
 
 def resolve(inputs: RunInputs, argv: list[str]) -> dict[str, Any]:
@@ -141,7 +162,8 @@ def resolve(inputs: RunInputs, argv: list[str]) -> dict[str, Any]:
     if error:
         raise RuntimeError(error)
     if record is None:
-        record = _search(cfg, argv, key, per_rank, order, group)
+        record = _search(cfg, [*argv, f"train.compile={'torch' if run_compiles(inputs) else 'off'}"], key, per_rank,
+                         order, group)
     t.micro_batch_size = int(record["micro_batch"])
     t.grad_accum = per_rank // t.micro_batch_size
     return record

@@ -109,3 +109,23 @@ def describe(stats: dict[str, Any], recipe: str, n_layers: int) -> str:
     skipped = f"; kept bf16 (below the size rule): {', '.join(stats['skipped'])}" if stats["skipped"] else ""
     return (f"fp8: {stats['converted']} of {stats['linears']} decoder-layer Linear modules in {n_layers} layers "
             f"converted to torchao float8 ({recipe} scaling); head and embeddings bf16{skipped}")
+
+
+def hint(layers: list[Any], flops_per_token: float, hidden: int, local_rank: int) -> str | None:
+    """For a bf16 run on a GPU that has float8: the predicted gain of train.precision=fp8 on this model (the
+    planner's model, toolkit/plan/planner.py fp8_gain), or None where float8 would not apply."""
+    import torch
+
+    from toolkit.plan.planner import fp8_gain
+
+    capability, _ = _capability(local_rank)
+    if fp8_support_error(capability) is not None or not layers:
+        return None
+    conv = sum(m.in_features * m.out_features for m in layers[0].modules()
+               if type(m) is torch.nn.Linear and fp8_converts("tensorwise", m.in_features, m.out_features))
+    if not conv:
+        return None
+    f = min(1.0, 6.0 * conv * len(layers) / flops_per_token)
+    ratio = 1.0 / ((1 - f) + f / fp8_gain(hidden))
+    return (f"fp8: off (bf16 matmuls); train.precision=fp8 is predicted {ratio:.2f}x faster on this model and GPU "
+            "(float8 changes the matmuls' numerics, so it is opt-in: bench/results/fp8_compile.md)")

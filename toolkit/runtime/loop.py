@@ -217,10 +217,18 @@ FP8_ZERO3_NOTE = ("note: float8 at ZeRO-3 measured slower than bf16: DeepSpeed's
 def _fp8_and_compile(p: RunSpec, model: Any, compiled: bool, why: str) -> None:
     """After LoRA and Liger, before deepspeed.initialize (both paths): float8 Linears first, so the compiled
     graph is the float8 one, then each decoder layer compiled in place (toolkit/runtime/compile.py)."""
-    if not (compiled or p.fp8):
-        return
     layers = compiling.decoder_layers(model)
     lines = []
+    if not p.fp8 and not dist.on_cpu() and zero_stage(p.ds) < 3 and not p.cfg.lora.enabled \
+            and p.cfg.model.task == "causal_lm" and dist.rank() == 0:
+        total, trainable = count_params(model)
+        mc = p.model_config
+        fpt = flops_per_token(total, trainable, len(layers), hidden_size(mc), p.cfg.data.seq_len)
+        lines.append(fp8.hint(layers, fpt, hidden_size(mc), dist.local_rank()) or "")
+    if not (compiled or p.fp8):
+        if dist.rank() == 0 and any(lines):
+            print("\n".join(x for x in lines if x), flush=True)
+        return
     if p.fp8:
         lines.append(fp8.describe(fp8.convert(model, layers, p.fp8), p.fp8, len(layers)))
         if zero_stage(p.ds) == 3:
@@ -228,7 +236,7 @@ def _fp8_and_compile(p: RunSpec, model: Any, compiled: bool, why: str) -> None:
     if compiled:
         lines.append(compiling.describe(compiling.compile_layers(model), layers[0], why))
     if dist.rank() == 0:
-        print("\n".join(lines), flush=True)
+        print("\n".join(x for x in lines if x), flush=True)
 
 
 def _evaluator(p: RunSpec, rows: Rows | None, collate: Collator, metrics: MetricsLogger) -> Any:
