@@ -395,5 +395,11 @@ if ((multi_node)); then
     # DeepSpeed forwards this file's variables to every node (multi-node backends only).
     tk write-env --launcher "${launcher:-pdsh}" || exit 1
 fi
+if ((ssh_launch)) && [[ ${launcher:-pdsh} == pdsh ]]; then
+    # pdsh returns when its ssh to every host has: a host whose network is gone sends no reset, and ssh
+    # would wait on it forever (the ranks there end on their own: toolkit/runtime/watchdog.py). With these
+    # options ssh gives up on a host that has not answered for 20 s.
+    export PDSH_SSH_ARGS_APPEND="${PDSH_SSH_ARGS_APPEND:+$PDSH_SSH_ARGS_APPEND }-o ServerAliveInterval=5 -o ServerAliveCountMax=4"
+fi
 echo "command: $(quote "${cmd[@]}" "${script[@]}")"
 "${cmd[@]}" "${script[@]}"

@@ -142,6 +142,7 @@ def test_kill_in_a_save_full_disk_and_a_flipped_byte_lose_only_the_steps_since_t
         assert (run.view / "checkpoints" / "latest").read_text() == "global_step2"
         status = run.status()
         assert status["status"] == "failed" and status["phase"] == "save" and status["step"] == 4, status
+        assert status["lost_ranks"] == [1] and "its process is gone" in status["error"], status
         curve = run.losses(0)
         assert sorted(curve) == [1, 2, 3, 4], curve
 

@@ -8,7 +8,7 @@ MASTER_ADDR:MASTER_PORT (served by rank 0's process). This module uses it for he
 
 - beats: each rank's I/O thread writes a small record (a counter, its host, pid, step and phase) every
   `heartbeat_timeout_s / 10` seconds. Rank 0 reads all of them and publishes a view (how long since each
-  rank's counter last moved); the other ranks read that view and the verdict key.
+  rank's counter last moved); the other ranks read that view and the verdicts.
 - judge: a second thread, which never touches the network (a store call can block forever: TCPStore has
   no receive timeout, seen with a stopped server), decides. A rank is lost when its counter has not moved
   for `heartbeat_timeout_s`, when its process is gone (ranks on the same host check each other's pids at
@@ -98,10 +98,14 @@ class Watchdog:
         path = console.log_path(self.run_dir, self.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.log = path.open("a")  # stacks land here
+        # `kill -USR2 <pid>` writes every thread's stack there too, without stopping the rank
+        faulthandler.register(signal.SIGUSR2, file=self.log, all_threads=True)
         self.n = 0
         self.view: dict[str, Any] = {}
         self.view_changed = time.monotonic()
-        self.verdict: dict[str, Any] | None = None
+        self.lost_verdict: dict[str, Any] | None = None  # the first rank to name lost peers
+        self.notes_seen: dict[int, float] = {}  # when each failed peer's note was first seen
+        self.failed_verdict: dict[str, Any] | None = None  # the first rank to fail
         self.verdict_seen = 0.0
         self.exiting = False  # this rank's main thread is failing or finishing on its own
         self.armed_at: float | None = None
@@ -113,7 +117,7 @@ class Watchdog:
         self.store = _client(max(60.0, self.timeout_s))
         self._beat()  # before the loop's barrier: rank 0 sees every rank from its first look
         if self.rank == 0:  # created empty where missing, so reading them never waits for them
-            for key in ("view", "verdict", *(f"beat/{r}" for r in range(self.world))):
+            for key in ("view", "lost", "failed", *(f"beat/{r}" for r in range(self.world))):
                 self.store.compare_set(_PREFIX + key, "", "")
         self.threads = [threading.Thread(target=self._io, name="toolkit-heartbeat", daemon=True),
                         threading.Thread(target=self._judge, name="toolkit-watchdog", daemon=True)]
@@ -147,32 +151,36 @@ class Watchdog:
         every peer answered: the caller reports its own error."""
         self.exiting = True
         self._disarm()
-        began, seen = time.monotonic(), {r: rec.get("n", 0) for r, rec in self._ranks().items()}
-        self._publish({"kind": "failed", "rank": self.rank, "host": self.host,
-                       "error": f"{type(exc).__name__}: {exc}"[:500]})
+        began = time.monotonic()
+        self._publish("failed", {"rank": self.rank, "host": self.host, "error": f"{type(exc).__name__}: {exc}"[:500]})
         while time.monotonic() < began + self.timeout_s + 2 * self.beat_s:
             lost = self._lost(time.monotonic())
             if lost:
                 self._act_lost(lost)
-            if self._answered_since(began, seen):
+            if self._answered_since(began):
                 break
             time.sleep(0.2)
-        self._leave()
+        self._leave("failed", f"{type(exc).__name__}: {exc}")
 
     def close(self) -> None:
         """Every rank after its last collective: stop, and say goodbye (a rank that finishes first is not lost)."""
         self.exiting = True
         self._disarm()
-        self._leave()
+        self._leave("finished", "the run ended")
 
     def _disarm(self) -> None:
         self.armed_at = None
         faulthandler.cancel_dump_traceback_later()
 
-    def _leave(self) -> None:
+    def _leave(self, kind: str, why: str) -> None:
+        self._leave_note(kind, why)
         self.stop.set()
         bye = json.dumps({**self.me, "n": self.n + 1, "bye": True})
-        t = threading.Thread(target=lambda: self.store.set(_PREFIX + f"beat/{self.rank}", bye), daemon=True)
+
+        def put() -> None:
+            with contextlib.suppress(Exception):
+                self.store.set(_PREFIX + f"beat/{self.rank}", bye)
+        t = threading.Thread(target=put, daemon=True)
         t.start()
         t.join(timeout=2.0)  # the store may be gone already (rank 0 left first)
 
@@ -205,23 +213,35 @@ class Watchdog:
                     view = {"seq": seq, "ranks": {str(r): rec for r, rec in ranks.items()},
                             "ages": {str(r): round(now - changed[r], 1) for r in ranks}}
                     self.store.set(_PREFIX + "view", json.dumps(view))
-                    raw_verdict = self.store.get(_PREFIX + "verdict")
+                    raw_lost, raw_failed = self.store.multi_get([_PREFIX + "lost", _PREFIX + "failed"])
                 else:
-                    raw_view, raw_verdict = self.store.multi_get([_PREFIX + "view", _PREFIX + "verdict"])
+                    shared = [_PREFIX + "view", _PREFIX + "lost", _PREFIX + "failed"]
+                    if not self.store.check(shared):
+                        # rank 0 has not created them yet; a get would wait for them, and a key made by
+                        # compare_set does not wake a waiting get (seen: a 60 s stall at start)
+                        continue
+                    raw_view, raw_lost, raw_failed = self.store.multi_get(shared)
                     view = json.loads(raw_view) if raw_view else {}
                 if view.get("seq") != self.view.get("seq"):
                     self.view, self.view_changed = view, time.monotonic()
-                if raw_verdict and self.verdict is None:
-                    self.verdict, self.verdict_seen = json.loads(raw_verdict), time.monotonic()
-                    self.store.add(_PREFIX + "acks", 1)
-            except Exception:  # the store is gone or refuses: the judge sees the view go stale
-                time.sleep(self.beat_s)
+                if raw_failed and self.failed_verdict is None:
+                    self.failed_verdict, self.verdict_seen = json.loads(raw_failed), time.monotonic()
+                if raw_lost and self.lost_verdict is None:
+                    self.lost_verdict = json.loads(raw_lost)
+                    if self.rank != 0:  # rank 0 keeps the store up until the others have read it
+                        self.store.add(_PREFIX + "acks", 1)
+            except Exception:
+                # The store's process is gone or the connection broke: a TCPStore client does not reconnect,
+                # and every further call would only log torch's C++ warning again. Stop here; the judge sees
+                # the view go stale (and names rank 0 unless it left on purpose).
+                return
 
-    def _publish(self, verdict: dict[str, Any]) -> None:
-        """Best effort, from a throwaway thread and connection: the store may be stopped or cut off."""
+    def _publish(self, kind: str, verdict: dict[str, Any]) -> None:
+        """Best effort, from a throwaway thread and connection: the store may be stopped or cut off. The first
+        verdict of each kind stays ("lost" is not hidden behind a "failed" it caused)."""
         def put() -> None:
             with contextlib.suppress(Exception):
-                _client(5.0).compare_set(_PREFIX + "verdict", "", json.dumps(verdict))
+                _client(5.0).compare_set(_PREFIX + kind, "", json.dumps(verdict))
         t = threading.Thread(target=put, daemon=True)
         t.start()
         t.join(timeout=3.0)
@@ -234,11 +254,11 @@ class Watchdog:
             lost = self._lost(now)
             if lost:
                 self._act_lost(lost)
-            v = self.verdict
-            if v and v.get("kind") == "lost":
-                self._act_lost({int(r): why for r, why in v["lost"].items()}, adopted=True)
-            if v and v.get("kind") == "failed" and not self.exiting and now - self.verdict_seen > FAILED_GRACE_S:
-                self._act_failed(v)
+            if self.lost_verdict:
+                self._act_lost({int(r): why for r, why in self.lost_verdict["lost"].items()}, adopted=True)
+            failed = self._failed(now)
+            if failed and not self.exiting and not self._late(now):  # a late peer is named by its heartbeat
+                self._act_failed(failed)
             if (self.armed_at is not None and not self.exiting and now - self.armed_at > self.deadline_s()
                     and not self._late(now)):  # a late peer is named by its heartbeat within heartbeat_timeout_s
                 self._act_hang(now - self.armed_at)
@@ -246,43 +266,123 @@ class Watchdog:
     def _ranks(self) -> dict[int, dict[str, Any]]:
         return {int(r): rec for r, rec in self.view.get("ranks", {}).items() if rec}
 
+    def _age(self, r: int) -> float:
+        return float(self.view.get("ages", {}).get(str(r), 0.0))
+
     def _lost(self, now: float) -> dict[int, str]:
-        """rank -> why, for every peer this rank can tell is gone, stopped or silent."""
+        """rank -> why, for every peer this rank can tell is gone, stopped or silent. A peer that left a note
+        (see _note) is not lost when it finished or failed on its own; when its watchdog ended it, the ranks
+        it named are lost, unless this rank can see one of them alive (the two sides of a network partition
+        each name the other)."""
         lost: dict[int, str] = {}
         ranks = self._ranks()
-        for r, rec in ranks.items():
-            if r == self.rank or rec.get("bye"):
+        peers = {int(k) for k in self.view.get("ages", {})} | {0}  # also one that never beat
+        for r in sorted(peers - {self.rank}):
+            rec = ranks.get(r, {})
+            note = self._note(r, rec)
+            if note and note["kind"] in ("finished", "failed"):
                 continue
-            local = rec.get("host") == self.host
-            state = _proc_state(rec["pid"], rec.get("start")) if local and "pid" in rec else None
-            age = float(self.view.get("ages", {}).get(str(r), 0.0))
+            if note and note["kind"] == "watchdog":
+                theirs = {int(k): v for k, v in note.get("lost", {}).items()}
+                if theirs and not any(self._alive_to_me(x, now) for x in theirs):
+                    lost.update(theirs)
+                    continue
+            if r == 0 and self.rank != 0:
+                silent = now - self.view_changed
+                state = self._local_state(rec)
+                if state == "gone":
+                    lost[0] = "its process is gone"
+                elif silent > self.timeout_s:
+                    lost[0] = (f"the rendezvous store it serves has not answered for {silent:.0f} s (its host is "
+                               "down, stopped or cut off)")
+                continue
+            state = self._local_state(rec)
             if state == "gone":
                 lost[r] = "its process is gone"
-            elif age > self.timeout_s:
-                lost[r] = f"no heartbeat for {age:.0f} s" + (" (its process is stopped: SIGSTOP or a debugger)"
-                                                             if state == "stopped" else "")
-        silent = now - self.view_changed
-        if self.rank != 0 and silent > self.timeout_s and not ranks.get(0, {}).get("bye"):
-            lost[0] = (f"the rendezvous store it serves has not answered for {silent:.0f} s (its host is down, "
-                       "stopped or cut off)")
+            elif self._age(r) > self.timeout_s:
+                lost[r] = f"no heartbeat for {self._age(r):.0f} s" + (
+                    " (its process is stopped: SIGSTOP or a debugger)" if state == "stopped" else "")
         return lost
 
-    def _late(self, now: float) -> list[int]:
-        """Peers whose beat is more than three beats old (or rank 0, when the view stopped changing)."""
-        late = [r for r, a in self.view.get("ages", {}).items() if int(r) != self.rank and float(a) > 3 * self.beat_s
-                and not self._ranks().get(int(r), {}).get("bye")]
-        if self.rank != 0 and now - self.view_changed > 3 * self.beat_s:
-            late.append("0")
-        return sorted({int(r) for r in late})
+    def _local_state(self, rec: dict[str, Any]) -> str | None:
+        if rec.get("host") != self.host or "pid" not in rec:
+            return None
+        return _proc_state(rec["pid"], rec.get("start"))
 
-    def _answered_since(self, began: float, seen: dict[int, int]) -> bool:
-        """Every peer has beaten since `began` (its counter moved) or said goodbye."""
-        if self.rank != 0 and self.view_changed <= began:
-            return False
+    def _alive_to_me(self, r: int, now: float) -> bool:
+        if r == self.rank:
+            return True
+        rec = self._ranks().get(r, {})
+        if self._local_state(rec) is None and rec.get("host") == self.host:
+            return True
+        fresh = now - self.view_changed < 3 * self.beat_s
+        return fresh and (r == 0 or self._age(r) < 3 * self.beat_s)
+
+    def _failed(self, now: float) -> dict[str, Any] | None:
+        """A peer that failed on its own (the store's verdict, or its note when the store is unreachable),
+        FAILED_GRACE_S ago: time enough for this rank to fail the same way, if it is going to."""
+        if self.failed_verdict and now - self.verdict_seen > FAILED_GRACE_S:
+            return self.failed_verdict
         for r, rec in self._ranks().items():
-            if r != self.rank and not rec.get("bye") and rec.get("n", 0) <= seen.get(r, 0):
+            note = self._note(r, rec)
+            if r != self.rank and note and note["kind"] == "failed":
+                seen = self.notes_seen.setdefault(r, now)
+                if now - seen > FAILED_GRACE_S:
+                    return {"rank": r, "host": rec.get("host"), "error": note.get("why")}
+        return None
+
+    def _late(self, now: float) -> list[int]:
+        """Peers whose beat is more than three beats old (or rank 0, when the view stopped changing), not
+        counting those that left on their own."""
+        ranks = self._ranks()
+        late = []
+        for k in self.view.get("ages", {}):
+            r = int(k)
+            note = self._note(r, ranks.get(r, {}))
+            if r != self.rank and self._age(r) > 3 * self.beat_s and not (note and note["kind"] != "watchdog"):
+                late.append(r)
+        note = self._note(0, ranks.get(0, {}))
+        if self.rank != 0 and now - self.view_changed > 3 * self.beat_s and not (note and note["kind"] != "watchdog"):
+            late.append(0)
+        return sorted(set(late))
+
+    def _answered_since(self, began: float) -> bool:
+        """Every peer has beaten since `began`, or left a note. When a peer last beat is estimated from rank 0's
+        view (the age it gives, plus how old the view is) and must be more than a beat and a half after
+        `began`: rank 0 reads the beats once per interval, so a beat written just before `began` (by a peer
+        that has died since) can look newer by up to a beat."""
+        now = time.monotonic()
+        view_age = now - self.view_changed
+        ranks = self._ranks()
+        for r in range(self.world):
+            if r == self.rank or self._note(r, ranks.get(r, {})):
+                continue
+            since_beat = view_age + (0.0 if r == 0 and self.rank != 0 else self._age(r))
+            if since_beat > now - began - 1.5 * self.beat_s:
                 return False
         return True
+
+    def _marker(self, rank: int) -> Path:
+        return self.run_dir / "logs" / f"rank{rank}.left"
+
+    def _note(self, rank: int, rec: dict[str, Any]) -> dict[str, Any] | None:
+        """What a rank left behind when it exited on purpose: kind finished (the end of the run), failed (an
+        error of its own) or watchdog (it ended the job, with the ranks it named lost). A file in the run
+        directory, so a peer reads it the moment the process is gone, before any beat could carry it, and
+        across a network partition on a shared filesystem. None for a rank that left no note (or the note
+        of an earlier process of that rank)."""
+        if rec.get("bye"):
+            return {"kind": "finished"}
+        try:
+            note = json.loads(self._marker(rank).read_text())
+        except (OSError, ValueError):
+            return None
+        return note if note.get("pid") == rec.get("pid") else None
+
+    def _leave_note(self, kind: str, why: str, lost: dict[int, str] | None = None) -> None:
+        note = {"pid": os.getpid(), "kind": kind, "why": why[:500], "lost": {str(r): w for r, w in (lost or {}).items()}}
+        with contextlib.suppress(OSError):
+            atomic_write(self._marker(self.rank), json.dumps(note) + "\n")
 
     # ------------------------------------------------------------------ ending the job
 
@@ -293,7 +393,7 @@ class Watchdog:
         faulthandler.dump_traceback(file=self.log, all_threads=True)
         self.log.flush()
 
-    def _write_status(self, fields: dict[str, Any], lost: set[int]) -> None:
+    def _write_status(self, fields: dict[str, Any], lost: dict[int, str]) -> None:
         """The lowest live rank writes; a rank other than 0 only over a status that still says running
         (in a network partition rank 0 may be alive on the other side and has written its own view)."""
         live = [r for r in range(self.world) if r not in lost]
@@ -309,11 +409,12 @@ class Watchdog:
             atomic_write(path, json.dumps({"status": "failed", **fields, "phase": phase, "step": step,
                                            "detected_by": self.rank, "stacks": "logs/rank{N}.log"}, indent=2) + "\n")
 
-    def _end(self, code: int, line: str, status: dict[str, Any] | None, lost: set[int],
+    def _end(self, code: int, line: str, status: dict[str, Any] | None, lost: dict[int, str],
              kill: Sequence[int] = ()) -> NoReturn:
         if not self.acting.acquire(blocking=False):
             while True:  # another thread of this rank is ending it
                 time.sleep(60)
+        self._leave_note("watchdog", line, lost)  # first: a peer that sees this process gone reads why
         self.stop.set()
         self._dump(line)
         if status is not None:
@@ -326,12 +427,17 @@ class Watchdog:
                     os.kill(rec["pid"], signal.SIGKILL)
         print(f"\nerror: rank {self.rank}: {line}; stacks in {console.log_path(self.run_dir, self.rank)}",
               file=sys.stderr, flush=True)
-        if self.rank == 0:  # rank 0 serves the store: give the others a beat to read the verdict
-            deadline = time.monotonic() + 2 * self.beat_s
-            with contextlib.suppress(Exception):
-                others = len([r for r in range(1, self.world) if r not in lost])
-                while others and time.monotonic() < deadline and self.store.add(_PREFIX + "acks", 0) < others:
-                    time.sleep(0.1)
+        if self.rank == 0:  # rank 0 serves the store: give the others up to two beats to read the verdict
+            others = len([r for r in range(1, self.world) if r not in lost])
+
+            def acked() -> None:
+                with contextlib.suppress(Exception):
+                    store = _client(5.0)
+                    while others and store.add(_PREFIX + "acks", 0) < others:
+                        time.sleep(0.1)
+            t = threading.Thread(target=acked, daemon=True)
+            t.start()
+            t.join(timeout=2 * self.beat_s)
         self.log.flush()
         with contextlib.suppress(Exception):
             sys.stdout.flush()
@@ -343,14 +449,14 @@ class Watchdog:
         what = "; ".join(f"rank {r} on {ranks.get(r, {}).get('host', '?')}: {why}" for r, why in sorted(lost.items()))
         line = f"lost {what}; ending the job"
         if not adopted:
-            self._publish({"kind": "lost", "lost": {str(r): w for r, w in lost.items()}, "by": self.rank})
+            self._publish("lost", {"lost": {str(r): w for r, w in lost.items()}, "by": self.rank})
         status = {"error": f"lost {what}", "lost_ranks": sorted(lost), "lost_hosts": hosts}
-        self._end(EXIT_LOST, line, status, set(lost), kill=sorted(lost))
+        self._end(EXIT_LOST, line, status, lost, kill=sorted(lost))
 
     def _act_failed(self, v: dict[str, Any]) -> NoReturn:
         line = (f"rank {v.get('rank')} on {v.get('host')} failed ({v.get('error')}) and this rank was still "
                 f"running {FAILED_GRACE_S:.0f} s later; ending it")
-        self._end(EXIT_LOST, line, None, set())
+        self._end(EXIT_LOST, line, None, {})
 
     def _act_hang(self, took_s: float) -> NoReturn:
         """Every peer beats, yet this step is past its deadline: name the ranks furthest behind (lowest step at
@@ -363,8 +469,8 @@ class Watchdog:
                 f"(train.collective_timeout_s + twice the slowest step) with every rank still beating: a hang"
                 + (f"; behind: rank(s) {', '.join(map(str, behind))}" if behind else "")
                 + f"; at their last beat: {where}")
-        self._publish({"kind": "failed", "rank": self.rank, "host": self.host, "error": f"hang in step {self.armed_step}"})
-        self._end(EXIT_LOST, line, {"error": line, "hung_ranks": behind}, set())
+        self._publish("failed", {"rank": self.rank, "host": self.host, "error": f"hang in step {self.armed_step}"})
+        self._end(EXIT_LOST, line, {"error": line, "hung_ranks": behind}, {})
 
 
 _current: Watchdog | None = None

@@ -1,0 +1,132 @@
+"""The watchdog's decisions in one process (toolkit/runtime/watchdog.py): rank 0 of a 2-rank job against a
+real TCPStore, rank 1 played by the test writing its beats. The judge thread is replaced so that nothing
+here ends the test process; tests/dist/test_faults.py and test_multinode_faults.py run the real thing."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from torch.distributed import TCPStore
+
+from toolkit.runtime import watchdog
+from toolkit.runtime.watchdog import _PREFIX, Watchdog
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def wd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Watchdog, TCPStore]]:
+    port = _port()
+    master = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=10))
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(Watchdog, "_judge", lambda self: None)  # decisions are called by hand below
+    dog = Watchdog(tmp_path, heartbeat_timeout_s=2, collective_timeout_s=5, where=lambda: ("train", 3))
+    yield dog, master
+    dog.stop.set()
+
+
+def _beat(store: TCPStore, n: int, pid: int = 999_999, host: str = "elsewhere") -> None:
+    store.set(_PREFIX + "beat/1", json.dumps({"n": n, "pid": pid, "host": host, "start": 0.0, "step": 3,
+                                              "phase": "train", "bye": False}))
+
+
+def test_a_peer_whose_beats_stop_is_lost_after_the_timeout(wd: tuple[Watchdog, TCPStore]) -> None:
+    dog, store = wd
+    assert dog.beat_s == 0.5
+    for n in range(1, 6):  # alive for a while: never lost, never late
+        _beat(store, n)
+        time.sleep(0.3)
+        assert dog._lost(time.monotonic()) == {} and dog._late(time.monotonic()) == []
+    silent = time.monotonic()  # from here: late first (three beats), then lost (heartbeat_timeout_s)
+    while not dog._late(time.monotonic()):
+        assert dog._lost(time.monotonic()) == {} and time.monotonic() - silent < 3
+        time.sleep(0.05)
+    while not (lost := dog._lost(time.monotonic())):
+        assert time.monotonic() - silent < 4
+        time.sleep(0.05)
+    assert time.monotonic() - silent > 2.0  # never before heartbeat_timeout_s
+    assert list(lost) == [1] and lost[1].startswith("no heartbeat for"), lost
+
+
+def test_a_local_peer_that_is_gone_is_lost_at_once_unless_it_left_a_note(wd: tuple[Watchdog, TCPStore]) -> None:
+    import subprocess
+    import sys
+
+    dog, store = wd
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # a pid that is gone, on this host
+    _beat(store, 1, pid=child.pid, host=dog.host)
+    time.sleep(1.2)
+    assert dog._lost(time.monotonic()) == {1: "its process is gone"}
+    dog._marker(1).write_text(json.dumps({"pid": child.pid, "kind": "failed", "why": "ValueError: x"}))
+    assert dog._lost(time.monotonic()) == {}  # it failed on its own: the job ends through that, not as a loss
+    dog._marker(1).write_text(json.dumps({"pid": child.pid, "kind": "watchdog", "why": "x", "lost": {"0": "y"}}))
+    assert dog._lost(time.monotonic()) == {1: "its process is gone"}  # it names me lost: I am not; it is
+
+
+def test_the_hang_deadline_covers_steps_only_and_scales_with_the_slowest(wd: tuple[Watchdog, TCPStore]) -> None:
+    dog, _ = wd
+    dog.step_begin(1)
+    assert dog.armed_at is None  # the first step compiles and allocates: no deadline
+    time.sleep(0.05)
+    dog.step_end()
+    dog.step_begin(2)
+    assert dog.armed_at is not None and dog.deadline_s() == 5.0
+    time.sleep(0.1)
+    dog.step_end()
+    assert dog.armed_at is None  # a save or an eval after the step runs unarmed
+    assert 5.15 < dog.deadline_s() < 5.5  # collective_timeout_s + twice the slowest step
+    n, t0 = 2000, time.perf_counter()
+    for step in range(3, 3 + n):
+        dog.step_begin(step)
+        dog.step_end()
+    per_step_us = (time.perf_counter() - t0) / n * 1e6
+    print(f"watchdog cost per step (arm + disarm, faulthandler timer included): {per_step_us:.0f} us")
+    assert per_step_us < 1000, per_step_us
+
+
+def test_a_failing_rank_waits_for_every_peer_to_answer_then_leaves_a_note(
+        wd: tuple[Watchdog, TCPStore], monkeypatch: pytest.MonkeyPatch) -> None:
+    dog, store = wd
+    beating = threading.Event()
+    beating.set()
+
+    def peer() -> None:
+        n = 0
+        while beating.is_set():
+            n += 1
+            _beat(store, n)
+            time.sleep(0.2)
+    t = threading.Thread(target=peer, daemon=True)
+    t.start()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    dog.failing(ValueError("nan"))  # the peer answers: back to the caller within a few beats
+    assert time.monotonic() - t0 < 3.0
+    beating.clear()
+    note = json.loads(dog._marker(0).read_text())
+    assert note["pid"] == os.getpid() and note["kind"] == "failed" and "ValueError: nan" in note["why"]
+    assert json.loads(store.get(_PREFIX + "failed"))["error"] == "ValueError: nan"
+
+
+def test_module_functions_are_no_ops_without_a_watchdog() -> None:
+    assert watchdog._current is None
+    watchdog.step_begin(5)
+    watchdog.step_end()
+    watchdog.failing(RuntimeError("x"))
+    watchdog.close()
