@@ -80,6 +80,24 @@ def _proc_state(pid: int, start: float | None) -> str | None:
     return "stopped" if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP) else None
 
 
+def _from_a_peer(exc: BaseException) -> bool:
+    """A communication error: what a rank sees when a peer dies, stops or is cut off (gloo and NCCL raise
+    plain RuntimeErrors naming their transport; torch's own are DistError)."""
+    import torch.distributed as tdist
+
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(e)
+        if isinstance(e, getattr(tdist, "DistError", ())) or any(
+                k in text for k in ("gloo", "NCCL", "Connection reset", "Connection closed", "Broken pipe",
+                                    "Timed out", "timed out")):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 class Watchdog:
     """One per rank, for the whole run. The loop calls step_begin/step_end, failing(exc) and close()."""
 
@@ -153,7 +171,8 @@ class Watchdog:
         self._disarm()
         began = time.monotonic()
         self._publish("failed", {"rank": self.rank, "host": self.host, "error": f"{type(exc).__name__}: {exc}"[:500]})
-        while time.monotonic() < began + self.timeout_s + 2 * self.beat_s:
+        # An error of this rank's own (out of memory, NaN, a refused save) is not a peer's doing: leave now.
+        while _from_a_peer(exc) and time.monotonic() < began + self.timeout_s + 2 * self.beat_s:
             lost = self._lost(time.monotonic())
             if lost:
                 self._act_lost(lost)
