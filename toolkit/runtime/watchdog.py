@@ -20,7 +20,14 @@ MASTER_ADDR:MASTER_PORT (served by rank 0's process). This module uses it for he
   store, best effort, for ranks whose view lags.
 - failures: a rank that raises publishes a "failed" verdict; a rank that is still running 10 s later (it
   is stuck, not failing with the others) dumps its stack and exits. Errors every rank raises together
-  (a NaN, a refused save) finish on their own within that grace.
+  (a NaN, a refused save) finish on their own within that grace. A rank that raises a communication
+  error first waits (at most heartbeat_timeout_s) until every peer has beaten since, so that a peer
+  that died is named rather than the error it caused.
+- notes: a rank that exits on purpose (the end of the run, an error, its watchdog) first writes
+  logs/rank{N}.left, so a peer that sees its process gone a moment later knows why and does not call it
+  lost; a rank its watchdog ended lists the ranks it found lost, which peers adopt unless they can see
+  one of them alive (the two sides of a network partition each name the other).
+- `kill -USR2 <pid>` writes every thread's stack into the rank's log without stopping it.
 - hangs: the main thread arms a deadline around each training step (not the first step, which compiles
   and allocates, and not saves, evaluation or export, whose length depends on the disk and the data; the
   heartbeat still covers a rank that dies or stops there): collective_timeout_s plus twice the slowest step
