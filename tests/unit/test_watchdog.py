@@ -73,9 +73,9 @@ def test_a_local_peer_that_is_gone_is_lost_at_once_unless_it_left_a_note(wd: tup
     _beat(store, 1, pid=child.pid, host=dog.host)
     time.sleep(1.2)
     assert dog._lost(time.monotonic()) == {1: "its process is gone"}
-    dog._marker(1).write_text(json.dumps({"pid": child.pid, "kind": "failed", "why": "ValueError: x"}))
+    dog._marker(1).write_text(json.dumps({"pid": child.pid, "start": 0.0, "kind": "failed", "why": "ValueError: x"}))
     assert dog._lost(time.monotonic()) == {}  # it failed on its own: the job ends through that, not as a loss
-    dog._marker(1).write_text(json.dumps({"pid": child.pid, "kind": "watchdog", "why": "x", "lost": {"0": "y"}}))
+    dog._marker(1).write_text(json.dumps({"pid": child.pid, "start": 0.0, "kind": "watchdog", "why": "x", "lost": {"0": "y"}}))
     assert dog._lost(time.monotonic()) == {1: "its process is gone"}  # it names me lost: I am not; it is
 
 
@@ -122,7 +122,7 @@ def test_a_communication_error_waits_for_every_peer_to_answer_then_leaves_a_note
     assert 0.75 < waited < 3.0, waited
     beating.clear()
     note = json.loads(dog._marker(0).read_text())
-    assert note["pid"] == os.getpid() and note["kind"] == "failed" and "Connection reset" in note["why"]
+    assert note["pid"] == os.getpid() and note["start"] == dog.me["start"] and note["kind"] == "failed" and "Connection reset" in note["why"]
     assert "Connection reset by peer" in json.loads(store.get(_PREFIX + "failed"))["error"]
 
 

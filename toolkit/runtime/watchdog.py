@@ -123,6 +123,8 @@ class Watchdog:
         path = console.log_path(self.run_dir, self.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.log = path.open("a")  # stacks land here
+        with contextlib.suppress(OSError):
+            self._marker(self.rank).unlink()  # an earlier run's note of this rank
         # `kill -USR2 <pid>` writes every thread's stack there too, without stopping the rank
         faulthandler.register(signal.SIGUSR2, file=self.log, all_threads=True)
         self.n = 0
@@ -403,10 +405,12 @@ class Watchdog:
             note = json.loads(self._marker(rank).read_text())
         except (OSError, ValueError):
             return None
-        return note if note.get("pid") == rec.get("pid") else None
+        # pid and start time: a restarted container hands out the same pids again
+        return note if (note.get("pid"), note.get("start")) == (rec.get("pid"), rec.get("start")) else None
 
     def _leave_note(self, kind: str, why: str, lost: dict[int, str] | None = None) -> None:
-        note = {"pid": os.getpid(), "kind": kind, "why": why[:500], "lost": {str(r): w for r, w in (lost or {}).items()}}
+        note = {"pid": self.me["pid"], "start": self.me["start"], "kind": kind, "why": why[:500],
+                "lost": {str(r): w for r, w in (lost or {}).items()}}
         with contextlib.suppress(OSError):
             atomic_write(self._marker(self.rank), json.dumps(note) + "\n")
 
