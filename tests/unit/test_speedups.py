@@ -4,6 +4,8 @@ The float8 matmuls themselves run in tests/gpu/test_gpu_compile.py."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -85,3 +87,30 @@ def test_fp8_too_small_to_pay_is_said_and_no_linear_is_an_error() -> None:
     gpt2 = _meta("gpt2-124m", n_layer=2)
     with pytest.raises(ConfigError, match="Conv1D"):
         fp8.convert(gpt2, decoder_layers(gpt2), "tensorwise")
+
+
+def test_fp8_is_refused_before_launch_in_one_line() -> None:
+    from toolkit.config.schema import load_config
+
+    base = ["train.precision=fp8"]
+    cases = {
+        "LoRA's adapter matmuls": [*base, "lora.enabled=true"],
+        "train.compile=off": [*base, "train.compile=off"],
+        "causal_lm models": [*base, "model.task=seq_cls", "model.name=tiny-bert"],
+        "CPU ranks": base,
+    }
+    for needle, over in cases.items():
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            fp8.check(load_config(None, over), on_cpu=True, local_rank=0)
+    with pytest.raises(ConfigError, match=r"train\.fp8_recipe must be tensorwise or rowwise"):
+        load_config(None, [*base, "train.fp8_recipe=delayed"])
+
+
+def test_fp8_trains_in_deepspeeds_bf16_mode_and_refuses_a_json_that_pins_fp16() -> None:
+    from toolkit.config.schema import load_config
+    from toolkit.runtime.spec import _precision
+
+    cfg = load_config(None, ["train.precision=fp8"])
+    assert _precision(cfg, {"bf16": {"enabled": "auto"}}) == "bf16"
+    with pytest.raises(ConfigError, match="pins fp16"):
+        _precision(cfg, {"fp16": {"enabled": True}})

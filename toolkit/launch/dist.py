@@ -20,6 +20,9 @@ def prepare_env() -> list[str]:
     # transformers and peft import torchao (a dependency, for train.precision=fp8) whenever it is installed;
     # its import logs a warning per optional CUDA extension a CPU-only torch cannot load, on every rank
     logging.getLogger("torchao").setLevel(logging.ERROR)
+    # ... and with torch >= 2.12 its float8 module registers enums that torch now handles itself: a deprecation
+    # warning per enum per rank, about torchao's code, not the run's
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     notes: list[str] = []
     ranks_from_openmpi(os.environ)
     if not torch.cuda.is_available() and "DS_ACCELERATOR" not in os.environ:
