@@ -50,6 +50,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -179,6 +180,12 @@ class Watchdog:
         self.exiting = True
         self._disarm()
         began = time.monotonic()
+        # where the main thread was when it failed: if a peer turns out lost, the dump that follows shows
+        # this thread inside failing(), and the exception's own traceback would never be printed
+        with contextlib.suppress(Exception):
+            self.log.write(f"--- watchdog, rank {self.rank}: the main thread is leaving with this error:\n"
+                           + "".join(traceback.format_exception(exc)))
+            self.log.flush()
         self._publish("failed", {"rank": self.rank, "host": self.host, "error": f"{type(exc).__name__}: {exc}"[:500]})
         # An error of this rank's own (out of memory, NaN, a refused save) is not a peer's doing: leave now.
         while _from_a_peer(exc) and time.monotonic() < began + self.timeout_s + 2 * self.beat_s:
