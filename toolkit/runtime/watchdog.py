@@ -182,13 +182,15 @@ class Watchdog:
         began = time.monotonic()
         # where the main thread was when it failed: if a peer turns out lost, the dump that follows shows
         # this thread inside failing(), and the exception's own traceback would never be printed
+        peer = _from_a_peer(exc)
         with contextlib.suppress(Exception):
-            self.log.write(f"--- watchdog, rank {self.rank}: the main thread is leaving with this error:\n"
-                           + "".join(traceback.format_exception(exc)))
-            self.log.flush()
+            if peer:  # otherwise it returns at once and logs/rank{N}.log gets the traceback as usual
+                self.log.write(f"--- watchdog, rank {self.rank}: the main thread is leaving with this error:\n"
+                               + "".join(traceback.format_exception(exc)))
+                self.log.flush()
         self._publish("failed", {"rank": self.rank, "host": self.host, "error": f"{type(exc).__name__}: {exc}"[:500]})
         # An error of this rank's own (out of memory, NaN, a refused save) is not a peer's doing: leave now.
-        while _from_a_peer(exc) and time.monotonic() < began + self.timeout_s + 2 * self.beat_s:
+        while peer and time.monotonic() < began + self.timeout_s + 2 * self.beat_s:
             lost = self._lost(time.monotonic())
             if lost:
                 self._act_lost(lost)
