@@ -27,6 +27,8 @@ from _jsonl import lines
 from _net import free_port
 from _small_disk import SmallDisk, problem
 
+from toolkit.runtime import integrity
+
 ROOT = Path(__file__).resolve().parents[2]
 WIDE = dict(model_type="llama", vocab_size=1000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2,
             num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=False,
@@ -160,6 +162,8 @@ def test_kill_in_a_save_full_disk_and_a_flipped_byte_lose_only_the_steps_since_t
         assert "global_step4 stays the newest complete checkpoint" in errors[0], errors
         assert not run.ckpt("global_step6").exists()  # nothing half-written left behind
         assert (run.view / "checkpoints" / "latest").read_text() == "global_step4"
+        previous = run.ckpt("global_step4")  # and the previous checkpoint is whole: every file as written
+        assert integrity.verify(previous, json.loads((previous / "complete.json").read_text()))[0] == []
         status = run.status()
         assert status["status"] == "failed" and status["phase"] == "save" and status["step"] == 6, status
         resumed = run.losses(seen)
