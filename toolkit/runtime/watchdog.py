@@ -234,7 +234,10 @@ class Watchdog:
         counters: dict[int, int] = {}
         changed = {r: time.monotonic() for r in range(self.world)}
         seq = 0
-        while not self.stop.wait(self.beat_s):
+        first = True
+        # first round at once, not a beat later: a host cut off right after the start must know the others
+        while first or not self.stop.wait(self.beat_s):
+            first = False
             try:
                 self._beat()
                 if self.rank == 0:
@@ -253,11 +256,10 @@ class Watchdog:
                     raw_lost, raw_failed = self.store.multi_get([_PREFIX + "lost", _PREFIX + "failed"])
                 else:
                     shared = [_PREFIX + "view", _PREFIX + "lost", _PREFIX + "failed"]
-                    if not self.store.check(shared):
-                        # rank 0 has not created them yet; a get would wait for them, and a key made by
-                        # compare_set does not wake a waiting get (seen: a 60 s stall at start)
-                        continue
-                    raw_view, raw_lost, raw_failed = self.store.multi_get(shared)
+                    # until rank 0 has created them: a get would wait for them, and a key made by
+                    # compare_set does not wake a waiting get (seen: a 60 s stall at start)
+                    ready = self.store.check(shared)
+                    raw_view, raw_lost, raw_failed = self.store.multi_get(shared) if ready else (b"", b"", b"")
                     view = json.loads(raw_view) if raw_view else {}
                 if view.get("seq") != self.view.get("seq"):
                     self.view, self.view_changed = view, time.monotonic()
@@ -484,6 +486,8 @@ class Watchdog:
 
     def _act_lost(self, lost: dict[int, str], adopted: bool = False) -> NoReturn:
         ranks = self._ranks()
+        if 0 not in ranks:  # no view yet: rank 0's host is where the store is
+            ranks[0] = {"host": os.environ.get("MASTER_ADDR", "?")}
         hosts = sorted({ranks.get(r, {}).get("host", "?") for r in lost})
         what = "; ".join(f"rank {r} on {ranks.get(r, {}).get('host', '?')}: {why}" for r, why in sorted(lost.items()))
         line = f"lost {what}; ending the job"
