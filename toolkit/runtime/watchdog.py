@@ -308,6 +308,19 @@ class Watchdog:
     def _age(self, r: int) -> float:
         return float(self.view.get("ages", {}).get(str(r), 0.0))
 
+    def _suspects(self, now: float, after_s: float) -> list[int]:
+        """Peers silent for more than `after_s` (rank 0: its view stopped changing), or whose process on this
+        host is gone. Notes are read for these only: on a shared filesystem a read per peer per tick, on
+        every rank, would add up (512 ranks: 175,000 file opens a second)."""
+        ranks = self._ranks()
+        peers = {int(k) for k in self.view.get("ages", {})} | {0}  # also one that never beat
+        out = []
+        for r in sorted(peers - {self.rank}):
+            silent = now - self.view_changed if r == 0 and self.rank != 0 else self._age(r)
+            if silent > after_s or self._local_state(ranks.get(r, {})) == "gone":
+                out.append(r)
+        return out
+
     def _lost(self, now: float) -> dict[int, str]:
         """rank -> why, for every peer this rank can tell is gone, stopped or silent. A peer that left a note
         (see _note) is not lost when it finished or failed on its own; when its watchdog ended it, the ranks
@@ -315,9 +328,9 @@ class Watchdog:
         each name the other)."""
         lost: dict[int, str] = {}
         ranks = self._ranks()
-        peers = {int(k) for k in self.view.get("ages", {})} | {0}  # also one that never beat
-        for r in sorted(peers - {self.rank}):
+        for r in self._suspects(now, self.timeout_s):
             rec = ranks.get(r, {})
+            state = self._local_state(rec)
             note = self._note(r, rec)
             if note and note["kind"] in ("finished", "failed"):
                 continue
@@ -326,19 +339,12 @@ class Watchdog:
                 if theirs and not any(self._alive_to_me(x, now) for x in theirs):
                     lost.update(theirs)
                     continue
-            if r == 0 and self.rank != 0:
-                silent = now - self.view_changed
-                state = self._local_state(rec)
-                if state == "gone":
-                    lost[0] = "its process is gone"
-                elif silent > self.timeout_s:
-                    lost[0] = (f"the rendezvous store it serves has not answered for {silent:.0f} s (its host is "
-                               "down, stopped or cut off)")
-                continue
-            state = self._local_state(rec)
             if state == "gone":
                 lost[r] = "its process is gone"
-            elif self._age(r) > self.timeout_s:
+            elif r == 0 and self.rank != 0:
+                lost[0] = (f"the rendezvous store it serves has not answered for {now - self.view_changed:.0f} s "
+                           "(its host is down, stopped or cut off)")
+            else:
                 lost[r] = f"no heartbeat for {self._age(r):.0f} s" + (
                     " (its process is stopped: SIGSTOP or a debugger)" if state == "stopped" else "")
         return lost
@@ -362,12 +368,13 @@ class Watchdog:
         FAILED_GRACE_S ago: time enough for this rank to fail the same way, if it is going to."""
         if self.failed_verdict and now - self.verdict_seen > FAILED_GRACE_S:
             return self.failed_verdict
-        for r, rec in self._ranks().items():
-            note = self._note(r, rec)
-            if r != self.rank and note and note["kind"] == "failed":
+        ranks = self._ranks()
+        for r in self._suspects(now, 3 * self.beat_s):  # a peer that left stops beating
+            note = self._note(r, ranks.get(r, {}))
+            if note and note["kind"] == "failed":
                 seen = self.notes_seen.setdefault(r, now)
                 if now - seen > FAILED_GRACE_S:
-                    return {"rank": r, "host": rec.get("host"), "error": note.get("why")}
+                    return {"rank": r, "host": ranks.get(r, {}).get("host"), "error": note.get("why")}
         return None
 
     def _late(self, now: float) -> list[int]:
@@ -375,15 +382,11 @@ class Watchdog:
         counting those that left on their own."""
         ranks = self._ranks()
         late = []
-        for k in self.view.get("ages", {}):
-            r = int(k)
+        for r in self._suspects(now, 3 * self.beat_s):
             note = self._note(r, ranks.get(r, {}))
-            if r != self.rank and self._age(r) > 3 * self.beat_s and not (note and note["kind"] != "watchdog"):
+            if not (note and note["kind"] != "watchdog"):
                 late.append(r)
-        note = self._note(0, ranks.get(0, {}))
-        if self.rank != 0 and now - self.view_changed > 3 * self.beat_s and not (note and note["kind"] != "watchdog"):
-            late.append(0)
-        return sorted(set(late))
+        return late
 
     def _answered_since(self, began: float) -> bool:
         """Every peer has beaten since `began`, or left a note. When a peer last beat is estimated from rank 0's
@@ -394,10 +397,10 @@ class Watchdog:
         view_age = now - self.view_changed
         ranks = self._ranks()
         for r in range(self.world):
-            if r == self.rank or self._note(r, ranks.get(r, {})):
+            if r == self.rank:
                 continue
             since_beat = view_age + (0.0 if r == 0 and self.rank != 0 else self._age(r))
-            if since_beat > now - began - 1.5 * self.beat_s:
+            if since_beat > now - began - 1.5 * self.beat_s and not self._note(r, ranks.get(r, {})):
                 return False
         return True
 
