@@ -35,6 +35,7 @@ import concurrent.futures as cf
 import datetime
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -373,7 +374,8 @@ def cmd_bigrun(a: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     plan_cmd = [sys.executable, "-m", "toolkit", "plan", "--model", a.model, "--gpus", "1", "--gpu-mem", f"{a.gpu_mem:g}",
                 "--host-mem", f"{a.host_mem:g}", "--seq", str(a.seq), "--global-batch", str(a.global_batch),
-                "-o", str(plan_dir), "--force", *(["--micro-batch", str(a.micro_batch)] if a.micro_batch else [])]
+                "-o", str(plan_dir), "--force", *(["--micro-batch", str(a.micro_batch)] if a.micro_batch else []),
+                *shlex.split(a.plan_args)]
     printed = subprocess.run(plan_cmd, cwd=ROOT, capture_output=True, text=True)
     plan_s = time.perf_counter() - t0
     print(printed.stdout + printed.stderr, flush=True)
@@ -446,6 +448,7 @@ def main() -> int:
     b.add_argument("--global-batch", type=int, default=16)
     b.add_argument("--steps", type=int, default=10)
     b.add_argument("--micro-batch", type=int, default=None, help="passed to toolkit plan (default: the plan chooses)")
+    b.add_argument("--plan-args", default="", help='more toolkit plan options, e.g. "--precision fp8"')
     b.add_argument("--gpu-mem", type=float, default=139.0)
     b.add_argument("--host-mem", type=float, default=125.0, help="GiB the H200 machine shows (128 GiB installed)")
     b.add_argument("--port", type=int, default=29690)

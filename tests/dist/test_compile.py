@@ -68,17 +68,27 @@ def test_compiled_run_trains_saves_resumes_generates_and_exports_as_eager(tmp_pa
 @pytest.mark.dist
 @pytest.mark.timeout(900)
 def test_compiled_layers_train_as_eager_at_zero3(tmp_path: Path) -> None:
-    """ZeRO-3 partitions the weights the compiled layers read (DeepSpeed's hooks are traced into their graphs):
-    2 ranks, the same losses as eager (fp32 on CPU)."""
+    """ZeRO-3 partitions the weights the compiled layers read; the compiled decoder layers are ZeRO-3 leaf modules
+    (one gather, one graph and one reduce per layer). 2 ranks, fp32 on CPU: the same losses and gradient norms as
+    eager with DeepSpeed's hooks on every submodule, on the raw path and on the Trainer with gradient
+    checkpointing and accumulation (the leaf's backward hook must reduce each layer once per micro-batch)."""
+    runs = {"eager": ("raw", "off"), "raw": ("raw", "torch"), "trainer-ckpt": ("trainer", "torch")}
     got = {}
-    for mode in ("off", "torch"):
-        run_dir = tmp_path / mode
+    for name, (path, mode) in runs.items():
+        run_dir = tmp_path / name
+        extra = ["model.gradient_checkpointing=true"] if name == "trainer-ckpt" else []
         cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "toolkit/train.py",
-               "--ds", "ds_configs/zero3.json", "train.path=raw", f"train.compile={mode}", "train.micro_batch_size=2",
-               "train.max_steps=3", "train.export=false", "memory.every=0", "metrics.tensorboard=false",
-               f"train.run_dir={run_dir}"]
+               "--ds", "ds_configs/zero3.json", f"train.path={path}", f"train.compile={mode}",
+               "train.micro_batch_size=1", "train.grad_accum=2", "train.max_steps=3", "train.export=false",
+               "memory.every=0", "metrics.tensorboard=false", f"train.run_dir={run_dir}", *extra]
         env = os.environ | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-        got[mode] = [r["loss"] for r in lines(run_dir / "metrics.jsonl")]
-    assert len(got["torch"]) == 3 and got["torch"] == pytest.approx(got["off"], abs=1e-5)
+        log = p.stdout + p.stderr
+        assert p.returncode == 0, log[-4000:]
+        if mode == "torch":
+            assert "2 x LlamaDecoderLayer compiled in place" in log and "each a ZeRO-3 leaf module" in log, log[-3000:]
+        got[name] = [(r["loss"], r["grad_norm"]) for r in lines(run_dir / "metrics.jsonl")]
+    want = [x for pair in got["eager"] for x in pair]
+    assert len(got["eager"]) == 3 and all(g > 0 for _, g in got["eager"])
+    for name in ("raw", "trainer-ckpt"):
+        assert [x for pair in got[name] for x in pair] == pytest.approx(want, rel=1e-5), (name, got)

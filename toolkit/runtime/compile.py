@@ -55,9 +55,10 @@ def decoder_layers(model: Any) -> list[Any]:
     return list(max(pool, key=lambda m: sum(p.numel() for p in m.parameters())))
 
 
-def compile_layers(model: Any) -> int:
-    """Compile every decoder layer in place (inductor); returns how many. Call after LoRA, Liger and
-    float8 conversion (the compiled graph must see the final modules) and before deepspeed.initialize."""
+def compile_layers(model: Any, zero3: bool = False) -> tuple[int, bool]:
+    """Compile every decoder layer in place (inductor); returns (how many, whether they are ZeRO-3 leaves). Call
+    after LoRA, Liger and float8 conversion (the compiled graph must see the final modules) and before
+    deepspeed.initialize (ZeRO-3 reads the leaf marks when it registers its hooks)."""
     import torch._dynamo
 
     layers = decoder_layers(model)
@@ -69,14 +70,45 @@ def compile_layers(model: Any) -> int:
     # so every layer recompiled until dynamo's limit of 8 and the rest ran eager (llama-1b: layers 8-15,
     # seen on one H200). generate() asks for its own cache, and runs eager (`eager()` below).
     base.config.use_cache = False
-    # Under ZeRO-3 dynamo traces DeepSpeed's module hooks inside the layer (by design: DeepSpeed's own compile
-    # support), and they guard on the module's class: one entry per class of submodule, more than the default
-    # 8 on a Llama layer. Past the limit a frame runs eager, and a checkpointed layer's recompute then saved
-    # other tensors than its forward (CheckpointError, Qwen2 at ZeRO-3 with gradient checkpointing).
+    # Where DeepSpeed's ZeRO-3 hooks stay on every submodule, dynamo traces them inside the layer, and they guard
+    # on the module's class: one entry per class of submodule, more than the default 8 on a Llama layer. Past
+    # the limit a frame runs eager, and a checkpointed layer's recompute then saved other tensors than its
+    # forward (CheckpointError, Qwen2 at ZeRO-3 with gradient checkpointing).
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    for layer in layers:
-        layer.compile()
-    return len(layers)
+    leaves = zero3 and leaves_safe(model)
+    if leaves:
+        mark_leaves(model, layers)
+        # Only the layer's forward is compiled: DeepSpeed's hooks on the layer (gather before, release after,
+        # the leaf's full backward hook that reduces its gradients) run eager around one graph per layer.
+        for layer in layers:
+            layer.forward = torch.compile(layer.forward)
+    else:
+        for layer in layers:
+            layer.compile()
+    return len(layers), leaves
+
+
+def leaves_safe(model: Any) -> bool:
+    """Whether the decoder layers can be ZeRO-3 leaf modules without losing gradients.
+
+    DeepSpeed reduces a leaf's gradients in the leaf's full backward hook. When none of a module's inputs needs
+    a gradient, torch calls that hook as soon as the gradient of its output arrives, before the layer's own
+    weight gradients exist (torch/utils/hooks.py, BackwardHook.setup_output_hook), and DeepSpeed then reduces
+    zeros. The first layer's input needs a gradient only when the input embeddings train: a full fine-tune
+    (LoRA and frozen embeddings keep a hook per submodule)."""
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(embed, "weight", None)
+    return weight is not None and bool(weight.requires_grad)
+
+
+def mark_leaves(model: Any, layers: list[Any]) -> None:
+    """Make each decoder layer a ZeRO-3 leaf module: one gather of the whole layer before its forward and one
+    reduce after its backward, and no DeepSpeed hook inside the layer. With hooks on every Linear, dynamo broke
+    each compiled layer into a graph per submodule, and the float8 casts did not fuse (llama-1b on one H200:
+    51.6k tokens/s for float8 at ZeRO-3 against 80.2k at ZeRO-2; bench/results/fp8_compile.md)."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    set_z3_leaf_modules(model, [type(layers[0])])
 
 
 RECOMPILE_LIMIT = 64
@@ -90,6 +122,7 @@ def eager() -> Any:
     return torch.compiler.set_stance("force_eager")
 
 
-def describe(n_layers: int, layer: Any, why: str) -> str:
-    return (f"torch.compile: {n_layers} x {type(layer).__name__} compiled in place (inductor; {why}); "
+def describe(n_layers: int, layer: Any, why: str, leaves: bool = False) -> str:
+    where = "; each a ZeRO-3 leaf module (one gather and one reduce per layer)" if leaves else ""
+    return (f"torch.compile: {n_layers} x {type(layer).__name__} compiled in place (inductor; {why}){where}; "
             "the first optimizer step includes compiling one layer, which the others reuse")

@@ -209,9 +209,9 @@ def _run(p: RunSpec, liger: Any, compiled: tuple[bool, str]) -> int:
     return 0
 
 
-FP8_ZERO3_NOTE = ("note: float8 at ZeRO-3 measured slower than bf16: DeepSpeed's ZeRO-3 hooks split each compiled "
-                  "layer into a graph per Linear, so the float8 casts do not fuse (llama-1b on one H200: 51.6k tokens/s "
-                  "against 66.8k for bf16 at ZeRO-3, 80.2k for float8 at ZeRO-2; bench/results/fp8_compile.md)")
+FP8_ZERO3_NOTE = ("note: with frozen input embeddings the decoder layers cannot be ZeRO-3 leaf modules, so "
+                  "DeepSpeed's hooks split each compiled layer into a graph per Linear and the float8 casts do not fuse "
+                  "(llama-1b on one H200: 51.6k tokens/s against 80.2k at ZeRO-2; bench/results/fp8_compile.md)")
 
 
 def _fp8_and_compile(p: RunSpec, model: Any, compiled: bool, why: str) -> None:
@@ -229,12 +229,14 @@ def _fp8_and_compile(p: RunSpec, model: Any, compiled: bool, why: str) -> None:
         if dist.rank() == 0 and any(lines):
             print("\n".join(x for x in lines if x), flush=True)
         return
+    zero3 = zero_stage(p.ds) == 3
     if p.fp8:
         lines.append(fp8.describe(fp8.convert(model, layers, p.fp8), p.fp8, len(layers)))
-        if zero_stage(p.ds) == 3:
-            lines.append(FP8_ZERO3_NOTE)
     if compiled:
-        lines.append(compiling.describe(compiling.compile_layers(model), layers[0], why))
+        n, leaves = compiling.compile_layers(model, zero3=zero3)
+        lines.append(compiling.describe(n, layers[0], why, leaves))
+        if p.fp8 and zero3 and not leaves:
+            lines.append(FP8_ZERO3_NOTE)
     if dist.rank() == 0:
         print("\n".join(x for x in lines if x), flush=True)
 
