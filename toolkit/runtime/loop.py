@@ -77,6 +77,7 @@ def run(p: RunSpec) -> int:
     cfg = p.cfg
     rank = dist.rank()
     compiled, compile_why = compiling.decide(cfg, zero_stage(p.ds), p.total_steps, bool(p.fp8))
+    linear_note = compiling.plain_linear(p.ds) if compiled and zero_stage(p.ds) == 3 else None
     liger = kernels.choice_for(cfg, p.model_config.model_type, zero_stage(p.ds), compiled)
     refused = _claim_run_dir(p)
     if refused is None:  # heartbeats from here on: a rank that dies, stops or hangs ends the job everywhere
@@ -94,6 +95,8 @@ def run(p: RunSpec) -> int:
         print(liger.describe(), flush=True)
         if not compiled:
             print(f"torch.compile: off ({compile_why})", flush=True)
+        if linear_note:
+            print(linear_note, flush=True)
         write_run_files(p.run_dir, cfg, p.ds, {"world_size": p.world_size, "precision": p.precision,
                                                "adapter_autocast": p.adapter_autocast, "path": cfg.train.path,
                                                "liger": liger.kwargs, "liger_note": liger.describe(),
