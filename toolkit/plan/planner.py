@@ -95,8 +95,9 @@ ZERO3_S_PER_GPARAM = 0.012
 # train.zero_sizes=memory (h^2 buckets, ~2-layer live limit) against the speed sizes: llama-1b ZeRO-3
 # lost 35% of its tokens/s, GPT-2 ZeRO-2 a quarter (ds_config.py SPEED_SIZES comment).
 MEMORY_SIZES_SPEED = {3: 0.65, 2: 0.75, 1: 0.75, 0: 1.0}
-# Compiled decoder layers at ZeRO-3: DeepSpeed's hooks split each layer into a graph per module; llama-1b on one
-# H200 ran 48.0k compiled against 65.2k eager in bf16 (run s23), 51.6k in float8 (s21).
+# Compiled decoder layers at ZeRO-3 under LoRA (not leaf modules): DeepSpeed's hooks split each layer into a graph
+# per module; llama-1b on one H200 ran 48.0k compiled against 65.2k eager in bf16 (run s23, before leaf modules).
+# As leaves they run as at ZeRO-2: 67.8k compiled, 80.3k float8, against 67.7k and 80.6k at ZeRO-2 (run s26).
 ZERO3_COMPILED_SPEED = 0.74
 # float8 matmuls against bf16 ones, the gain on the converted Linears' share of the FLOPs (f): step time goes
 # from 1 to (1 - f) + f / G. G fitted where measured (bench/results/fp8_compile.md, fp8 against compiled bf16 at
@@ -104,8 +105,6 @@ ZERO3_COMPILED_SPEED = 0.74
 # -> G 1.08. Between the two G follows log2(hidden); above 2048 it stays at 1.29 (not measured there; torchtitan's
 # published tensorwise gains at 8B, +10-28%, sit at or below what 1.29 gives), below 896 at 1.0.
 FP8_GAIN = ((896, 1.077), (2048, 1.287))
-# At ZeRO-3 the casts do not fuse (hooks split the layers): float8 51.6k against compiled bf16's 48.0k (s21, s23).
-FP8_GAIN_ZERO3 = 1.07
 # DeepSpeedCPUAdam parameters per second on the H200 host (16 cores): issue 11's Llama-2-7B runs,
 # all states on the CPU at micro 1 (270 tokens/s) and half at micro 8 (3,180), leave 0.98e9 and
 # 1.13e9 parameters/s once the GPU's share of the step is taken out.
@@ -412,7 +411,7 @@ def compiled(w: Workload, stage: int) -> bool:
     """Whether this choice's decoder layers are compiled (train.compile, auto resolved for a CUDA run)."""
     from toolkit.plan.speedups import compile_on
 
-    return compile_on(str(w.compile), cuda=True, steps=None, fp8=bool(w.fp8), stage=stage)[0]
+    return compile_on(str(w.compile), cuda=True, steps=None, fp8=bool(w.fp8), stage=stage, lora=w.lora is not None)[0]
 
 
 def _liger(w: Workload, stage: int) -> tuple[bool, bool]:
@@ -516,10 +515,11 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     # ---- activations ---------------------------------------------------------------------------------
     per_layer = layer_activation_bytes(s, seq_len=w.seq_len, attn=w.attn, liger=fused, lora=lora, autocast=autocast,
                                        compiled=compiled(w, stage))
-    if compiled(w, stage) and stage == 3 and s.model_type in LLAMA_LIKE:
-        # DeepSpeed's ZeRO-3 hooks split a compiled layer into a graph per module, and less fuses: llama-1b micro 16
-        # peaked at 66.5 GiB compiled against 57.6 eager with Liger (run s23), between Liger's per-layer bytes and
-        # eager transformers' (the mean gives 67.0); float8 there peaked where bf16 did (66.8, run s21)
+    if compiled(w, stage) and stage == 3 and s.model_type in LLAMA_LIKE and lora is not None:
+        # Under LoRA the layers are not ZeRO-3 leaves, DeepSpeed's hooks split a compiled layer into a graph per
+        # module, and less fuses: llama-1b micro 16 peaked at 66.5 GiB compiled against 57.6 eager with Liger (run
+        # s23, no leaves), between Liger's per-layer bytes and eager transformers' (the mean gives 67.0). As leaves
+        # the layers peak as at ZeRO-2 (58.5 against 59.4 GiB, float8 49.9 against 50.8; run s26).
         eager = layer_activation_bytes(s, seq_len=w.seq_len, attn=w.attn, liger=False, lora=lora, autocast=autocast)
         per_layer = (per_layer + eager) / 2
     elif w.fp8:
@@ -689,14 +689,11 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     if not (fused_loss or comp):  # compiled layers fuse what Liger's kernels fuse (1.02x llama-1b, run s20)
         mfu /= LIGER_SPEEDUP
     micro = flops * tokens / (mfu * GPU_PEAK_FLOPS)
-    if comp and c.stage == 3:
+    if comp and c.stage == 3 and w.lora is not None:
         micro /= ZERO3_COMPILED_SPEED
-    if w.fp8:
-        if c.stage == 3:
-            micro /= FP8_GAIN_ZERO3
-        else:
-            f = fp8_flop_share(s, w.fp8, flops)
-            micro *= (1 - f) + f / fp8_gain(s.hidden_size)
+    if w.fp8:  # never under LoRA (refused), so the layers are leaves at ZeRO-3
+        f = fp8_flop_share(s, w.fp8, flops)
+        micro *= (1 - f) + f / fp8_gain(s.hidden_size)
     if c.stage == 3:
         micro += ZERO3_S_PER_GPARAM * p_all / 1e9
     if offload_param:

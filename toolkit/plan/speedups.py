@@ -10,16 +10,19 @@ from __future__ import annotations
 FP8_MIN_CAPABILITY = (8, 9)
 FP8_RECIPES = ("tensorwise", "rowwise")
 
-# train.compile=auto compiles CUDA runs at ZeRO 0-2 long enough to pay the compile back, and every float8
-# run. Measured on one H200 (bench/results/fp8_compile.md): compiled against eager, bf16, ZeRO-2, GPT-2-124M
-# 1.39x (288.8k against 208.0k tokens/s), Qwen2-0.5B 1.19x (102.6k against 86.0k), llama-1b 1.01x (67.7k
-# against 67.2k); the compile cost the first step 6-10 s (GPT-2: 9.0 s against 2.7 s eager), which GPT-2's
-# 45 ms a step saved pays back in 140 steps. float8 without compile ran at 0.41x of compiled float8 on
-# llama-1b (32.4k against 79.4k, ../shared/anchors.md).
+# train.compile=auto compiles CUDA runs long enough to pay the compile back, and every float8 run. Measured on
+# one H200 (bench/results/fp8_compile.md): compiled against eager, bf16, ZeRO-2, GPT-2-124M 1.39x (288.8k against
+# 208.0k tokens/s), Qwen2-0.5B 1.19x (102.6k against 86.0k), llama-1b 1.01x (67.7k against 67.2k); at ZeRO-3, with
+# the decoder layers as leaf modules, llama-1b 1.06x (67.8k against 63.7k, run s26). The compile cost the first
+# step 6-10 s (GPT-2: 9.0 s against 2.7 s eager), which GPT-2's 45 ms a step saved pays back in 140 steps. float8
+# without compile ran at 0.41x of compiled float8 on llama-1b (32.4k against 79.4k, ../shared/anchors.md).
+# At ZeRO-3 without leaf modules (LoRA: the first layer's input needs no gradient, toolkit/runtime/compile.py
+# leaves_safe) DeepSpeed's hooks split each compiled layer into a graph per module: 0.74x eager (run s23).
 COMPILE_AUTO_MIN_STEPS = 200
 
 
-def compile_on(setting: str, *, cuda: bool, steps: int | None, fp8: bool, stage: int) -> tuple[bool, str]:
+def compile_on(setting: str, *, cuda: bool, steps: int | None, fp8: bool, stage: int,
+               lora: bool = False) -> tuple[bool, str]:
     """(compile or not, why), for train.compile = off | torch | auto."""
     if setting == "torch":
         return True, "train.compile=torch"
@@ -29,13 +32,14 @@ def compile_on(setting: str, *, cuda: bool, steps: int | None, fp8: bool, stage:
         return False, "train.compile=auto: no CUDA device"
     if fp8:
         return True, "train.compile=auto: float8 needs compile to be fast"
-    if stage == 3:
-        return False, ("train.compile=auto: ZeRO-3's hooks split the compiled layers into a graph per module (measured "
-                       "slower than eager there); train.compile=torch compiles anyway")
+    if stage == 3 and lora:
+        return False, ("train.compile=auto: under LoRA the decoder layers cannot be ZeRO-3 leaf modules, and ZeRO-3's "
+                       "hooks split the compiled layers into a graph per module (measured slower than eager there); "
+                       "train.compile=torch compiles anyway")
     if steps is not None and steps < COMPILE_AUTO_MIN_STEPS:
         return False, (f"train.compile=auto: {steps} steps are too few to pay back the compile "
                        f"(>= {COMPILE_AUTO_MIN_STEPS}); train.compile=torch compiles anyway")
-    return True, "train.compile=auto: CUDA, ZeRO 0-2, a run long enough to pay back the compile"
+    return True, "train.compile=auto: CUDA, a run long enough to pay back the compile"
 
 
 def fp8_converts(recipe: str, in_features: int, out_features: int) -> bool:

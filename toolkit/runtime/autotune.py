@@ -130,7 +130,7 @@ def run_compiles(inputs: RunInputs) -> bool:
 
     t = inputs.cfg.train
     return compile_on(t.compile, cuda=not dist.on_cpu(), steps=t.max_steps or None, fp8=t.precision == "fp8",
-                      stage=zero_stage(inputs.ds_raw))[0]
+                      stage=zero_stage(inputs.ds_raw), lora=bool(inputs.cfg.lora.enabled))[0]
 
 
 def resolve(inputs: RunInputs, argv: list[str]) -> dict[str, Any]:

@@ -31,7 +31,7 @@ def decide(cfg: Any, stage: int, steps: int | None, fp8: bool) -> tuple[bool, st
     from toolkit.plan.speedups import compile_on
 
     cuda = torch.cuda.is_available() and not dist.on_cpu()
-    return compile_on(cfg.train.compile, cuda=cuda, steps=steps, fp8=fp8, stage=stage)
+    return compile_on(cfg.train.compile, cuda=cuda, steps=steps, fp8=fp8, stage=stage, lora=bool(cfg.lora.enabled))
 
 
 def decoder_layers(model: Any) -> list[Any]:
