@@ -47,6 +47,7 @@ CHAINS: dict[str, list[tuple[str, list[str]]]] = {
     "qwen-eager": [("zero2", [*QWEN, "train.path=raw", "train.compile=off"])],
     "qwen-raw-z2": [("zero2", [*QWEN, "train.path=raw", "train.compile=torch"])],
     "qwen-raw-z2-lora": [("zero2", [*QWEN, "train.path=raw", "train.compile=torch", "lora.enabled=true"])],
+    "qwen-raw-z3-lora": [("zero3", [*QWEN, "train.path=raw", "train.compile=torch", "lora.enabled=true"])],
     "qwen-trainer-z3-ckpt": [("zero3", [*QWEN, "train.path=trainer", "train.compile=torch",
                                         "model.gradient_checkpointing=true"])],
     "llama-bf16": [("zero2", [*LLAMA, "train.path=raw", "train.precision=bf16", "train.compile=off"])],
@@ -93,13 +94,18 @@ def _close(a: list[float], b: list[float], rel: float) -> None:
 @pytest.mark.timeout(1800)
 def test_compile_trains_every_liger_family_on_both_paths_and_stages(runs: dict[str, dict]) -> None:
     for name in ("tiny-raw-z2", "tiny-trainer-z2", "tiny-raw-z3", "tiny-trainer-z3", "tiny-raw-z1", "qwen-raw-z2",
-                 "qwen-raw-z2-lora", "qwen-trainer-z3-ckpt"):
+                 "qwen-raw-z2-lora", "qwen-raw-z3-lora", "qwen-trainer-z3-ckpt"):
         r = runs[name]
         _ok(r)
         assert "compiled in place" in r["log"], name
         # under compile Liger keeps only its fused loss: the crash of issue 25 came from its layer kernels
         assert "liger kernels on: fused_linear_cross_entropy (rope, rms_norm, swiglu off: train.compile" in r["log"], name
         assert r["losses"][-1] < r["losses"][0], (name, r["losses"])
+    # a full fine-tune at ZeRO-3 compiles each decoder layer as a leaf module (one graph per layer); under LoRA the
+    # first layer's input needs no gradient, so the layers keep DeepSpeed's hooks on every submodule
+    for name in ("tiny-raw-z3", "tiny-trainer-z3", "qwen-trainer-z3-ckpt"):
+        assert "each a ZeRO-3 leaf module" in runs[name]["log"], name
+    assert "each a ZeRO-3 leaf module" not in runs["qwen-raw-z3-lora"]["log"]
     _close(runs["tiny-raw-z2"]["losses"], runs["tiny-eager"]["losses"], 1e-2)
     _close(runs["tiny-trainer-z2"]["losses"], runs["tiny-eager"]["losses"], 1e-2)
     _close(runs["tiny-raw-z3"]["losses"], runs["tiny-eager"]["losses"], 1e-2)

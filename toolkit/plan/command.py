@@ -167,7 +167,7 @@ def render(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predictio
         f"{hw.nodes} node(s), {hw.gpu_mem_gib:g} GiB per GPU, {host}",
         f"sequence {w.seq_len}, global batch {w.global_batch} ({w.global_batch // hw.world} per rank), "
         f"attention {w.attn}, Liger {'on where supported' if w.liger else 'off'}, train.compile={w.compile} "
-        f"(auto: compiled at ZeRO 0-2, eager at ZeRO-3), " + (f"float8 matmuls ({w.fp8})" if w.fp8 else "bf16"),
+        f"(auto: compiled; eager at ZeRO-3 under LoRA), " + (f"float8 matmuls ({w.fp8})" if w.fp8 else "bf16"),
         f"GPU need = predicted peak allocated x {1 + pl.ALLOC_MARGIN:.2f} + {pl.CUDA_CONTEXT_GIB} GiB CUDA context; "
         "host = RSS of all ranks of a node",
         "",
@@ -338,7 +338,7 @@ def add_parser(sub: Any) -> None:
                    help="model.liger_fused_loss (auto, true: Liger's fused loss where Liger applies; false: off)")
     p.add_argument("--attn", choices=("sdpa", "eager", "flash_attention_2"), default="sdpa")
     p.add_argument("--compile", choices=("auto", "off", "torch"), default="auto",
-                   help="train.compile (auto: compiled at ZeRO 0-2 for a run of 200+ steps, eager at ZeRO-3)")
+                   help="train.compile (auto: compiled for a run of 200+ steps; eager at ZeRO-3 under LoRA)")
     p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
                    help="fp8: torchao float8 matmuls in the decoder layers (train.precision=fp8; compile on)")
     p.add_argument("--fp8-recipe", choices=("tensorwise", "rowwise"), default="tensorwise")
