@@ -102,9 +102,9 @@ ZERO3_COMPILED_SPEED = 0.74
 # float8 matmuls against bf16 ones, the gain on the converted Linears' share of the FLOPs (f): step time goes
 # from 1 to (1 - f) + f / G. G fitted where measured (bench/results/fp8_compile.md, fp8 against compiled bf16 at
 # ZeRO-2): llama-1b (hidden 2048, f 0.69) 79.9k / 67.7k -> G 1.29; Qwen2-0.5B (hidden 896, f 0.54) 106.7k / 102.6k
-# -> G 1.08. Between the two G follows log2(hidden); above 2048 it stays at 1.29 (not measured there; torchtitan's
-# published tensorwise gains at 8B, +10-28%, sit at or below what 1.29 gives), below 896 at 1.0.
-FP8_GAIN = ((896, 1.077), (2048, 1.287))
+# -> G 1.08; Llama-2-7B (hidden 4096, ZeRO-3, gradient checkpointing, f 0.89) 13,261 / 9,790 -> G 1.42 (two device
+# calls of one day on the same code, bench/results/bigrun.md). Between points G follows log2(hidden), flat outside.
+FP8_GAIN = ((896, 1.077), (2048, 1.287), (4096, 1.417))
 # DeepSpeedCPUAdam parameters per second on the H200 host (16 cores): issue 11's Llama-2-7B runs,
 # all states on the CPU at micro 1 (270 tokens/s) and half at micro 8 (3,180), leave 0.98e9 and
 # 1.13e9 parameters/s once the GPU's share of the step is taken out.
@@ -386,22 +386,23 @@ def fp8_saved_bytes(shape: ModelShape, recipe: str) -> float:
     return FP8_INPUT_SAVING * 2.0 * sum(i for _, i, o in shape.linears if fp8_converts(recipe, i, o))
 
 
-def fp8_flop_share(shape: ModelShape, recipe: str, flops_per_token: float) -> float:
-    """The share of a step's FLOPs in the Linears float8 converts (6 x in x out per token per layer)."""
+def fp8_flop_share(shape: ModelShape, recipe: str, flops_per_token: float, grad_ckpt: bool = False) -> float:
+    """The share of a step's FLOPs in the Linears float8 converts (6 x in x out per token per layer; 8 with
+    gradient checkpointing, whose recomputed forward runs them again)."""
     from toolkit.plan.speedups import fp8_converts
 
     conv = sum(i * o for _, i, o in shape.linears if fp8_converts(recipe, i, o))
-    return min(1.0, 6.0 * conv * shape.num_layers / flops_per_token)
+    return min(1.0, (8.0 if grad_ckpt else 6.0) * conv * shape.num_layers / flops_per_token)
 
 
 def fp8_gain(hidden: int) -> float:
     """G of FP8_GAIN at this hidden size: log-linear between the measured points, flat outside them."""
-    (h0, g0), (h1, g1) = FP8_GAIN
-    if hidden <= h0:
-        return g0 if hidden == h0 else max(1.0, g0)
-    if hidden >= h1:
-        return g1
-    return g0 + (g1 - g0) * (math.log2(hidden) - math.log2(h0)) / (math.log2(h1) - math.log2(h0))
+    if hidden <= FP8_GAIN[0][0]:
+        return FP8_GAIN[0][1]
+    for (h0, g0), (h1, g1) in zip(FP8_GAIN, FP8_GAIN[1:]):
+        if hidden <= h1:
+            return g0 + (g1 - g0) * (math.log2(hidden) - math.log2(h0)) / (math.log2(h1) - math.log2(h0))
+    return FP8_GAIN[-1][1]
 
 
 # -- the prediction ------------------------------------------------------------------------------------
@@ -692,7 +693,7 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     if comp and c.stage == 3 and w.lora is not None:
         micro /= ZERO3_COMPILED_SPEED
     if w.fp8:  # never under LoRA (refused), so the layers are leaves at ZeRO-3
-        f = fp8_flop_share(s, w.fp8, flops)
+        f = fp8_flop_share(s, w.fp8, flops, c.grad_ckpt)
         micro *= (1 - f) + f / fp8_gain(s.hidden_size)
     if c.stage == 3:
         micro += ZERO3_S_PER_GPARAM * p_all / 1e9

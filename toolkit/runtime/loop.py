@@ -222,8 +222,8 @@ def _fp8_and_compile(p: RunSpec, model: Any, compiled: bool, why: str) -> None:
     graph is the float8 one, then each decoder layer compiled in place (toolkit/runtime/compile.py)."""
     layers = compiling.decoder_layers(model)
     lines = []
-    if not p.fp8 and not dist.on_cpu() and zero_stage(p.ds) < 3 and not p.cfg.lora.enabled \
-            and p.cfg.model.task == "causal_lm" and dist.rank() == 0:
+    if not p.fp8 and not dist.on_cpu() and not p.cfg.lora.enabled and p.cfg.model.task == "causal_lm" \
+            and dist.rank() == 0:
         total, trainable = count_params(model)
         mc = p.model_config
         fpt = flops_per_token(total, trainable, len(layers), hidden_size(mc), p.cfg.data.seq_len)
