@@ -24,6 +24,7 @@ in bench/results/.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -399,7 +400,7 @@ def fp8_gain(hidden: int) -> float:
     """G of FP8_GAIN at this hidden size: log-linear between the measured points, flat outside them."""
     if hidden <= FP8_GAIN[0][0]:
         return FP8_GAIN[0][1]
-    for (h0, g0), (h1, g1) in zip(FP8_GAIN, FP8_GAIN[1:]):
+    for (h0, g0), (h1, g1) in itertools.pairwise(FP8_GAIN):
         if hidden <= h1:
             return g0 + (g1 - g0) * (math.log2(hidden) - math.log2(h0)) / (math.log2(h1) - math.log2(h0))
     return FP8_GAIN[-1][1]
