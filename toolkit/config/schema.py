@@ -150,7 +150,7 @@ class TrainConfig:
     compile: str = "auto"
     """torch: compile each decoder layer in place (inductor) before DeepSpeed starts, both paths; Liger then keeps
     only its fused loss. off: eager. auto: compile where it pays (toolkit/plan/speedups.py compile_on: every fp8
-    run, and CUDA runs at ZeRO 0-2 of at least 200 steps; eager at ZeRO-3); the run says which. The first
+    run, and CUDA runs of at least 200 steps; eager at ZeRO-3 under LoRA); the run says which. The first
     optimizer step pays the compile, 6-12 s on an H200 (toolkit/runtime/compile.py; docs/speed.md)."""
     stop_after: int = 0
     """Stop (with a checkpoint) after this many steps, keeping the schedule of max_steps: for resume tests."""
