@@ -12,7 +12,13 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForSeque
 
 from toolkit.config.ds_config import ConfigError
 from toolkit.config.models import PRESETS, SPECIAL_IDS
-from toolkit.plan.speedups import COMPILE_AUTO_MIN_STEPS, compile_on, fp8_converts, fp8_support_error
+from toolkit.plan.speedups import (
+    COMPILE_AUTO_MIN_STEPS,
+    compile_on,
+    fp8_converts,
+    fp8_support_error,
+    leaves_blocked,
+)
 from toolkit.runtime import fp8
 from toolkit.runtime.compile import decoder_layers
 
@@ -32,7 +38,11 @@ def test_compile_auto_rule() -> None:
     assert not compile_on("auto", **on | {"cuda": False})[0]
     assert compile_on("auto", **on | {"stage": 3})[0]  # the layers are ZeRO-3 leaves: as fast as at ZeRO-2
     # under LoRA they cannot be leaves, and ZeRO-3's hooks split them: slower than eager there
-    assert not compile_on("auto", **on | {"stage": 3, "lora": True})[0]
+    no, why = compile_on("auto", **on | {"stage": 3, "no_leaves": leaves_blocked(lora=True)})
+    assert not no and "under LoRA" in why
+    nvme = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}}
+    assert leaves_blocked(lora=False, ds=nvme) == "with parameters offloaded to NVMe"
+    assert leaves_blocked(lora=False, ds={"zero_optimization": {"offload_param": {"device": "cpu"}}}) is None
     assert compile_on("auto", **on | {"stage": 3, "fp8": True})[0]  # float8 needs it anyway
     short, why = compile_on("auto", **on | {"steps": COMPILE_AUTO_MIN_STEPS - 1})
     assert not short and "too few" in why

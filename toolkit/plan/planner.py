@@ -413,7 +413,8 @@ def compiled(w: Workload, stage: int) -> bool:
     """Whether this choice's decoder layers are compiled (train.compile, auto resolved for a CUDA run)."""
     from toolkit.plan.speedups import compile_on
 
-    return compile_on(str(w.compile), cuda=True, steps=None, fp8=bool(w.fp8), stage=stage, lora=w.lora is not None)[0]
+    return compile_on(str(w.compile), cuda=True, steps=None, fp8=bool(w.fp8), stage=stage,
+                      no_leaves="under LoRA" if w.lora is not None else None)[0]
 
 
 def _liger(w: Workload, stage: int) -> tuple[bool, bool]:

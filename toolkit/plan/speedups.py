@@ -22,8 +22,9 @@ COMPILE_AUTO_MIN_STEPS = 200
 
 
 def compile_on(setting: str, *, cuda: bool, steps: int | None, fp8: bool, stage: int,
-               lora: bool = False) -> tuple[bool, str]:
-    """(compile or not, why), for train.compile = off | torch | auto."""
+               no_leaves: str | None = None) -> tuple[bool, str]:
+    """(compile or not, why), for train.compile = off | torch | auto. no_leaves: why the decoder layers cannot be
+    ZeRO-3 leaf modules in this run (`leaves_blocked`), or None."""
     if setting == "torch":
         return True, "train.compile=torch"
     if setting == "off":
@@ -32,14 +33,28 @@ def compile_on(setting: str, *, cuda: bool, steps: int | None, fp8: bool, stage:
         return False, "train.compile=auto: no CUDA device"
     if fp8:
         return True, "train.compile=auto: float8 needs compile to be fast"
-    if stage == 3 and lora:
-        return False, ("train.compile=auto: under LoRA the decoder layers cannot be ZeRO-3 leaf modules, and ZeRO-3's "
-                       "hooks split the compiled layers into a graph per module (measured slower than eager there); "
-                       "train.compile=torch compiles anyway")
+    if stage == 3 and no_leaves:
+        return False, (f"train.compile=auto: {no_leaves}, the decoder layers cannot be ZeRO-3 leaf modules, and "
+                       "ZeRO-3's hooks split the compiled layers into a graph per module (measured slower than eager "
+                       "there); train.compile=torch compiles anyway")
     if steps is not None and steps < COMPILE_AUTO_MIN_STEPS:
         return False, (f"train.compile=auto: {steps} steps are too few to pay back the compile "
                        f"(>= {COMPILE_AUTO_MIN_STEPS}); train.compile=torch compiles anyway")
     return True, "train.compile=auto: CUDA, a run long enough to pay back the compile"
+
+
+def leaves_blocked(*, lora: bool, ds: dict | None = None) -> str | None:
+    """Why the decoder layers of a ZeRO-3 run cannot be leaf modules (toolkit/runtime/compile.py), or None.
+
+    LoRA: the first layer's input needs no gradient, and DeepSpeed would reduce a leaf's gradients before they
+    exist. Parameters offloaded to NVMe: a leaf swaps in all its weights at once, and DeepSpeed's swapper holds
+    `offload_param.buffer_count` of them (5 by default, fewer than a Llama layer's 7 Linears): it asserts."""
+    if lora:
+        return "under LoRA"
+    off = ((ds or {}).get("zero_optimization") or {}).get("offload_param") or {}
+    if isinstance(off, dict) and off.get("device") == "nvme":
+        return "with parameters offloaded to NVMe"
+    return None
 
 
 def fp8_converts(recipe: str, in_features: int, out_features: int) -> bool:

@@ -62,7 +62,7 @@ def key_of(inputs: RunInputs, gpu: str) -> dict[str, Any]:
             "attn": m.attn_implementation, "grad_ckpt": m.gradient_checkpointing, "liger": m.liger,
             "fused_loss": m.liger_fused_loss, "lora": cfg.lora.enabled and [cfg.lora.r, *cfg.lora.target_modules],
             "precision": t.precision, "fp8_recipe": t.fp8_recipe if t.precision == "fp8" else None,
-            "zero_sizes": t.zero_sizes, "compile": t.compile, "path": t.path, "world": world, "gpu": gpu,
+            "zero_sizes": t.zero_sizes, "compile": [t.compile, run_compiles(inputs)], "path": t.path, "world": world, "gpu": gpu,
             "global_batch": t.global_batch_size, "ds": hashlib.sha256(json.dumps(ds, sort_keys=True).encode()).hexdigest()[:16],
             "data": _data_identity(cfg.data.source), "versions": _versions()}
 
@@ -126,11 +126,12 @@ def candidates(inputs: RunInputs, per_rank: int, gpu_gib: float | None) -> list[
 def run_compiles(inputs: RunInputs) -> bool:
     """Whether the run itself will compile its layers (train.compile with auto resolved for its step count)."""
     from toolkit.config.ds_config import zero_stage
-    from toolkit.plan.speedups import compile_on
+    from toolkit.plan.speedups import compile_on, leaves_blocked
 
     t = inputs.cfg.train
     return compile_on(t.compile, cuda=not dist.on_cpu(), steps=t.max_steps or None, fp8=t.precision == "fp8",
-                      stage=zero_stage(inputs.ds_raw), lora=bool(inputs.cfg.lora.enabled))[0]
+                      stage=zero_stage(inputs.ds_raw),
+                      no_leaves=leaves_blocked(lora=bool(inputs.cfg.lora.enabled), ds=inputs.ds_raw))[0]
 
 
 def resolve(inputs: RunInputs, argv: list[str]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""`train.compile=torch`: each decoder layer compiled in place (`layer.compile()`), before DeepSpeed.
+"""`train.compile=torch`: each decoder layer compiled in place (`layer.compile()`; at ZeRO-3 its `forward`, the
+layer a ZeRO-3 leaf module), before DeepSpeed.
 
 Why per layer, in place, and before `deepspeed.initialize` (../shared/notes/fp8_compile_offload.md §2):
 - `module.compile()` keeps the module and its parameter names: checkpoints, resume, export and
@@ -14,7 +15,10 @@ Why per layer, in place, and before `deepspeed.initialize` (../shared/notes/fp8_
   only Liger's fused loss, which runs in the model's forward, outside the layers
   (toolkit/plan/liger.py).
 
-`auto` (the default) compiles CUDA runs long enough to pay the compile back (toolkit/plan/liger.py
+At ZeRO-3, DeepSpeed's hooks on every submodule would split a compiled layer into a graph per module (0.74x eager);
+as leaf modules the layers compile to one graph each and run as at ZeRO-2 (`mark_leaves`, `leaves_safe`).
+
+`auto` (the default) compiles CUDA runs long enough to pay the compile back (toolkit/plan/speedups.py
 `compile_on` holds the rule and the measurement behind it); CPU runs stay eager.
 """
 
@@ -23,15 +27,16 @@ from __future__ import annotations
 from typing import Any
 
 
-def decide(cfg: Any, stage: int, steps: int | None, fp8: bool) -> tuple[bool, str]:
+def decide(cfg: Any, ds: dict[str, Any], stage: int, steps: int | None, fp8: bool) -> tuple[bool, str]:
     """(compile the decoder layers or not, why): train.compile, with auto resolved for this run."""
     import torch
 
     from toolkit.launch import dist
-    from toolkit.plan.speedups import compile_on
+    from toolkit.plan.speedups import compile_on, leaves_blocked
 
     cuda = torch.cuda.is_available() and not dist.on_cpu()
-    return compile_on(cfg.train.compile, cuda=cuda, steps=steps, fp8=fp8, stage=stage, lora=bool(cfg.lora.enabled))
+    return compile_on(cfg.train.compile, cuda=cuda, steps=steps, fp8=fp8, stage=stage,
+                      no_leaves=leaves_blocked(lora=bool(cfg.lora.enabled), ds=ds))
 
 
 def decoder_layers(model: Any) -> list[Any]:
@@ -58,7 +63,8 @@ def decoder_layers(model: Any) -> list[Any]:
 def compile_layers(model: Any, zero3: bool = False) -> tuple[int, bool]:
     """Compile every decoder layer in place (inductor); returns (how many, whether they are ZeRO-3 leaves). Call
     after LoRA, Liger and float8 conversion (the compiled graph must see the final modules) and before
-    deepspeed.initialize (ZeRO-3 reads the leaf marks when it registers its hooks)."""
+    deepspeed.initialize (ZeRO-3 reads the leaf marks when it registers its hooks). zero3: a ZeRO-3 run whose
+    layers may be leaves (toolkit/plan/speedups.py leaves_blocked says when not)."""
     import torch._dynamo
 
     layers = decoder_layers(model)

@@ -31,6 +31,7 @@ from toolkit.observe.metrics import (
     peak_flops_per_gpu,
 )
 from toolkit.observe.profiling import StepProfiler
+from toolkit.plan.speedups import leaves_blocked
 from toolkit.runtime import autotune, fp8, integrity, kernels, resume, watchdog
 from toolkit.runtime import compile as compiling
 from toolkit.runtime.checkpoint import (
@@ -76,7 +77,7 @@ if TYPE_CHECKING:
 def run(p: RunSpec) -> int:
     cfg = p.cfg
     rank = dist.rank()
-    compiled, compile_why = compiling.decide(cfg, zero_stage(p.ds), p.total_steps, bool(p.fp8))
+    compiled, compile_why = compiling.decide(cfg, p.ds, zero_stage(p.ds), p.total_steps, bool(p.fp8))
     linear_note = compiling.plain_linear(p.ds) if compiled and zero_stage(p.ds) == 3 else None
     liger = kernels.choice_for(cfg, p.model_config.model_type, zero_stage(p.ds), compiled)
     refused = _claim_run_dir(p)
@@ -212,7 +213,8 @@ def _run(p: RunSpec, liger: Any, compiled: tuple[bool, str]) -> int:
     return 0
 
 
-FP8_ZERO3_NOTE = ("note: with frozen input embeddings the decoder layers cannot be ZeRO-3 leaf modules, so "
+FP8_ZERO3_NOTE = ("note: here the decoder layers cannot be ZeRO-3 leaf modules (frozen input embeddings, or NVMe "
+                  "parameter offload), so "
                   "DeepSpeed's hooks split each compiled layer into a graph per Linear and the float8 casts do not fuse "
                   "(llama-1b on one H200: 51.6k tokens/s against 80.2k at ZeRO-2; bench/results/fp8_compile.md)")
 
@@ -232,13 +234,13 @@ def _fp8_and_compile(p: RunSpec, model: Any, compiled: bool, why: str) -> None:
         if dist.rank() == 0 and any(lines):
             print("\n".join(x for x in lines if x), flush=True)
         return
-    zero3 = zero_stage(p.ds) == 3
+    zero3 = zero_stage(p.ds) == 3 and leaves_blocked(lora=bool(p.cfg.lora.enabled), ds=p.ds) is None
     if p.fp8:
         lines.append(fp8.describe(fp8.convert(model, layers, p.fp8), p.fp8, len(layers)))
     if compiled:
         n, leaves = compiling.compile_layers(model, zero3=zero3)
         lines.append(compiling.describe(n, layers[0], why, leaves))
-        if p.fp8 and zero3 and not leaves:
+        if p.fp8 and zero_stage(p.ds) == 3 and not leaves:
             lines.append(FP8_ZERO3_NOTE)
     if dist.rank() == 0:
         print("\n".join(x for x in lines if x), flush=True)
