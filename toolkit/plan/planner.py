@@ -417,6 +417,12 @@ def compiled(w: Workload, stage: int) -> bool:
                       no_leaves="under LoRA" if w.lora is not None else None)[0]
 
 
+def split_by_hooks(w: Workload, stage: int) -> bool:
+    """Compiled layers that ZeRO-3's hooks on every submodule split into a graph per module: at ZeRO-3 under LoRA,
+    where the layers cannot be leaf modules (toolkit/plan/speedups.py leaves_blocked)."""
+    return stage == 3 and w.lora is not None and compiled(w, stage)
+
+
 def _liger(w: Workload, stage: int) -> tuple[bool, bool]:
     """(layers fused, fused loss): Liger's layer kernels or compiled layers, and Liger's fused loss, as
     toolkit/plan/liger.choose decides them on a CUDA machine with Liger."""
@@ -471,7 +477,8 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     ratio = c.ratio if (offload_opt and stage == 3) else (1.0 if offload_opt else 0.0)
     sizes = ZeroSizes.named(c.zero_sizes, s.hidden_size)
     fused, flce = _liger(w, stage)
-    liger = flce or (fused and not compiled(w, stage))  # Liger's own kernels (the table's "liger" column)
+    comp = compiled(w, stage)
+    liger = flce or (fused and not comp)  # Liger's own kernels (the table's "liger" column)
     p_all = s.total_params
     t_all = trainable_params(s, lora)
     frozen = p_all - t_all
@@ -517,8 +524,8 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
 
     # ---- activations ---------------------------------------------------------------------------------
     per_layer = layer_activation_bytes(s, seq_len=w.seq_len, attn=w.attn, liger=fused, lora=lora, autocast=autocast,
-                                       compiled=compiled(w, stage))
-    if compiled(w, stage) and stage == 3 and s.model_type in LLAMA_LIKE and lora is not None:
+                                       compiled=comp)
+    if split_by_hooks(w, stage) and s.model_type in LLAMA_LIKE:
         # Under LoRA the layers are not ZeRO-3 leaves, DeepSpeed's hooks split a compiled layer into a graph per
         # module, and less fuses: llama-1b micro 16 peaked at 66.5 GiB compiled against 57.6 eager with Liger (run
         # s23, no leaves), between Liger's per-layer bytes and eager transformers' (the mean gives 67.0). As leaves
@@ -609,7 +616,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
                           else (t_all / n if offload_opt else 0.0))
     tps = c.micro_batch * c.grad_accum * w.seq_len / step_s
     return Prediction(
-        choice=c, liger=liger, fused_loss=flce, compiled=compiled(w, stage), phase=phase, gpu=gpu,
+        choice=c, liger=liger, fused_loss=flce, compiled=comp, phase=phase, gpu=gpu,
         persistent={"params": params / GIB, "grads": grads / GIB, "optimizer": optimizer / GIB},
         peak_allocated_gib=peak_gib, gpu_need_gib=need, host={k: v / GIB for k, v in host.items()},
         host_rank_gib=host_rank, host_build_rank_gib=host_build, host_node_gib=host_node, fits_gpu=fits_gpu, fits_host=fits_host,
@@ -692,7 +699,7 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     if not (fused_loss or comp):  # compiled layers fuse what Liger's kernels fuse (1.02x llama-1b, run s20)
         mfu /= LIGER_SPEEDUP
     micro = flops * tokens / (mfu * GPU_PEAK_FLOPS)
-    if comp and c.stage == 3 and w.lora is not None:
+    if split_by_hooks(w, c.stage):
         micro /= ZERO3_COMPILED_SPEED
     if w.fp8:  # never under LoRA (refused), so the layers are leaves at ZeRO-3
         f = fp8_flop_share(s, w.fp8, flops, c.grad_ckpt)

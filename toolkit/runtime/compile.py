@@ -60,11 +60,11 @@ def decoder_layers(model: Any) -> list[Any]:
     return list(max(pool, key=lambda m: sum(p.numel() for p in m.parameters())))
 
 
-def compile_layers(model: Any, zero3: bool = False) -> tuple[int, bool]:
+def compile_layers(model: Any, zero3_leaves: bool = False) -> tuple[int, bool]:
     """Compile every decoder layer in place (inductor); returns (how many, whether they are ZeRO-3 leaves). Call
     after LoRA, Liger and float8 conversion (the compiled graph must see the final modules) and before
-    deepspeed.initialize (ZeRO-3 reads the leaf marks when it registers its hooks). zero3: a ZeRO-3 run whose
-    layers may be leaves (toolkit/plan/speedups.py leaves_blocked says when not)."""
+    deepspeed.initialize (ZeRO-3 reads the leaf marks when it registers its hooks). zero3_leaves: a ZeRO-3 run
+    whose layers may be leaves (toolkit/plan/speedups.py leaves_blocked says when not)."""
     import torch._dynamo
 
     layers = decoder_layers(model)
@@ -81,7 +81,7 @@ def compile_layers(model: Any, zero3: bool = False) -> tuple[int, bool]:
     # the limit a frame runs eager, and a checkpointed layer's recompute then saved other tensors than its
     # forward (CheckpointError, Qwen2 at ZeRO-3 with gradient checkpointing).
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    leaves = zero3 and leaves_safe(model)
+    leaves = zero3_leaves and leaves_safe(model)
     if leaves:
         mark_leaves(model, layers)
         # Only the layer's forward is compiled: DeepSpeed's hooks on the layer (gather before, release after,

@@ -234,11 +234,11 @@ def _fp8_and_compile(p: RunSpec, model: Any, compiled: bool, why: str) -> None:
         if dist.rank() == 0 and any(lines):
             print("\n".join(x for x in lines if x), flush=True)
         return
-    zero3 = zero_stage(p.ds) == 3 and leaves_blocked(lora=bool(p.cfg.lora.enabled), ds=p.ds) is None
+    may_leaf = zero_stage(p.ds) == 3 and leaves_blocked(lora=bool(p.cfg.lora.enabled), ds=p.ds) is None
     if p.fp8:
         lines.append(fp8.describe(fp8.convert(model, layers, p.fp8), p.fp8, len(layers)))
     if compiled:
-        n, leaves = compiling.compile_layers(model, zero3=zero3)
+        n, leaves = compiling.compile_layers(model, zero3_leaves=may_leaf)
         lines.append(compiling.describe(n, layers[0], why, leaves))
         if p.fp8 and zero_stage(p.ds) == 3 and not leaves:
             lines.append(FP8_ZERO3_NOTE)
