@@ -3,6 +3,8 @@
     python bench/data_cache.py make --work /tmp/dc        # corpora, a BPE tokenizer and a local Llama, from local files
     python bench/data_cache.py run --work /tmp/dc --out bench/results/data_cache.json
     python bench/data_cache.py chat --work /tmp/dc --out bench/results/data_chat   # chat fine-tune + eval loss
+    python bench/data_cache.py make --work /tmp/dc --files data100k                   # on a GPU machine:
+    python bench/data_cache.py gpu --work /tmp/dc --out OUT.json --gpus 2 --files data100k
 
 `make` builds everything from Python's standard-library sources on this machine (no downloads): jsonl files
 of prompt/response pairs cut from them (100k and 1M rows; the 1M file is about 142M tokens), an 8k BPE
@@ -12,7 +14,9 @@ answers with its docstring) and a small local Llama directory (random init).
 `run` times, for each data file, a first launch (the cache is built) and a second one (it is reused), each
 `deepspeed --num_gpus 2 toolkit/train.py ... train.max_steps=3` on CPU, beside the embedded synthetic data:
 wall time of the launch, time from launch to the first optimizer step, and host RSS per rank (the largest
-snapshot in memory/rank{N}.jsonl). The reference is `datasets`' own batched `.map` on the same 1M rows with
+snapshot in memory/rank{N}.jsonl). `gpu` does the same on GPU ranks (no DS_ACCELERATOR=cpu): the first
+launch on N ranks builds the cache, the second on N reuses it, and a one-rank launch on the same cache
+and a synthetic launch on N and on one rank stand beside them. The reference is `datasets`' own batched `.map` on the same 1M rows with
 the same number of processes, timed in this script right before the 1M build (the same machine load).
 """
 
@@ -41,18 +45,23 @@ def _sources() -> list[str]:
     return [p.read_text(errors="replace") for p in sorted(lib.rglob("*.py")) if "site-packages" not in p.parts]
 
 
-def make(work: Path) -> None:
+FILES = {"data100k": 100_000, "data1m": 1_000_000}
+
+
+def make(work: Path, files: list[str]) -> None:
     work.mkdir(parents=True, exist_ok=True)
     texts = _sources()
     lines = [ln for t in texts for ln in t.splitlines() if ln.strip()]
-    rng = random.Random(0)
-    for name, n in (("data100k", 100_000), ("data1m", 1_000_000)):
-        with (work / f"{name}.jsonl").open("w") as f:
-            for _ in range(n):
-                i = rng.randrange(len(lines) - 40)
-                k, m = rng.randint(2, 8), rng.randint(3, 14)
-                f.write(json.dumps({"prompt": "\n".join(lines[i:i + k]), "response": "\n".join(lines[i + k:i + k + m])})
-                        + "\n")
+    rng = random.Random(0)  # one stream over both files, so each file is the same whichever are written
+    last = max(list(FILES).index(f) for f in files)
+    for name, n in list(FILES.items())[:last + 1]:
+        rows = []
+        for _ in range(n):
+            i = rng.randrange(len(lines) - 40)
+            k, m = rng.randint(2, 8), rng.randint(3, 14)
+            rows.append(json.dumps({"prompt": "\n".join(lines[i:i + k]), "response": "\n".join(lines[i + k:i + k + m])}))
+        if name in files:
+            (work / f"{name}.jsonl").write_text("\n".join(rows) + "\n")
     _chat_file(texts, work / "chat.jsonl")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -72,7 +81,7 @@ def make(work: Path) -> None:
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                       pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
     LlamaForCausalLM(cfg).save_pretrained(model_dir)
-    print(f"wrote {work}: data100k.jsonl, data1m.jsonl, chat.jsonl, llama/ (tokenizer + model)")
+    print(f"wrote {work}: {', '.join(f + '.jsonl' for f in files)}, chat.jsonl, llama/ (tokenizer + model)")
 
 
 def _chat_file(texts: list[str], path: Path) -> None:
@@ -93,18 +102,21 @@ def _chat_file(texts: list[str], path: Path) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def _launch(work: Path, run_dir: Path, cache: Path, *over: str) -> dict[str, Any]:
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(29700 + random.randrange(200)), "toolkit/train.py",
+def _launch(work: Path, run_dir: Path, cache: Path, *over: str, gpus: int = 0) -> dict[str, Any]:
+    """gpus=0: two CPU ranks (DS_ACCELERATOR=cpu); else that many GPU ranks."""
+    ranks = gpus or 2
+    cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(29700 + random.randrange(200)), "toolkit/train.py",
            "--ds", "ds_configs/zero2.json", f"model.name={work / 'llama'}", "data.seq_len=512", "train.max_steps=3",
            "train.path=raw", "train.export=false", "memory.every=1", f"train.run_dir={run_dir}", "train.overwrite=true",
            *over]
-    env = os.environ | {"DS_ACCELERATOR": "cpu", "TOOLKIT_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
+    env = os.environ | {"TOOLKIT_CACHE": str(cache), "PYTHONUNBUFFERED": "1"} | ({} if gpus else {"DS_ACCELERATOR": "cpu"})
     t0 = time.time()
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     wall = time.time() - t0
     if p.returncode != 0:
         raise SystemExit(f"failed ({p.returncode}): {' '.join(cmd)}\n{(p.stdout + p.stderr)[-4000:]}")
-    snaps = {r: [json.loads(x) for x in (run_dir / "memory" / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)}
+    snaps = {r: [json.loads(x) for x in (run_dir / "memory" / f"rank{r}.jsonl").read_text().splitlines()]
+             for r in range(ranks)}
     first = min(s["ts"] for s in snaps[0] if s["phase"] == "first_step")
     rss = {r: max(s["host_rss_gib"] for s in v) for r, v in snaps.items()}
     return {"launch_to_end_s": round(wall, 1), "launch_to_first_step_s": round(first - t0, 1),
@@ -157,6 +169,32 @@ def run(work: Path, out: Path) -> None:
     print(json.dumps(rows, indent=1))
 
 
+def gpu(work: Path, out: Path, gpus: int, files: list[str]) -> None:
+    """The cache on a real multi-rank GPU launch: one build, every rank maps it; one rank beside it."""
+    cache = work / "cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    rows: dict[str, Any] = {"machine": f"{os.cpu_count()} cores, GPU ranks",
+                            "command": f"python bench/data_cache.py gpu --work WORK --out {out} --gpus {gpus} "
+                                       f"--files {','.join(files)}"}
+    for n in (gpus, 1):
+        rows[f"synthetic_{n}rank"] = _launch(work, work / "runs" / f"synthetic{n}", cache, "data.num_samples=64", gpus=n)
+    for name in files:
+        src = work / f"{name}.jsonl"
+        over = (f"data.source={src}",)
+        run_dir = work / "runs" / name
+        rows[name] = {"file_mib": round(src.stat().st_size / 2**20, 1),
+                      f"first_{gpus}rank": _launch(work, run_dir, cache, *over, gpus=gpus),
+                      f"second_{gpus}rank": _launch(work, run_dir, cache, *over, gpus=gpus),
+                      "second_1rank": _launch(work, run_dir, cache, *over, gpus=1)}
+        info = json.loads(next((cache / "data").glob(f"{name}-*/toolkit_cache.json")).read_text())
+        rows[name].update(tokens=info["tokens"], samples=info["samples"], build_s=round(info["build_s"], 1),
+                          num_proc=info["num_proc"])
+        print(name, json.dumps(rows[name]), flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1) + "\n")
+    print(json.dumps(rows, indent=1))
+
+
 def chat(work: Path, out: Path) -> None:
     """A chat fine-tune of the local Llama on real text: the eval loss should fall (`toolkit report`)."""
     cache = work / "cache"
@@ -175,12 +213,19 @@ def chat(work: Path, out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("make", "run", "chat"))
+    ap.add_argument("what", choices=("make", "run", "gpu", "chat"))
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--gpus", type=int, default=2, help="gpu: GPU ranks of the multi-rank launches")
+    ap.add_argument("--files", default="data100k,data1m", help="make, gpu: which corpora (data100k, data1m)")
     a = ap.parse_args()
+    files = a.files.split(",")
+    if unknown := set(files) - set(FILES):
+        ap.error(f"unknown --files {sorted(unknown)}; known: {', '.join(FILES)}")
     if a.what == "make":
-        make(a.work)
+        make(a.work, files)
+    elif a.what == "gpu":
+        gpu(a.work, a.out or ROOT / "bench/results/data_cache_gpu.json", a.gpus, files)
     elif a.what == "run":
         run(a.work, a.out or ROOT / "bench/results/data_cache.json")
     else:

@@ -338,6 +338,25 @@ def _markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def scaling(args: argparse.Namespace) -> int:
+    """Scaling efficiency from a table JSON: per-GPU tokens/s on N GPUs over the same variant's on one GPU
+    (same workload, stage and offload). 100% is linear; the runs each figure came from are named."""
+    doc = json.loads(Path(args.json).read_text())
+    one = {(r["workload"], r["stage"], r["offload"], r["variant"]): r for r in doc["rows"]
+           if r["gpus"] == 1 and r.get("tokens_per_s_per_gpu")}
+    lines = ["| workload | ZeRO | variant | 1 GPU | GPUs | per GPU | efficiency | runs |", "|---|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        base = one.get((r["workload"], r["stage"], r["offload"], r["variant"]))
+        t = r.get("tokens_per_s_per_gpu")
+        if r["gpus"] > 1 and base and t:
+            stage = f"{r['stage']}" + (" + opt offload" if r["offload"] != "none" else "")
+            lines.append(f"| {r['workload']} | {stage} | {r['variant']} | {base['tokens_per_s_per_gpu'] / 1000:.1f}k | "
+                         f"{r['gpus']} | {t / 1000:.1f}k | {100 * t / base['tokens_per_s_per_gpu']:.1f}% | "
+                         f"{base.get('measured_in')}, {r.get('measured_in')} |")
+    print("\n".join(lines))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -369,8 +388,10 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--json", default="bench/results/speed.json")
     t.add_argument("--source", nargs=3, action="append", metavar=("DIR", "COMMIT", "COMMAND"),
                    help="where rows measured in DIR came from (repeatable): rows record DIR as measured_in")
+    c = sub.add_parser("scaling", help="scaling efficiency, 1 GPU to N, from a table JSON")
+    c.add_argument("json")
     a = p.parse_args(argv)
-    return run(a) if a.cmd == "run" else table(a)
+    return {"run": run, "table": table, "scaling": scaling}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -94,3 +94,17 @@ def test_table_pools_only_repeat_files_of_one_directory_and_leaves_failed_repeat
     assert sorted(r["step_time_s"] for r in rows) == [1.0, 2.0, 4.0]  # s1 rows apart; the cut repeat's steps out
     pooled = next(r for r in rows if r["step_time_s"] == 4.0)
     assert pooled["rc"] == 124  # the failure stays on record
+
+
+def test_scaling_divides_each_multi_gpu_row_by_the_same_variant_on_one_gpu(speed, tmp_path: Path, capsys) -> None:
+    def row(gpus: int, stage: int, variant: str, tps: float | None, run: str) -> dict:
+        return {"workload": "w", "stage": stage, "offload": "none", "gpus": gpus, "variant": variant,
+                "tokens_per_s_per_gpu": tps, "measured_in": run}
+    doc = {"rows": [row(1, 2, "raw", 100.0, "a"), row(2, 2, "raw", 96.0, "b"), row(2, 3, "raw", 90.0, "b"),
+                    row(1, 3, "raw-fp8", 80.0, "a"), row(2, 3, "raw-fp8", None, "b"), row(2, 2, "bare", 50.0, "b")]}
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps(doc))
+    assert speed.main(["scaling", str(f)]) == 0
+    lines = capsys.readouterr().out.splitlines()[2:]
+    # only ZeRO-2 raw has both: ZeRO-3 raw has no 1-GPU row, fp8 failed on 2, bare has no 1-GPU row
+    assert lines == ["| w | 2 | raw | 0.1k | 2 | 0.1k | 96.0% | a, b |"]
