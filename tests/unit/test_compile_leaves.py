@@ -42,3 +42,54 @@ def test_plain_linear_is_set_unless_the_user_chose() -> None:
     mine = {"zero_optimization": {"stage": 3, "memory_efficient_linear": True}}
     note = plain_linear(mine)
     assert note and "memory_efficient_linear=true" in note and mine["zero_optimization"]["memory_efficient_linear"]
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, hidden_states):
+        return self.lin(hidden_states)
+
+
+class _Model(torch.nn.Module):
+    """Embeddings that train and a list of one block class: what leaves are made of; `by_keyword` passes the
+    hidden states to each block by name, as some models (mllama) do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.layers = torch.nn.ModuleList(_Block() for _ in range(2))
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def forward(self, ids, by_keyword: bool = False):
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(hidden_states=h) if by_keyword else layer(h)
+        return h.sum()
+
+
+def test_leaves_stop_a_model_that_passes_hidden_states_by_keyword() -> None:
+    from toolkit.runtime.compile import leaves_safe, mark_leaves
+
+    model = _Model()
+    assert leaves_safe(model)  # the embeddings train: the premise holds, the call does not
+    mark_leaves(model, list(model.layers))
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        model(ids, by_keyword=True)  # no gradients: nothing to lose, and the check waits for a training forward
+    with pytest.raises(RuntimeError, match=r"_Block receives hidden_states by keyword.*train\.compile=off"):
+        model(ids, by_keyword=True)
+
+
+def test_leaves_check_once_and_leave_positional_models_alone() -> None:
+    from toolkit.runtime.compile import mark_leaves
+
+    model = _Model()
+    mark_leaves(model, list(model.layers))
+    model(torch.tensor([[1, 2, 3]])).backward()
+    assert model.layers[0].lin.weight.grad is not None
+    assert not model.layers[0]._forward_pre_hooks  # one-shot: gone after the first training forward

@@ -133,6 +133,30 @@ def mark_leaves(model: Any, layers: list[Any]) -> None:
     from deepspeed.utils import set_z3_leaf_modules
 
     set_z3_leaf_modules(model, [type(layers[0])])
+    _require_positional_input(layers[0])
+
+
+def _require_positional_input(layer: Any) -> None:
+    """Stop at the first training forward of a model that passes the hidden states to its decoder layers by keyword.
+
+    torch's full backward hook counts positional inputs only, so such a layer looks to it like one whose input
+    needs no gradient: the leaf's gradients would be reduced before they exist, and training would go on with
+    zeros (the case `leaves_safe` rules out by the embeddings; the transformers models the toolkit knows pass
+    them positionally). A one-shot pre-hook: removed after the first forward with gradients on."""
+    import torch
+
+    def check(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not torch.is_grad_enabled():
+            return
+        handle.remove()
+        if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            by_name = ", ".join(sorted(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad))
+            raise RuntimeError(
+                f"train.compile at ZeRO-3: {type(module).__name__} receives {by_name or 'no input that needs a gradient'} "
+                "by keyword; as a ZeRO-3 leaf module its gradients would be reduced before they exist (torch's full "
+                "backward hook sees positional inputs only). Set train.compile=off")
+
+    handle = layer.register_forward_pre_hook(check, with_kwargs=True)
 
 
 RECOMPILE_LIMIT = 64
