@@ -55,13 +55,12 @@ def make(work: Path, files: list[str]) -> None:
     rng = random.Random(0)  # one stream over both files, so each file is the same whichever are written
     last = max(list(FILES).index(f) for f in files)
     for name, n in list(FILES.items())[:last + 1]:
-        rows = []
-        for _ in range(n):
-            i = rng.randrange(len(lines) - 40)
-            k, m = rng.randint(2, 8), rng.randint(3, 14)
-            rows.append(json.dumps({"prompt": "\n".join(lines[i:i + k]), "response": "\n".join(lines[i + k:i + k + m])}))
-        if name in files:
-            (work / f"{name}.jsonl").write_text("\n".join(rows) + "\n")
+        with open(work / f"{name}.jsonl", "w") if name in files else open(os.devnull, "w") as f:
+            for _ in range(n):
+                i = rng.randrange(len(lines) - 40)
+                k, m = rng.randint(2, 8), rng.randint(3, 14)
+                f.write(json.dumps({"prompt": "\n".join(lines[i:i + k]), "response": "\n".join(lines[i + k:i + k + m])})
+                        + "\n")
     _chat_file(texts, work / "chat.jsonl")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
