@@ -154,15 +154,24 @@ def run(work: Path, out: Path) -> None:
     for name in ("data100k", "data1m"):
         if name == "data1m":  # the reference right before the build it is compared with: the same machine load
             rows["datasets_map_1m_s"] = _datasets_map(work, int(os.environ.get("BENCH_NUM_PROC", os.cpu_count() or 1)))
-        src = work / f"{name}.jsonl"
-        over = (f"data.source={src}",)
-        rows[name] = {"file_mib": round(src.stat().st_size / 2**20, 1),
-                      "first": _launch(work, work / "runs" / name, cache, *over),
-                      "second": _launch(work, work / "runs" / name, cache, *over)}
-        info = json.loads(next((cache / "data").glob(f"{name}-*/toolkit_cache.json")).read_text())
-        rows[name].update(tokens=info["tokens"], samples=info["samples"], build_s=round(info["build_s"], 1),
-                          num_proc=info["num_proc"])
-        print(name, json.dumps(rows[name]), flush=True)
+        rows[name] = _file_rows(work, cache, name, [("first", 0), ("second", 0)])
+    _write(out, rows)
+
+
+def _file_rows(work: Path, cache: Path, name: str, launches: list[tuple[str, int]]) -> dict[str, Any]:
+    """One corpus: its launches in order (label, GPU ranks; 0 = two CPU ranks), then what the build recorded."""
+    src = work / f"{name}.jsonl"
+    row: dict[str, Any] = {"file_mib": round(src.stat().st_size / 2**20, 1)}
+    for label, gpus in launches:
+        row[label] = _launch(work, work / "runs" / name, cache, f"data.source={src}", gpus=gpus)
+    info = json.loads(next((cache / "data").glob(f"{name}-*/toolkit_cache.json")).read_text())
+    row.update(tokens=info["tokens"], samples=info["samples"], build_s=round(info["build_s"], 1),
+               num_proc=info["num_proc"])
+    print(name, json.dumps(row), flush=True)
+    return row
+
+
+def _write(out: Path, rows: dict[str, Any]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1) + "\n")
     print(json.dumps(rows, indent=1))
@@ -178,20 +187,9 @@ def gpu(work: Path, out: Path, gpus: int, files: list[str]) -> None:
     for n in (gpus, 1):
         rows[f"synthetic_{n}rank"] = _launch(work, work / "runs" / f"synthetic{n}", cache, "data.num_samples=64", gpus=n)
     for name in files:
-        src = work / f"{name}.jsonl"
-        over = (f"data.source={src}",)
-        run_dir = work / "runs" / name
-        rows[name] = {"file_mib": round(src.stat().st_size / 2**20, 1),
-                      f"first_{gpus}rank": _launch(work, run_dir, cache, *over, gpus=gpus),
-                      f"second_{gpus}rank": _launch(work, run_dir, cache, *over, gpus=gpus),
-                      "second_1rank": _launch(work, run_dir, cache, *over, gpus=1)}
-        info = json.loads(next((cache / "data").glob(f"{name}-*/toolkit_cache.json")).read_text())
-        rows[name].update(tokens=info["tokens"], samples=info["samples"], build_s=round(info["build_s"], 1),
-                          num_proc=info["num_proc"])
-        print(name, json.dumps(rows[name]), flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1) + "\n")
-    print(json.dumps(rows, indent=1))
+        rows[name] = _file_rows(work, cache, name, [(f"first_{gpus}rank", gpus), (f"second_{gpus}rank", gpus),
+                                                    ("second_1rank", 1)])
+    _write(out, rows)
 
 
 def chat(work: Path, out: Path) -> None:
