@@ -411,16 +411,19 @@ def fp8_gain(hidden: int) -> float:
 
 def compiled(w: Workload, stage: int) -> bool:
     """Whether this choice's decoder layers are compiled (train.compile, auto resolved for a CUDA run)."""
-    from toolkit.plan.speedups import compile_on
+    from toolkit.plan.speedups import compile_on, leaves_blocked
 
     return compile_on(str(w.compile), cuda=True, steps=None, fp8=bool(w.fp8), stage=stage,
-                      no_leaves="under LoRA" if w.lora is not None else None)[0]
+                      no_leaves=leaves_blocked(lora=w.lora is not None))[0]
 
 
 def split_by_hooks(w: Workload, stage: int) -> bool:
-    """Compiled layers that ZeRO-3's hooks on every submodule split into a graph per module: at ZeRO-3 under LoRA,
-    where the layers cannot be leaf modules (toolkit/plan/speedups.py leaves_blocked)."""
-    return stage == 3 and w.lora is not None and compiled(w, stage)
+    """Compiled layers that ZeRO-3's hooks on every submodule split into a graph per module: at ZeRO-3 where the
+    layers cannot be leaf modules (toolkit/plan/speedups.py leaves_blocked; the plan models no NVMe offload, so
+    under LoRA)."""
+    from toolkit.plan.speedups import leaves_blocked
+
+    return stage == 3 and leaves_blocked(lora=w.lora is not None) is not None and compiled(w, stage)
 
 
 def _liger(w: Workload, stage: int) -> tuple[bool, bool]:
