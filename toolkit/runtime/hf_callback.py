@@ -68,6 +68,7 @@ class ToolkitCallback(TrainerCallback):
         self._last: tuple[float, int, int] = (0.0, 0, 0)  # time, step, tokens seen at the previous log line
         self._t0 = 0.0
         self._model: Any = None
+        dist.settle_at_exit()  # the script, not the toolkit, ends this process: see settle_at_exit
 
     # -- start ---------------------------------------------------------------------------------
 
