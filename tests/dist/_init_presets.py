@@ -94,4 +94,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # the last act is a collective: leave the way toolkit/train.py does (gloo's worker threads can abort
+    # interpreter finalization; toolkit/launch/dist.py says why)
+    from toolkit.launch.dist import exit_process
+
+    exit_process(main())
