@@ -4,8 +4,9 @@ ToolkitCallback) and whose last act is a collective exits 0 on every rank.
 Without the handler, the gloo worker thread that drops the collective's tensors can need the GIL after the
 main thread has begun interpreter finalization, and the finished rank aborts ("terminate called without an
 active exception", exit -6; pytorch/pytorch#190489). On this 2-core machine the bare script below aborted in
-10 of 20 two-rank launches with the machine busy (3 of 10 idle); with the handler, 0 of 75 under load. Eight
-launches that all pass would happen by chance about once in 250 tries (0.5 ** 8) without it."""
+10 of 20 two-rank launches with the machine busy (3 of 10 idle; 5 of these 8 launches with the handler line
+taken out); with the handler, 0 of 75 under load. Without it, eight launches all pass by chance about once in
+17 tries on an idle machine (0.7 ** 8), once in 250 on a busy one: a regression catcher, not a proof."""
 
 from __future__ import annotations
 
@@ -47,20 +48,3 @@ def test_collective_as_last_act_exits_zero_on_every_launch(tmp_path: Path) -> No
             failed.append(f"launch {i}: exit {p.returncode}\n{(p.stdout + p.stderr)[-1500:]}")
     assert not failed, "\n".join(failed)
 
-
-def test_registers_once_and_sleeps_only_with_a_process_group() -> None:
-    code = """
-import atexit, time
-from toolkit.launch import dist
-calls = []
-atexit.register = lambda f, *a, **k: calls.append(f)
-dist.settle_at_exit(5.0)
-dist.settle_at_exit(5.0)
-assert len(calls) == 1
-t0 = time.monotonic()
-calls[0]()  # no process group in this process: nothing to wait for
-assert time.monotonic() - t0 < 1.0
-print("ok")
-"""
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.stdout.strip() == "ok", done.stdout + done.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from collections.abc import MutableMapping
 from typing import Any, NoReturn
 
@@ -151,7 +152,6 @@ def exit_process(rc: int) -> NoReturn:
     Everything a run writes is closed before this point; the atexit handlers (logging's flush among them)
     still run."""
     import atexit
-    import sys
 
     import torch.distributed as dist
 
@@ -171,17 +171,20 @@ _settle_registered = False
 
 
 def settle_at_exit(seconds: float = SETTLE_AT_EXIT_S) -> None:
-    """Register, once per process, an exit handler that sleeps `seconds` while a process group exists, for
-    scripts the toolkit does not end itself (a plain HF Trainer script with `ToolkitCallback`).
+    """Register, once per process, an exit handler that sleeps `seconds` on a multi-rank run, for scripts
+    the toolkit does not end itself (a plain HF Trainer script with `ToolkitCallback`). Later calls,
+    whatever their `seconds`, do nothing.
 
-    Why: the backend's worker threads (gloo's pt_gloo_runloop; NCCL's watchdog) drop their reference to a
-    finished collective's tensors after the caller has been woken, and that drop takes the GIL. When the
-    collective is the script's last act (the callback's memory table at train end, a final save), the main
-    thread can reach interpreter finalization first; a thread that takes the GIL during finalization exits
-    through C++ code that cannot unwind, and a finished run aborts with "terminate called without an active
-    exception" (exit -6; pytorch/pytorch#190489, open). atexit handlers run before finalization, so sleeping
-    there hands the GIL to those threads. `destroy_process_group()` does not do it here: DeepSpeed's
-    engine keeps the group alive, so its threads are not joined."""
+    Why: gloo's worker threads (pt_gloo_runloop) drop their reference to a finished collective's tensors
+    after the caller has been woken, and that drop takes the GIL. When the collective is the script's last
+    act (the callback's memory table at train end, a final save), the main thread can reach interpreter
+    finalization first; a thread that takes the GIL during finalization exits through C++ code that cannot
+    unwind, and a finished rank aborts with "terminate called without an active exception" (exit -6;
+    pytorch/pytorch#190489, open). Seen with gloo; NCCL's watchdog thread drops its finished work the same
+    way and may be exposed too. atexit handlers run before finalization, so sleeping there hands the GIL to
+    those threads. `destroy_process_group()` does not do it here: DeepSpeed's engine keeps the group alive,
+    so its threads are not joined; for the same reason the handler goes by the world size, not by
+    `is_initialized()`, which `Trainer.end()` (accelerate's `end_training`) turns False."""
     global _settle_registered
     if _settle_registered:
         return
@@ -189,9 +192,8 @@ def settle_at_exit(seconds: float = SETTLE_AT_EXIT_S) -> None:
     import time
 
     def settle() -> None:
-        import torch.distributed as tdist
-
-        if tdist.is_available() and tdist.is_initialized():
+        tdist = sys.modules.get("torch.distributed")  # never imports torch at exit
+        if tdist is not None and (world_size() > 1 or (tdist.is_available() and tdist.is_initialized())):
             time.sleep(seconds)
 
     atexit.register(settle)
