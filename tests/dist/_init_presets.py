@@ -73,6 +73,9 @@ def main() -> int:
     )
     args = p.parse_args()
     deepspeed.init_distributed()
+    from toolkit.launch.dist import release_deepspeed_shm
+
+    release_deepspeed_shm()  # DeepSpeed's CPU allreduce files would stay in /dev/shm after the launch
     world = torch.distributed.get_world_size()
     rank = torch.distributed.get_rank()
     failed = 0

@@ -45,10 +45,13 @@ def test_doc_example_runs_on_two_cpu_ranks_and_toolkit_report_reads_it(tmp_path:
     script.write_text(doc_example())
     shutil.copytree(REPO / "ds_configs", tmp_path / "ds_configs")  # the example's relative path
     env = os.environ | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-    p = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), str(script)],
+    port = free_port()
+    p = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(port), str(script)],
                        capture_output=True, text=True, timeout=800, env=env, cwd=tmp_path)
     log = (p.stdout + p.stderr)[-6000:]
     assert p.returncode == 0, log
+    # DeepSpeed's CPU allreduce files for this launch are gone (it never unlinks them; the callback does)
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
     run = tmp_path / "runs" / "mine"
 
     # per-rank memory: every rank its own file, the phases and the step snapshot at memory_every=10

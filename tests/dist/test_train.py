@@ -125,7 +125,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     spec = tmp / "runs.json"
     spec.write_text(json.dumps(_runs(tmp)))
     env = os.environ | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", "TOOLKIT_CACHE": str(tmp / "cache")}
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), str(ROOT / "tests/dist/_multi_train.py"),
+    port = free_port()
+    (tmp / "master_port").write_text(str(port))
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(port), str(ROOT / "tests/dist/_multi_train.py"),
            str(spec)]
     log = tmp / "launch.log"
     with log.open("w") as f:
@@ -134,6 +136,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         tail = log.read_text()[-6000:]
         pytest.fail(f"launcher exited {proc.returncode}:\n{tail}")
     return tmp
+
+
+def test_no_deepspeed_shared_memory_left(runs: Path) -> None:
+    # DeepSpeed's CPU allreduce makes a 66 MB /dev/shm file per rank and never unlinks it; init_distributed does
+    port = (runs / "master_port").read_text()
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
 
 
 def losses(run_dir: Path) -> list[float]:

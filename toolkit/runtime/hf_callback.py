@@ -82,6 +82,7 @@ class ToolkitCallback(TrainerCallback):
                 self._write_run_files(args, state, model)
             except (ConfigError, OSError) as e:
                 error = str(e)
+        dist.release_deepspeed_shm()  # the Trainer started the group: DeepSpeed's CPU files leak otherwise
         error = dist.broadcast_object(error)  # every rank stops, not only the one that saw it
         if error:
             raise ConfigError(error)
