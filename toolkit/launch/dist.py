@@ -86,29 +86,31 @@ def init_distributed(timeout_s: int | None = None) -> None:
 
 def release_deepspeed_shm() -> None:
     """Unlink the shared-memory files DeepSpeed's CPU allreduce made for this launch. Collective (a barrier)
-    on a one-host CPU run of several ranks; nothing elsewhere. Call it on every rank after the process group
-    exists.
+    on a one-host CPU run under DeepSpeed's launcher (LOCAL_SIZE set); nothing elsewhere. Call it on every
+    rank after the process group exists.
 
     Why by hand: with every rank on one host, DeepSpeed's CPU backend (its shm comm op, 0.19.8) creates one
     66 MB POSIX shared-memory file per rank, /dev/shm/deepspeed_allreduce_buffer_{uid}_{MASTER_ADDR}_
     {MASTER_PORT}_{rank}, and never unlinks it (its shared_close is never called): every CPU launch left
-    its ranks' buffers in RAM until reboot. On this project's 2-core, 24 GiB test machine 332 of them
-    (22 GiB of /dev/shm) built up and the kernel's OOM killer ended a test run. Each rank maps every rank's
-    file inside init_distributed, so after a barrier the names can go: the mappings stay valid, and the
-    memory is freed when the last rank exits, also when it is killed."""
+    its ranks' buffers in RAM until reboot (tests/conftest.py clears a test session's at its end). On this
+    project's 24 GiB test machine 332 of them (22 GiB of /dev/shm, from killed sessions and a running one)
+    built up and the kernel's OOM killer ended a test run. Each rank maps every rank's file inside
+    init_distributed, so after a barrier the names can go: the mappings stay valid, and the memory is freed
+    when the last rank exits, also when it is killed."""
     world = world_size()
-    if world < 2 or int(os.environ.get("LOCAL_SIZE", "0")) != world:
-        return  # DeepSpeed makes the files only for a one-host group (shm_interface.cpp), and only on CPU
+    if int(os.environ.get("LOCAL_SIZE", "0")) != world:
+        return  # DeepSpeed makes the files only for a one-host group (shm_interface.cpp), one rank included
     import torch.distributed as tdist
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().device_name() != "cpu" or not (tdist.is_available() and tdist.is_initialized()):
         return
     tdist.barrier()  # every rank has mapped every file: it maps them all before init_distributed returns
-    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{rank()}")
-    with contextlib.suppress(FileNotFoundError):  # the op was not built here, or a DeepSpeed that names it otherwise
-        os.unlink(name)
+    prefix = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+              f"{os.environ.get('MASTER_PORT', '')}")
+    for r in range(tdist.get_world_size()):  # every rank's name, so a rank killed right here leaves none
+        with contextlib.suppress(FileNotFoundError):  # another rank was first, or the op was not built
+            os.unlink(f"{prefix}_{r}")
 
 
 def rank() -> int:
