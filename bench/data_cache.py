@@ -53,7 +53,9 @@ def make(work: Path, files: list[str]) -> None:
     texts = _sources()
     lines = [ln for t in texts for ln in t.splitlines() if ln.strip()]
     rng = random.Random(0)  # one stream over both files, so each file is the same whichever are written
-    last = max(list(FILES).index(f) for f in files)
+    if "docs" in files:
+        _docs_file(texts, work / "docs.jsonl")
+    last = max((list(FILES).index(f) for f in files if f in FILES), default=-1)
     for name, n in list(FILES.items())[:last + 1]:
         with open(work / f"{name}.jsonl", "w") if name in files else open(os.devnull, "w") as f:
             for _ in range(n):
@@ -80,7 +82,23 @@ def make(work: Path, files: list[str]) -> None:
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                       pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
     LlamaForCausalLM(cfg).save_pretrained(model_dir)
-    print(f"wrote {work}: {', '.join(f + '.jsonl' for f in files)}, chat.jsonl, llama/ (tokenizer + model)")
+    print(f"wrote {work}: {', '.join(f + '.jsonl' for f in files)}, chat.jsonl, llama/ (tokenizer + model)", flush=True)
+
+
+def _docs_file(texts: list[str], path: Path, n: int = 600) -> None:
+    """Long documents for `text` training: consecutive standard-library files joined until each reaches a
+    length drawn from 4k-80k characters (about 1k-20k tokens of the 8k BPE tokenizer)."""
+    rng = random.Random(1)
+    docs, i = [], 0
+    while len(docs) < n:
+        want, parts, size = rng.randint(4_000, 80_000), [], 0
+        while size < want:
+            t = texts[i % len(texts)][: want - size]
+            parts.append(t)
+            size += len(t) + 1
+            i += 1
+        docs.append({"text": "\n".join(parts)})
+    path.write_text("".join(json.dumps(d) + "\n" for d in docs))
 
 
 def _chat_file(texts: list[str], path: Path) -> None:
@@ -214,10 +232,11 @@ def main() -> None:
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--gpus", type=int, default=2, help="gpu: GPU ranks of the multi-rank launches")
-    ap.add_argument("--files", default="data100k,data1m", help="make, gpu: which corpora (data100k, data1m)")
+    ap.add_argument("--files", default="data100k,data1m",
+                    help="make, gpu: which corpora (data100k, data1m; make also docs: long documents, docs.jsonl)")
     a = ap.parse_args()
     files = a.files.split(",")
-    if unknown := set(files) - set(FILES):
+    if unknown := set(files) - set(FILES) - ({"docs"} if a.what == "make" else set()):
         ap.error(f"unknown --files {sorted(unknown)}; known: {', '.join(FILES)}")
     if a.what == "make":
         make(a.work, files)

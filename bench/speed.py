@@ -39,7 +39,16 @@ WORKLOADS: dict[str, tuple[str, int, int]] = {
     "qwen2-0.5b-seq2048": ("qwen2-0.5b", 2048, 4),
     "llama-1b-seq2048": ("llama-1b", 2048, 4),
     "tiny-seq64": ("tiny", 64, 2),  # CPU smoke test of this script only (--only tiny-seq64)
+    # real data (--data-dir, made by `bench/data_cache.py make --files data100k,docs`), beside synthetic rows
+    "llama-1b-seq2048-data100k": ("llama-1b", 2048, 4),
+    "qwen2-0.5b-seq2048-data100k": ("qwen2-0.5b", 2048, 4),
+    "llama-1b-seq8192": ("llama-1b", 8192, 1),
+    "llama-1b-seq8192-docs": ("llama-1b", 8192, 1),
 }
+# workload -> the file in --data-dir it trains on (tokenized with DIR/llama's 8k BPE tokenizer); others: synthetic.
+# data100k: 100k prompt/response rows of about 118 tokens; docs: 600 text documents of about 1k-20k tokens.
+DATA: dict[str, str] = {"llama-1b-seq2048-data100k": "data100k.jsonl", "qwen2-0.5b-seq2048-data100k": "data100k.jsonl",
+                        "llama-1b-seq8192-docs": "docs.jsonl"}
 DEFAULT_WORKLOADS = ("gpt2-124m-seq1024", "qwen2-0.5b-seq2048", "llama-1b-seq2048")
 # (stage, offload) per workload: ZeRO-2, ZeRO-3, and ZeRO-3 + optimizer offload for llama-1b
 STAGES: dict[str, list[tuple[int, str]]] = {
@@ -47,18 +56,25 @@ STAGES: dict[str, list[tuple[int, str]]] = {
     "qwen2-0.5b-seq2048": [(2, "none"), (3, "none")],
     "llama-1b-seq2048": [(2, "none"), (3, "none"), (3, "optimizer")],
     "tiny-seq64": [(2, "none"), (3, "none")],
+    "llama-1b-seq2048-data100k": [(2, "none"), (3, "none")],
+    "qwen2-0.5b-seq2048-data100k": [(2, "none"), (3, "none")],
+    "llama-1b-seq8192": [(2, "none"), (3, "none")],
+    "llama-1b-seq8192-docs": [(2, "none"), (3, "none")],
 }
 # The toolkit's micro-batch per workload and stage (capped at the per-rank batch), as the rows in
 # bench/results/speed.md ran. The fused loss frees the 128k-152k-vocabulary logits, which is what makes
 # micro 8-16 fit. llama-1b ZeRO-3 ran at 8 there, before the fused loss came to ZeRO-3; 16 since
 # (zero3_tuning.md, and what train.micro_batch_size=auto chose). GPT-2 has no Liger kernels: the docs' 16.
 TOOLKIT_MICRO: dict[str, dict[int, int]] = {"gpt2-124m-seq1024": {2: 16, 3: 16}, "qwen2-0.5b-seq2048": {2: 8, 3: 8},
-                                            "llama-1b-seq2048": {2: 16, 3: 16}, "tiny-seq64": {2: 4, 3: 4}}
+                                            "llama-1b-seq2048": {2: 16, 3: 16}, "tiny-seq64": {2: 4, 3: 4},
+                                            "llama-1b-seq2048-data100k": {2: 16, 3: 16},
+                                            "qwen2-0.5b-seq2048-data100k": {2: 8, 3: 8},
+                                            "llama-1b-seq8192": {2: 4, 3: 4}, "llama-1b-seq8192-docs": {2: 4, 3: 4}}
 # bare-tuned: the bare loop with Liger's kernels at the micro-batch fastest for it, what a user tunes by hand.
 # llama-1b on one H200: micro 16 x 2 65.8k/66.0k, 8 x 4 62.8k tokens/s (../shared/anchors.md, 2026-11-23);
 # Qwen2-0.5B: 8 x 4 (97.4k, the same day). Capped at the per-rank batch like every micro-batch here.
 BARE_TUNED_MICRO: dict[str, int] = {"gpt2-124m-seq1024": 16, "qwen2-0.5b-seq2048": 8, "llama-1b-seq2048": 16,
-                                    "tiny-seq64": 4}
+                                    "tiny-seq64": 4, "llama-1b-seq8192": 4}
 VARIANTS = ("bare", "bare-tuned", "raw", "trainer", "hf")
 # --tune NAME,...: extra toolkit rows that try one lever each (at ZeRO-3; ANY_STAGE ones at every stage) (../shared/notes/zero3_speed.md §3, §6):
 # (training overrides, DeepSpeed JSON sections merged over the preset's, micro-batch or None).
@@ -79,21 +95,34 @@ TUNES: dict[str, tuple[list[str], dict[str, Any], int | None]] = {
     # and the fused loss's .item() are not known to work under it: eager HF modules.
     "deepcompile": (["train.compile=torch", "model.liger=false"], {"compile": {"deepcompile": True}}, None),
     "noliger": (["model.liger=false"], {}, None),  # eager without Liger: what DeepCompile is measured against
+    "nopack": (["data.packing=false"], {}, None),  # real data one row per sequence, batches grouped by length
 }
-ANY_STAGE = {"compile", "fp8", "fp8-m32"}  # the other levers are ZeRO-3's
+ANY_STAGE = {"compile", "fp8", "fp8-m32", "nopack"}  # the other levers are ZeRO-3's
 
 
 def _ds_preset(stage: int, offload: str) -> str:
     return f"ds_configs/zero{stage}" + ("_offload_optimizer" if offload == "optimizer" else "") + ".json"
 
 
+def _data_args(workload: str, data_dir: str) -> list[str]:
+    """The toolkit overrides that train a real-data workload on its file (none for synthetic workloads)."""
+    if workload not in DATA:
+        return []
+    if not data_dir:
+        raise SystemExit(f"error: {workload} trains on {DATA[workload]}: give --data-dir (bench/data_cache.py make)")
+    d = Path(data_dir).resolve()
+    return [f"data.source={d / DATA[workload]}", f"model.tokenizer={d / 'llama'}", f"data.cache_dir={d / 'cache'}"]
+
+
 def _command(variant: str, workload: str, stage: int, offload: str, gpus: int, port: int, out: Path,
              warmup: int, steps: int, micro: int | None, extra: list[str],
-             ds_path: str | None = None, include: str = "") -> tuple[list[str], Path]:
+             ds_path: str | None = None, include: str = "", data_dir: str = "") -> tuple[list[str], Path]:
     model, seq, bare_micro = WORKLOADS[workload]
     where = ["--include", include] if include else ["--num_gpus", str(gpus)]
     launch = ["deepspeed", *where, "--master_port", str(port)]
     if variant in ("bare", "bare-tuned", "hf"):
+        if workload in DATA:
+            raise SystemExit(f"error: {variant} trains on random tokens; {workload} is for the toolkit's rows")
         tuned = variant == "bare-tuned"
         micro = micro or min(BARE_TUNED_MICRO[workload] if tuned else bare_micro, GLOBAL_BATCH // gpus)
         script = "bench/hf_trainer.py" if variant == "hf" else "bench/bare_loop.py"
@@ -107,7 +136,7 @@ def _command(variant: str, workload: str, stage: int, offload: str, gpus: int, p
             f"data.seq_len={seq}", f"data.num_samples={GLOBAL_BATCH * total}", f"train.micro_batch_size={micro}",
             f"train.grad_accum={GLOBAL_BATCH // (micro * gpus)}", f"train.max_steps={total}", f"train.path={variant}",
             "train.precision=bf16", "train.export=false", "train.lr=1e-4", "train.warmup_steps=1",
-            "train.log_every=1", f"train.run_dir={run_dir}", *extra], run_dir
+            "train.log_every=1", f"train.run_dir={run_dir}", *_data_args(workload, data_dir), *extra], run_dir
 
 
 def _toolkit_result(run_dir: Path, variant: str, warmup: int) -> dict[str, Any]:
@@ -130,6 +159,8 @@ def _toolkit_result(run_dir: Path, variant: str, warmup: int) -> dict[str, Any]:
                                     for a, b in itertools.pairwise(lines))
                                 / max(last["elapsed_s"] - first["elapsed_s"], 1e-9)) if len(lines) > 1 else None,
         "losses": [r["loss"] for r in lines], "liger": cfg_versions.get("liger_note"),
+        "attention": cfg_versions.get("attention_note"), "packing": cfg_versions.get("packing"),
+        "padding_waste": [r.get("padding_waste") for r in timed],
         "peak_allocated_gib": max(peaks) if peaks else None, "host_rss_gib": max(rss) if rss else None,
     }
 
@@ -166,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
                     target = out / f"{name}.json"
                     ds_path = _tuned_preset(stage, offload, zero, out / "ds" / f"{name}.json") if zero else None
                     cmd, produced = _command(variant, workload, stage, offload, args.gpus, port, target,
-                                             args.warmup, args.steps, micro, extra, ds_path, args.include)
+                                             args.warmup, args.steps, micro, extra, ds_path, args.include,
+                                             args.data_dir)
                     port += 1
                     t0 = time.perf_counter()
                     with (out / f"{name}.log").open("w") as log:
@@ -254,10 +286,16 @@ def table(args: argparse.Namespace) -> int:
         times = r.get("step_times_s") or []
         row = {k: r.get(k) for k in ("workload", "stage", "offload", "gpus", "variant", "micro_batch",
                                      "grad_accum", "peak_allocated_gib", "host_rss_gib", "rc", "liger",
-                                     "measured_in")}
+                                     "attention", "packing", "measured_in")}
+        row["data"] = Path(DATA[r["workload"]]).stem if r["workload"] in DATA else "synthetic"
+        row["gpu"] = args.gpu or "unknown"
         if times:
             step = statistics.median(times)
-            tps = GLOBAL_BATCH * seq / step / r["gpus"]
+            # real data: the toolkit's own count of real (non-pad) tokens; synthetic rows are all tokens
+            tps = (statistics.median(r["tokens_per_s_all"]) if r["workload"] in DATA else GLOBAL_BATCH * seq / step) / r["gpus"]
+            waste = [w for w in r.get("padding_waste") or [] if w is not None]
+            if waste:
+                row["padding_waste"] = round(statistics.mean(waste), 4)
             if r["workload"] not in flops:
                 flops[r["workload"]] = _flops_per_token(model, seq)
             row |= {"tokens_per_s_per_gpu": round(tps, 1), "mfu": round(tps * flops[r["workload"]] / PEAK_FLOPS, 4),
@@ -312,9 +350,9 @@ def _markdown(doc: dict[str, Any]) -> str:
              "sequences per optimizer step for every variant. Tokens/s per GPU, median of the timed steps; "
              "ratios against the bare loop (and the hand-tuned bare loop, bare-tuned) of the same workload, stage "
              "and run. MFU is bf16-equivalent (float8 rows count the same FLOPs against the bf16 peak).", "",
-             "| workload | ZeRO | GPUs | variant | micro x accum | tokens/s/GPU | vs bare | vs tuned | MFU | peak GiB "
-             "| host GiB | run | code |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| workload | data | ZeRO | GPUs | variant | micro x accum | tokens/s/GPU | vs bare | vs tuned | MFU | padding "
+             "| peak GiB | host GiB | run | code |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (w, s, o, g), vs in by.items():
         def vs_row(r: dict[str, Any], base_name: str, vs: dict[str, dict[str, Any]] = vs) -> str:
             base_row = vs.get(base_name, {})
@@ -332,8 +370,10 @@ def _markdown(doc: dict[str, Any]) -> str:
             mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else ""
             peak = f"{r['peak_allocated_gib']:.1f}" if r.get("peak_allocated_gib") else ""
             host = f"{r['host_rss_gib']:.1f}" if r.get("host_rss_gib") else ""
-            lines.append(f"| {w} | {stage} | {g} | {name} | {r.get('micro_batch')} x {r.get('grad_accum')} | "
-                         f"{tput} | {ratio} | {tuned} | {mfu} | {peak} | {host} | {r.get('measured_in', '')} | "
+            pad = f"{100 * r['padding_waste']:.1f}%" if r.get("padding_waste") is not None else ""
+            lines.append(f"| {w} | {r.get('data', 'synthetic')} | {stage} | {g} | {name} | {r.get('micro_batch')} x "
+                         f"{r.get('grad_accum')} | {tput} | {ratio} | {tuned} | {mfu} | {pad} | {peak} | {host} | "
+                         f"{r.get('measured_in', '')} | "
                          f"{doc.get('sources', {}).get(r.get('measured_in'), {}).get('commit', '')} |")
     return "\n".join(lines)
 
@@ -365,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--include", default="", help="localhost:I,J - run on these GPUs only (in place of --gpus)")
     r.add_argument("--out", required=True)
     r.add_argument("--only", default="", help="comma-separated workloads")
+    r.add_argument("--data-dir", default="", help="real-data workloads: the directory bench/data_cache.py make wrote")
     r.add_argument("--stages", default="", help="comma-separated: 2, 3, 3o (ZeRO-3 + optimizer offload)")
     r.add_argument("--variants", default=",".join(VARIANTS))
     r.add_argument("--warmup", type=int, default=3)

@@ -31,7 +31,7 @@ def test_speed_bench_runs_every_variant_and_tabulates(tmp_path: Path) -> None:
     for r in rows:  # the same global batch for everyone, however it is split
         assert r["rc"] == 0 and r["tokens_per_s_per_gpu"] > 0, r
         assert r["micro_batch"] * r["grad_accum"] * r["gpus"] == 32, r
-    assert "| tiny-seq64 | 2 | 2 | raw |" in md
+    assert "| tiny-seq64 | synthetic | 2 | 2 | raw |" in md
 
 
 @pytest.mark.dist

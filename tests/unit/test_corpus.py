@@ -39,7 +39,9 @@ def _chat(i: int) -> dict:
 
 
 def _cfg(tmp: Path, source: Path, *extra: str):
-    return load_config(None, [f"data.source={source}", f"data.cache_dir={tmp / 'cache'}", "data.seq_len=64", *extra])
+    # rows one by one (packing, the default for causal-LM files, is asked for where a test packs)
+    return load_config(None, [f"data.source={source}", f"data.cache_dir={tmp / 'cache'}", "data.seq_len=64",
+                              "data.packing=false", *extra])
 
 
 def _words(tok, ids: list[int]) -> str:
@@ -131,6 +133,12 @@ def _tiny_causal(kind: str, attn: str) -> torch.nn.Module:
         cfg = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0,
                          embd_pdrop=0.0, attn_pdrop=0.0)
         model = GPT2LMHeadModel(cfg)
+    if attn == "varlen":  # the toolkit's attention (toolkit/runtime/attention/): on CPU its per-document reference
+        from toolkit.runtime.attention.interface import NAME, register, watch_boundaries
+
+        register()
+        watch_boundaries(model)
+        attn = NAME
     model.config._attn_implementation = attn
     model.config.use_cache = False  # as runtime/model.py sets it under packing
     return model.eval()
@@ -145,7 +153,8 @@ def _per_sample_losses(logits: torch.Tensor, labels: torch.Tensor, starts: list[
     return out
 
 
-@pytest.mark.parametrize(("kind", "attn"), [("llama", "sdpa"), ("llama", "eager"), ("gpt2", "sdpa")])
+@pytest.mark.parametrize(("kind", "attn"), [("llama", "sdpa"), ("llama", "eager"), ("gpt2", "sdpa"),
+                                            ("llama", "varlen"), ("gpt2", "varlen")])
 def test_packed_samples_lose_exactly_what_they_lose_alone(kind: str, attn: str) -> None:
     """CPU fp32: the same samples packed into blocks and run one by one give the same per-sample losses."""
     g = torch.Generator().manual_seed(1)
@@ -155,13 +164,17 @@ def test_packed_samples_lose_exactly_what_they_lose_alone(kind: str, attn: str) 
         samples.append({"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3:]})
     batch = {"input_ids": [s["input_ids"] for s in samples], "labels": [s["labels"] for s in samples]}
     blocks = corpus.pack_batch(batch, 24)
-    assert [sum(x) for x in blocks["seq_lens"]] == [24, 23] and all(sum(x) <= 24 for x in blocks["seq_lens"])
+    # best fit, longest first: 12 + 11 in one block, 9 + 7 + 5 + 3 filling the other
+    assert [sum(x) for x in blocks["seq_lens"]] == [23, 24] and blocks["seq_lens"][1] == [7, 5, 9, 3]
     rows = [{k: blocks[k][i] for k in blocks} for i in range(len(blocks["input_ids"]))]
     model = _tiny_causal(kind, attn)
-    packed = Collator(pad_id=0)(rows)
-    assert "attention_mask" not in packed and packed["position_ids"][1, -1] == 0  # the pad after block 2
+    packed = Collator(pad_id=0, boundaries=attn == "varlen")(rows)
+    assert "attention_mask" not in packed and packed["position_ids"][0, -1] == 0  # the pad after block 1
+    if attn == "varlen":  # the pad is a segment of its own
+        assert packed["cu_seq_lens_q"].tolist() == [0, 12, 23, 24, 31, 36, 45, 48] and packed["max_length_q"] == 12
     with torch.no_grad():
-        logits = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"]).logits
+        inputs = {k: v for k, v in packed.items() if k != "labels"}
+        logits = model(**inputs).logits
         where = []
         for row, lens in enumerate(blocks["seq_lens"]):
             s = 0
@@ -170,7 +183,9 @@ def test_packed_samples_lose_exactly_what_they_lose_alone(kind: str, attn: str) 
                 s += n
         got = _per_sample_losses(logits, packed["labels"], where)
         alone = []
-        for smp in samples:
+        in_blocks = [next(smp for smp in samples if smp["input_ids"] == rows[r]["input_ids"][s:s + n])
+                     for r, s, n in where]  # the samples in the order the blocks hold them
+        for smp in in_blocks:
             ids = torch.tensor([smp["input_ids"]])
             lab = torch.tensor([smp["labels"]])
             alone += _per_sample_losses(model(input_ids=ids).logits, lab, [(0, 0, ids.shape[1])])

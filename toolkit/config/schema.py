@@ -21,7 +21,10 @@ class ModelConfig:
     num_labels: int = 2
     """Classes for seq_cls."""
     attn_implementation: str = "sdpa"
-    """eager, sdpa, or flash_attention_2 (when flash-attn is installed)."""
+    """eager, sdpa, varlen, or flash_attention_2 (when flash-attn is installed). sdpa: on CUDA, packed rows go
+    through variable-length attention (toolkit/runtime/attention/), everything else through sdpa; on CPU packed
+    rows use sdpa with a block-diagonal mask. varlen: the toolkit's attention on any device (on CPU a
+    per-document reference, for tests)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward; turns use_cache off."""
     liger: bool = True
@@ -58,9 +61,12 @@ class DataConfig:
     """Column with the class for seq_cls."""
     messages_field: str = "messages"
     """Column with the conversation, a list of {"role": system|user|assistant|tool, "content": str}."""
-    packing: bool = False
-    """Fill seq_len blocks with whole samples (causal_lm only). Position ids restart per sample, so packed
-    samples do not attend to each other (transformers' packed-sequence masks)."""
+    packing: Union[bool, str] = "auto"  # noqa: UP007 (omegaconf reads typing.Union)
+    """auto, true or false. true: fill seq_len blocks with whole samples (causal_lm only); position ids restart per
+    sample and, on CUDA, each sample attends only within itself through variable-length attention (no padding,
+    no mask). auto: on for causal-LM file data (prompt_response, text, messages), off for synthetic data (rows of
+    full length already) and sequence classification; the run says which and why. Off: batches are grouped by
+    length (as HF's group_by_length) so little is padded."""
     eval_source: str | None = None
     """A held-out file (same format) for the eval loss; tokenized and cached like data.source."""
     eval_fraction: float = 0.0
@@ -256,6 +262,8 @@ class Config:
         self.model.liger_fused_loss = str(self.model.liger_fused_loss).lower()
         c = str(t.compile).lower()  # off/on arrive as booleans too: off -> off, true -> torch
         t.compile = {"false": "off", "true": "torch"}.get(c, c)
+        if isinstance(self.data.packing, str):  # "true"/"false" given as strings (a dotlist of a quoted value)
+            self.data.packing = {"true": True, "false": False}.get(self.data.packing.lower(), self.data.packing.lower())
         checks = [
             (self.model.liger_fused_loss in ("auto", "true", "false"),
              f"model.liger_fused_loss must be auto, true or false, got {self.model.liger_fused_loss!r}"),
@@ -278,11 +286,13 @@ class Config:
             (t.lr > 0, "train.lr must be > 0"),
             (len(t.betas) == 2, "train.betas must have two values"),
             (self.model.task in ("causal_lm", "seq_cls"), f"model.task must be causal_lm or seq_cls, got {self.model.task!r}"),
-            (self.model.attn_implementation in ("eager", "sdpa", "flash_attention_2"),
-             f"model.attn_implementation must be eager, sdpa or flash_attention_2, got {self.model.attn_implementation!r}"),
+            (self.model.attn_implementation in ("eager", "sdpa", "varlen", "flash_attention_2"),
+             "model.attn_implementation must be eager, sdpa, varlen or flash_attention_2, "
+             f"got {self.model.attn_implementation!r}"),
             (self.data.seq_len >= 8, "data.seq_len must be >= 8"),
             (self.data.num_samples >= 1, "data.num_samples must be >= 1"),
-            (not (self.data.packing and self.model.task != "causal_lm"), "data.packing needs model.task=causal_lm"),
+            (self.data.packing in (True, False, "auto"), f"data.packing must be auto, true or false, got {self.data.packing!r}"),
+            (not (self.data.packing is True and self.model.task != "causal_lm"), "data.packing needs model.task=causal_lm"),
             (self.data.format in ("auto", "prompt_response", "text", "messages"),
              f"data.format must be auto, prompt_response, text or messages, got {self.data.format!r}"),
             (not (self.data.format == "messages" and self.model.task != "causal_lm"),
@@ -300,6 +310,18 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def packing(cfg: Config) -> tuple[bool, str]:
+    """(pack this run's rows, why): data.packing with auto resolved."""
+    d, task = cfg.data, cfg.model.task
+    if d.packing is not True and d.packing is not False:  # auto
+        if task != "causal_lm":
+            return False, f"data.packing=auto: off for {task} (one label per row)"
+        if d.source == "synthetic":
+            return False, "data.packing=auto: off for synthetic data (every row is seq_len long)"
+        return True, "data.packing=auto: on for causal-LM file data"
+    return bool(d.packing), f"data.packing={str(d.packing).lower()}"
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -64,7 +64,8 @@ def count_params(model: Any) -> tuple[int, int]:
 
 
 class TokenCounter:
-    """Counts the real (non-pad) tokens and the samples this rank trains on.
+    """Counts the real (non-pad) tokens, the positions computed (tokens + padding) and the samples this rank
+    trains on; padding waste = 1 - tokens / positions.
 
     The token sum stays a tensor on the batch's device: reading it (`tokens`) synchronizes, so it is
     read on log steps only, never per micro-batch.
@@ -72,11 +73,13 @@ class TokenCounter:
 
     def __init__(self) -> None:
         self._tokens: Any = 0
+        self.positions = 0
         self.samples = 0
 
     def add(self, batch: dict[str, Any]) -> None:
         mask = batch.get("attention_mask")
         pos = batch.get("position_ids")
+        self.positions += int(batch["input_ids"].numel())
         if mask is None and pos is not None:  # packed blocks: a pad is a position 0 not followed by 1
             import torch
 
@@ -119,7 +122,7 @@ class MetricsLogger:
 
     def __post_init__(self) -> None:
         self._t0 = self._last_t = time.perf_counter()
-        self._last_tokens = self._last_samples = 0
+        self._last_tokens = self._last_samples = self._last_positions = 0
         self._last_step = 0
         self._bar: Any = None
         self._tb: Any = None
@@ -143,6 +146,7 @@ class MetricsLogger:
         self._t0 = self._last_t = time.perf_counter()
         self._last_step = step
         self._last_tokens, self._last_samples = self.counter.tokens, self.counter.samples
+        self._last_positions = self.counter.positions
         if not self.is_main:
             return
         ready = "" if self._engine_t0 is None else f"engine ready in {self._t0 - self._engine_t0:.1f} s; "
@@ -168,11 +172,12 @@ class MetricsLogger:
         reduced in the same all-reduce as the counts (one host sync per log line).
         """
         now = time.perf_counter()
-        seen_tokens, seen_samples = self.counter.tokens, self.counter.samples
+        seen_tokens, seen_samples, seen_positions = self.counter.tokens, self.counter.samples, self.counter.positions
         # every rank decides alike (report_to is the same everywhere), so the vectors have one length
         reading = self.memory_reading() if self.memory_reading and trackers.external(self.report_to) else None
-        tokens, samples, summed, *slots = dist.all_reduce_sum(
-            [float(seen_tokens - self._last_tokens), float(seen_samples - self._last_samples), float(loss),
+        tokens, samples, positions, summed, *slots = dist.all_reduce_sum(
+            [float(seen_tokens - self._last_tokens), float(seen_samples - self._last_samples),
+             float(seen_positions - self._last_positions), float(loss),
              *trackers.memory_slots(reading, dist.rank(), dist.world_size())]
         )
         if loss_scale is not None:
@@ -191,12 +196,14 @@ class MetricsLogger:
             "grad_norm": None if grad_norm is None else float(grad_norm),
             "tokens_per_s": tokens_per_s,
             "samples_per_s": samples / dt,
+            # pad positions / computed positions in this window: what the batching (packing, length groups) wastes
+            "padding_waste": 1 - tokens / positions if positions else None,
             "mfu": mfu,
             "step_time_s": dt / max(step - self._last_step, 1),
             "elapsed_s": now - self._t0,
         }
         self._last_t, self._last_step = now, step
-        self._last_tokens, self._last_samples = seen_tokens, seen_samples
+        self._last_tokens, self._last_samples, self._last_positions = seen_tokens, seen_samples, seen_positions
         if not self.is_main:
             return rec  # every rank sees the reduced line (first-loss checks decide alike everywhere)
         with (self.run_dir / "metrics.jsonl").open("a") as f:

@@ -132,6 +132,8 @@ def throughput_summary(data: RunData) -> tuple[str, list[str]]:
     rows.append(["median MFU (excl. first step)", "-" if mfu is None else f"{100 * mfu:.1f}%"])
     rows.append(["median samples/s (excl. first step)", _fmt(med("samples_per_s"), 2)])
     rows.append(["median step time s (excl. first step)", _fmt(med("step_time_s"), 3)])
+    waste = med("padding_waste")
+    rows.append(["padding (pad / computed positions)", "-" if waste is None else f"{100 * waste:.1f}%"])
     rows.append(
         ["first loss", "-" if first_loss is None else f"{first_loss['loss']:.4f} (step {first_loss['step']})"]
     )

@@ -3,7 +3,7 @@
 Layout, as TensorBoard shows it (`tensorboard --logdir RUN_DIR/tb`):
 
     tb/          training scalars, written by rank 0 only: train/loss, train/lr, train/grad_norm,
-                 train/tokens_per_s, train/samples_per_s, train/step_time_s, train/mfu
+                 train/tokens_per_s, train/samples_per_s, train/step_time_s, train/mfu, train/padding_waste
     tb/rank{N}/  that rank's memory: memory/allocated_gib, memory/peak_allocated_gib,
                  memory/nvml_used_gib, memory/host_rss_gib
 
@@ -33,6 +33,7 @@ TRAIN_TAGS = {
     "samples_per_s": "train/samples_per_s",
     "step_time_s": "train/step_time_s",
     "mfu": "train/mfu",
+    "padding_waste": "train/padding_waste",
 }
 EVAL_TAGS = {"eval_loss": "eval/loss", "eval_ppl": "eval/perplexity"}
 # memory snapshot key -> tag. Null values (GPU fields on CPU) are left out, not written as NaN.

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from toolkit.config.ds_config import ConfigError
-from toolkit.config.schema import Config
+from toolkit.config.schema import Config, packing
 from toolkit.launch import dist
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ def key_of(inputs: RunInputs, gpu: str) -> dict[str, Any]:
     """Everything that changes the answer; a record made under another key is not reused."""
     cfg, ds, world = inputs.cfg, inputs.ds_raw, inputs.world_size
     m, t = cfg.model, cfg.train
-    return {"model": m.name, "seq_len": cfg.data.seq_len, "packing": cfg.data.packing, "task": m.task,
+    return {"model": m.name, "seq_len": cfg.data.seq_len, "packing": packing(cfg)[0], "task": m.task,
             "attn": m.attn_implementation, "grad_ckpt": m.gradient_checkpointing, "liger": m.liger,
             "fused_loss": m.liger_fused_loss, "lora": cfg.lora.enabled and [cfg.lora.r, *cfg.lora.target_modules],
             "precision": t.precision, "fp8_recipe": t.fp8_recipe if t.precision == "fp8" else None,

@@ -23,10 +23,11 @@ Bad rows get one line each kind, with counts: an unknown role or a malformed con
 before training; samples longer than seq_len are truncated (said, with the count), and those left with
 nothing to learn are dropped (said, with the count).
 
-Packing (`data.packing=true`) fills seq_len blocks with whole samples, in order, never splitting one, and
-records each sample's length: the collator turns that into position ids that restart at 0 per sample,
-which transformers reads as separate sequences (its mask for sdpa/eager and flash-attention's varlen
-path), so packed samples neither attend to each other nor share positions.
+Packing (`data.packing`, on by default for causal-LM files) fills seq_len blocks with whole samples, never
+splitting one (best-fit decreasing within each map batch of 4,000 rows), and records each sample's length:
+the collator turns that into position ids that restart at 0 per sample and, on CUDA, document boundaries
+for variable-length attention (toolkit/runtime/attention/), so packed samples neither attend to each
+other nor share positions.
 """
 
 from __future__ import annotations
@@ -43,11 +44,11 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.config.ds_config import ConfigError
-from toolkit.config.schema import Config
+from toolkit.config.schema import Config, packing
 from toolkit.launch import dist
 
 IGNORE_INDEX = -100
-CACHE_VERSION = 1  # bump when the stored layout or the tokenization rules change
+CACHE_VERSION = 2  # bump when the stored layout or the tokenization rules change
 ROLES = ("system", "user", "assistant", "tool")
 DONE = "toolkit_cache.json"  # written last into a built cache: its presence means complete
 KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
@@ -95,7 +96,7 @@ def cache_key(cfg: Config, path: Path, fmt: str, tokenizer: Any) -> dict[str, An
     d = cfg.data
     return {"version": CACHE_VERSION, "file": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
             "tokenizer": tokenizer_identity(tokenizer), "format": fmt, "task": cfg.model.task, "seq_len": d.seq_len,
-            "packing": d.packing, "fields": [d.prompt_field, d.response_field, d.text_field, d.label_field,
+            "packing": packing(cfg)[0], "fields": [d.prompt_field, d.response_field, d.text_field, d.label_field,
                                              d.messages_field]}
 
 
@@ -218,30 +219,40 @@ class Tokenize:
 
 
 def pack_batch(batch: dict[str, list[Any]], block: int) -> dict[str, list[Any]]:
-    """Whole samples into blocks of at most `block` tokens, in order (a batched map: blocks never cross a
-    map batch, which costs one part-filled block per batch). Each sample's first label becomes -100: it
-    would be predicted from the previous sample's last position."""
-    out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "seq_lens": []}
-    ids: list[int] = []
-    labels: list[int] = []
-    lens: list[int] = []
+    """Whole samples into blocks of at most `block` tokens (a batched map: blocks never cross a map batch).
+
+    Best-fit decreasing: the longest sample first, each into the fullest block it fits. Filling blocks in
+    file order left half a sample of padding per block (about 3% of a 2,048-token block for rows of ~120
+    tokens); this leaves padding mostly in a map batch's last blocks. Within a block the samples keep their
+    file order. Each sample's first label becomes -100: it would be predicted from the previous sample's
+    last position."""
+    import bisect
+
     status = batch.get("status") or [OK] * len(batch["input_ids"])
-    for x, y, s in zip(batch["input_ids"], batch["labels"], status, strict=True):
-        if s > TRUNCATED:
-            continue
-        if ids and len(ids) + len(x) > block:
-            out["input_ids"].append(ids)
-            out["labels"].append(labels)
-            out["seq_lens"].append(lens)
-            ids, labels, lens = [], [], []
-        ids.extend(x)
-        labels.append(IGNORE_INDEX)
-        labels.extend(y[1:])
-        lens.append(len(x))
-    if ids:
+    keep = [i for i, s in enumerate(status) if s <= TRUNCATED]
+    sizes = {i: len(batch["input_ids"][i]) for i in keep}
+    bins: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (space left, block number), sorted
+    for i in sorted(keep, key=lambda i: (-sizes[i], i)):
+        j = bisect.bisect_left(room, (sizes[i], -1))
+        if j < len(room):
+            left, b = room.pop(j)
+        else:
+            left, b = block, len(bins)
+            bins.append([])
+        bins[b].append(i)
+        bisect.insort(room, (left - sizes[i], b))
+    out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "seq_lens": []}
+    for members in bins:
+        ids: list[int] = []
+        labels: list[int] = []
+        for i in sorted(members):
+            ids.extend(batch["input_ids"][i])
+            labels.append(IGNORE_INDEX)
+            labels.extend(batch["labels"][i][1:])
         out["input_ids"].append(ids)
         out["labels"].append(labels)
-        out["seq_lens"].append(lens)
+        out["seq_lens"].append([sizes[i] for i in sorted(members)])
     return out
 
 
@@ -393,7 +404,7 @@ def build(cfg: Config, path: Path, fmt: str, key: dict[str, Any], tokenizer: Any
         if status[OK] + status[TRUNCATED] < len(ds):
             index = "kept.npy"
             np.save(out / index, np.flatnonzero(per_row <= TRUNCATED))
-        if d.packing:  # packing reads the rows in order anyway: it skips those rows itself, and needs no index
+        if packing(cfg)[0]:  # packing reads the rows in order anyway: it skips those rows itself, and needs no index
             ds = ds.map(pack_batch, batched=True, batch_size=4000, num_proc=procs, fn_kwargs={"block": d.seq_len},
                         remove_columns=ds.column_names, features=_features(cfg.model.task, True),
                         cache_file_name=str(out / "packed.arrow"), writer_batch_size=WRITER_BATCH,

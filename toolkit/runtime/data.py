@@ -173,6 +173,10 @@ class Collator:
 
     pad_id: int
     task: str = "causal_lm"
+    boundaries: bool = False
+    """Packed rows also carry their documents' boundaries for variable-length attention: cu_seq_lens_q/k
+    (int32 offsets over the flattened batch; the padding after a row's last document is one more segment)
+    and max_length_q/k (a Python int, so no forward waits for the device to find it)."""
     drop_full_mask: bool = False
     """Training batches: leave attention_mask out when nothing is padded, so causal models run SDPA's
     causal kernel without building a mask or checking it on the host (transformers calls
@@ -216,7 +220,29 @@ class Collator:
             ids[i, :n] = torch.tensor(b["input_ids"])
             labels[i, :n] = torch.tensor(b["labels"])
             pos[i, :n] = torch.cat([torch.arange(k) for k in b["seq_lens"]])
-        return {"input_ids": ids, "labels": labels, "position_ids": pos}
+        out = {"input_ids": ids, "labels": labels, "position_ids": pos}
+        if self.boundaries:
+            out |= document_boundaries([list(b["seq_lens"]) for b in batch], width)
+        return out
+
+
+def document_boundaries(seq_lens: list[list[int]], width: int) -> dict[str, Any]:
+    """The keywords transformers' varlen attention paths read (its DataCollatorWithFlattening writes the same),
+    for rows of `width` positions holding these documents, each row's padding one more segment."""
+    segments: list[int] = []
+    for lens in seq_lens:
+        segments.extend(lens)
+        if width > sum(lens):
+            segments.append(width - sum(lens))
+    cu = torch.zeros(len(segments) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(segments, dtype=torch.int32).cumsum(0)
+    longest = max(segments)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+def to_device(batch: dict[str, Any], device: Any) -> dict[str, Any]:
+    """A collated batch on `device`: its tensors moved, its Python values (max_length_q/k) kept."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 class EpochOrder(Sampler[int]):
@@ -224,10 +250,16 @@ class EpochOrder(Sampler[int]):
 
     The HF Trainer gets this as its sampler (Accelerate then deals batch i to rank i % world);
     the raw loop deals the same way through `ShardedBatches`, so both paths see identical batches.
+
+    With `lengths` (rows not packed), each epoch's permutation is grouped by length the way HF's
+    `group_by_length` does it (transformers' `get_length_grouped_indices`: megabatches of up to 50 rounds
+    of `group` samples, each sorted longest first, the longest sample in the first batch), so a
+    micro-batch pads to a length close to each of its rows'.
     """
 
-    def __init__(self, n: int, seed: int, shuffle: bool) -> None:
+    def __init__(self, n: int, seed: int, shuffle: bool, lengths: Any = None, group: int = 1) -> None:
         self.n, self.seed, self.shuffle, self.epoch = n, seed, shuffle, 0
+        self.lengths, self.group = lengths, group
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -237,6 +269,11 @@ class EpochOrder(Sampler[int]):
         if not self.shuffle:
             return torch.arange(self.n)
         g = torch.Generator().manual_seed(self.seed + epoch)
+        if self.lengths is not None:
+            from transformers.trainer_pt_utils import get_length_grouped_indices
+
+            return torch.as_tensor(get_length_grouped_indices(self.lengths, self.group, generator=g),
+                                   dtype=torch.int64)
         return torch.randperm(self.n, generator=g)
 
     def __iter__(self) -> Iterator[int]:
@@ -244,6 +281,21 @@ class EpochOrder(Sampler[int]):
 
     def __len__(self) -> int:
         return self.n
+
+
+def row_lengths(rows: Rows) -> Any:
+    """Tokens per row as a numpy array, read from the Arrow column without touching the rows (None for
+    synthetic rows: they all have one length)."""
+    import numpy as np
+
+    if isinstance(rows.base, list):
+        return None
+    import pyarrow.compute as pc
+
+    lengths = pc.list_value_length(rows.base.data.column("input_ids")).to_numpy()
+    if rows.index is not None:
+        lengths = lengths[np.asarray(rows.index)]
+    return lengths[: len(rows)]
 
 
 class ShardedBatches(Sampler[list[int]]):

@@ -17,6 +17,7 @@ import torch
 
 from toolkit.launch import dist
 from toolkit.runtime.corpus import IGNORE_INDEX
+from toolkit.runtime.data import to_device
 
 
 def rank_batches(n: int, micro: int, rank: int, world: int) -> list[list[int]]:
@@ -44,7 +45,7 @@ def evaluate(engine: Any, rows: Sequence[dict[str, Any]], collate: Any, micro: i
     try:
         for idx in rank_batches(len(rows), micro, dist.rank(), dist.world_size()):
             samples = [rows[i] for i in idx] if idx != [-1] else [_masked(rows[0], task)]
-            b = {k: v.to(device, non_blocking=True) for k, v in collate(samples).items()}
+            b = to_device(collate(samples), device)
             if task == "seq_cls":
                 labels = b.pop("labels")
                 logits = engine(**b).logits.float()

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from toolkit.config.ds_config import ConfigError, zero_stage
+from toolkit.config.schema import packing
 from toolkit.launch import dist
 from toolkit.observe import breakdown, console
 from toolkit.observe.memory import MemoryCallback, MemoryMonitor
@@ -32,7 +33,7 @@ from toolkit.observe.metrics import (
 )
 from toolkit.observe.profiling import StepProfiler
 from toolkit.plan.speedups import leaves_blocked
-from toolkit.runtime import autotune, fp8, integrity, kernels, resume, watchdog
+from toolkit.runtime import attention, autotune, fp8, integrity, kernels, resume, watchdog
 from toolkit.runtime import compile as compiling
 from toolkit.runtime.checkpoint import (
     DEFAULT_RUN_DIR,
@@ -55,7 +56,9 @@ from toolkit.runtime.data import (
     ShardedBatches,
     build_rows,
     even_rows,
+    row_lengths,
     steps_per_epoch,
+    to_device,
 )
 from toolkit.runtime.evaluate import evaluate
 from toolkit.runtime.guards import NonFiniteError, NonFiniteGuard
@@ -80,6 +83,7 @@ def run(p: RunSpec) -> int:
     compiled, compile_why = compiling.decide(cfg, p.ds, zero_stage(p.ds), p.total_steps, bool(p.fp8))
     linear_note = compiling.plain_linear(p.ds) if compiled and zero_stage(p.ds) == 3 else None
     liger = kernels.choice_for(cfg, p.model_config.model_type, zero_stage(p.ds), compiled)
+    attn = attention.for_run(cfg)
     refused = _claim_run_dir(p)
     if refused is None:  # heartbeats from here on: a rank that dies, stops or hangs ends the job everywhere
         watchdog.start(p.run_dir, cfg.train.heartbeat_timeout_s, cfg.train.collective_timeout_s)
@@ -94,6 +98,7 @@ def run(p: RunSpec) -> int:
         return 1
     if rank == 0:
         print(liger.describe(), flush=True)
+        print(f"{packing(cfg)[1]}; {attn.note}", flush=True)
         if not compiled:
             print(f"torch.compile: off ({compile_why})", flush=True)
         if linear_note:
@@ -101,6 +106,8 @@ def run(p: RunSpec) -> int:
         write_run_files(p.run_dir, cfg, p.ds, {"world_size": p.world_size, "precision": p.precision,
                                                "adapter_autocast": p.adapter_autocast, "path": cfg.train.path,
                                                "liger": liger.kwargs, "liger_note": liger.describe(),
+                                               "packing": packing(cfg)[0], "attention": attn.implementation,
+                                               "attention_note": attn.note,
                                                "compile": compiled, "compile_note": compile_why, "fp8": p.fp8})
         write_status(p.run_dir, "running")
         note = breakdown.copy_plan(cfg.train.plan, p.run_dir)
@@ -115,7 +122,7 @@ def run(p: RunSpec) -> int:
     dist.barrier()
     try:
         with console.rank_log(p.run_dir, rank):  # the traceback goes to logs/rank{N}.log
-            rc = _run(p, liger, (compiled, compile_why))
+            rc = _run(p, liger, attn, (compiled, compile_why))
     except CheckpointError as e:  # a save that could not happen: the same one line on every rank
         watchdog.failing(e)
         if rank == 0:
@@ -144,7 +151,7 @@ def _claim_run_dir(p: RunSpec) -> str | None:
     return error
 
 
-def _run(p: RunSpec, liger: Any, compiled: tuple[bool, str]) -> int:
+def _run(p: RunSpec, liger: Any, attn: attention.AttentionPlan, compiled: tuple[bool, str]) -> int:
     cfg = p.cfg
     rank = dist.rank()
     # Python/NumPy/torch RNGs: dropout and PEFT's LoRA init draw from them. The HF Trainer seeds on
@@ -161,17 +168,23 @@ def _run(p: RunSpec, liger: Any, compiled: tuple[bool, str]) -> int:
 
     autotune.inject_fault_for_tests(cfg.train.micro_batch_size)
     keep_alive = _deepspeed_config_alive(p)  # must exist before the model under ZeRO-3
-    model = build_model(cfg, p.model_config, frozen_bf16=p.adapter_autocast)
+    model = build_model(cfg, p.model_config, frozen_bf16=p.adapter_autocast, attn=attn.implementation)
     kernels.apply(model, liger)
     _fp8_and_compile(p, model, *compiled)
     metrics = _metrics_logger(p, model)
     metrics.memory_reading = mem.reading  # every rank's memory for wandb / mlflow (metrics.report_to)
     mem.phase_boundary("model_loaded", 0)
-    collator = Collator(pad_id=pad_id, task=cfg.model.task, drop_full_mask=True)
-    order = EpochOrder(len(rows), cfg.train.seed, cfg.data.shuffle)
+    collator = Collator(pad_id=pad_id, task=cfg.model.task, drop_full_mask=True, boundaries=attn.boundaries)
+    lengths = None if packing(cfg)[0] or not cfg.data.shuffle else row_lengths(rows)
+    if lengths is not None and rank == 0:
+        print("batches grouped by length (as HF's group_by_length): rows of similar length share a micro-batch",
+              flush=True)
+    order = EpochOrder(len(rows), cfg.train.seed, cfg.data.shuffle, lengths=lengths,
+                       group=cfg.train.micro_batch_size * p.world_size)
     state = {"phase": "engine_ready", "step": 0, "preempt": Preemption(), "preempted": False,
              # the loss on this batch is recorded at every save and checked after every resume
-             "fixed_batch": resume.fixed_batch(rows, Collator(pad_id=pad_id, task=cfg.model.task)),
+             "fixed_batch": resume.fixed_batch(rows, Collator(pad_id=pad_id, task=cfg.model.task,
+                                                              boundaries=attn.boundaries)),
              "profiler": StepProfiler(p.run_dir, rank, list(cfg.train.profile_steps)),
              "eval": _evaluator(p, eval_rows, collator, metrics)}
     watchdog.follow(lambda: (state["phase"], state["step"]))
@@ -525,7 +538,7 @@ def _run_raw(p: RunSpec, model: Any, dataset: ListDataset, collator: Collator, o
         n_items = _label_count(batches, device) if causal else None
         acc = torch.zeros((), device=device)
         for b in batches:
-            b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
+            b = to_device(b, device)
             if causal:
                 # Token-level mean over the whole accumulation window and all ranks, the same
                 # normalization the HF Trainer uses (model returns sum/n_items; DeepSpeed then

@@ -14,7 +14,7 @@ from typing import Any
 
 from toolkit.config.ds_config import ConfigError
 from toolkit.config.models import PRESETS, SPECIAL_IDS
-from toolkit.config.schema import Config
+from toolkit.config.schema import Config, packing
 
 
 def is_preset(name: str) -> bool:
@@ -42,7 +42,7 @@ def model_config(cfg: Config) -> Any:
     # No KV cache in training forwards under checkpointing or packing: transformers only reads packed position
     # ids as separate sequences when no cache is passed (masking_utils._preprocess_mask_arguments), and a
     # training forward builds one whenever config.use_cache is on. generate() asks for its own cache.
-    mc.use_cache = not (cfg.model.gradient_checkpointing or cfg.data.packing)
+    mc.use_cache = not (cfg.model.gradient_checkpointing or packing(cfg)[0])
     limit = getattr(mc, "max_position_embeddings", None) or getattr(mc, "n_positions", None)
     if limit is not None and cfg.data.seq_len > limit:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is above the model's maximum of {limit} positions")
@@ -67,8 +67,11 @@ def build_tokenizer(cfg: Config) -> Any | None:
     return tok
 
 
-def build_model(cfg: Config, mc: Any, frozen_bf16: bool = False) -> Any:
+def build_model(cfg: Config, mc: Any, frozen_bf16: bool = False, attn: str | None = None) -> Any:
     """Build (random init from a preset, or from_pretrained from a directory), then LoRA/checkpointing.
+
+    attn: the attention implementation to build with (toolkit/runtime/attention `for_run`); default
+    model.attn_implementation.
 
     frozen_bf16 (LoRA under adapter autocast, see ds_config.adapter_autocast): every parameter that
     does not train becomes bf16, the adapters stay fp32. Buffers keep their dtype (rotary inv_freq).
@@ -77,7 +80,7 @@ def build_model(cfg: Config, mc: Any, frozen_bf16: bool = False) -> Any:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     auto = AutoModelForSequenceClassification if cfg.model.task == "seq_cls" else AutoModelForCausalLM
-    kwargs = dict(attn_implementation=cfg.model.attn_implementation, dtype=torch.float32)
+    kwargs = dict(attn_implementation=attn or cfg.model.attn_implementation, dtype=torch.float32)
     if is_preset(cfg.model.name):
         model = _random_init(auto, mc, cfg.train.seed, kwargs)
     else:
@@ -87,6 +90,11 @@ def build_model(cfg: Config, mc: Any, frozen_bf16: bool = False) -> Any:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora.enabled:
         model = apply_lora(cfg, model)
+    if attn is not None:
+        from toolkit.runtime.attention.interface import NAME, watch_boundaries
+
+        if attn == NAME:
+            watch_boundaries(model)
     if frozen_bf16:
         for param in model.parameters():
             if not param.requires_grad:

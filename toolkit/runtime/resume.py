@@ -28,6 +28,7 @@ from toolkit.config.ds_config import ConfigError
 from toolkit.launch import dist
 from toolkit.runtime import integrity
 from toolkit.runtime.checkpoint import COMPLETE, atomic_write, complete_checkpoints
+from toolkit.runtime.data import to_device
 
 # ZeRO-1/2/3 optimizer shards, one per data-parallel rank (bf16_ when DeepSpeed's BF16_Optimizer wrote them).
 _SHARD = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
@@ -216,7 +217,7 @@ def fixed_batch_loss(model: Any, batch: dict[str, Any]) -> float:
     model.eval()
     try:
         with torch.no_grad():
-            loss = model(**{k: v.to(dist.device()) for k, v in batch.items()}).loss
+            loss = model(**to_device(batch, dist.device())).loss
         return float(loss)
     finally:
         model.train(was_training)

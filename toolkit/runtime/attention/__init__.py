@@ -1,0 +1,63 @@
+"""Attention for training: which implementation a run uses, and the kernels behind the toolkit's own.
+
+- `plan(...)` decides, once per run, the `attn_implementation` the model is built with and whether the
+  collator hands packed rows' document boundaries to the model (`AttentionPlan`), and says so in one line.
+- `interface.py` is the toolkit's attention function (variable-length for packed rows, sdpa otherwise),
+  registered with transformers' attention interface so both training paths and every family that
+  supports sdpa use it unchanged.
+- `kernels.py` holds the kernels: torch's varlen flash kernel on CUDA, a per-document reference elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    implementation: str
+    """What the model is built with: sdpa, eager, flash_attention_2, or interface.NAME."""
+    boundaries: bool
+    """Packed batches carry cu_seq_lens_q/k and max_length_q/k (read by the toolkit's and flash-attn's kernels)."""
+    note: str
+    """The run's line about it."""
+
+
+def plan(attn: str, task: str, packing: bool, cuda: bool, varlen_ok: bool) -> AttentionPlan:
+    """attn: model.attn_implementation (eager, sdpa, varlen, flash_attention_2); varlen_ok: torch's varlen
+    kernel is there (CUDA, torch 2.10+)."""
+    from toolkit.runtime.attention.interface import NAME
+
+    if task != "causal_lm" or attn == "eager":
+        why = "eager attention" if attn == "eager" else f"{attn} ({task})"
+        mask = "; packed rows use a block-diagonal mask" if packing else ""
+        return AttentionPlan(attn, False, f"attention: {why}{mask}")
+    if attn == "flash_attention_2":
+        how = "; packed rows through its varlen kernel" if packing else ""
+        return AttentionPlan(attn, packing, f"attention: flash_attention_2 (flash-attn package){how}")
+    if not packing:
+        return AttentionPlan("sdpa", False, "attention: sdpa (causal kernel; rows are not packed)")
+    if attn == "varlen" or (cuda and varlen_ok):
+        kernel = "torch varlen_attn (flash)" if cuda and varlen_ok else "sdpa once per document (reference, not CUDA)"
+        return AttentionPlan(NAME, True, f"attention: packed documents through variable-length attention, {kernel}; "
+                                         "other batches through sdpa")
+    why = "not CUDA" if not cuda else "this torch has no torch.nn.attention.varlen (2.10+)"
+    return AttentionPlan("sdpa", False, f"attention: sdpa; packed rows use a block-diagonal mask ({why})")
+
+
+def for_run(cfg: Any) -> AttentionPlan:
+    """This run's plan (every rank decides the same), with the toolkit's attention registered when it is used."""
+    import torch
+
+    from toolkit.config.schema import packing
+    from toolkit.launch import dist
+    from toolkit.runtime.attention.interface import NAME, register
+    from toolkit.runtime.attention.kernels import varlen_available
+
+    cuda = torch.cuda.is_available() and not dist.on_cpu()
+    p = plan(cfg.model.attn_implementation, cfg.model.task, packing(cfg)[0], cuda,
+             cuda and varlen_available(torch.device("cuda")))
+    if p.implementation == NAME:
+        register()
+    return p
