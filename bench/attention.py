@@ -57,6 +57,7 @@ def _measure(b: int, s: int, rng: random.Random) -> list[dict[str, Any]]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
+    from toolkit.runtime.attention import kernels
     from toolkit.runtime.attention.interface import attention_forward
     from toolkit.runtime.data import document_boundaries
 
@@ -78,6 +79,13 @@ def _measure(b: int, s: int, rng: random.Random) -> list[dict[str, Any]]:
         with sdpa_kernel(getattr(SDPBackend, name)):
             return sdpa(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
 
+    def repeated(kw: dict[str, Any]) -> Any:  # the varlen path as it runs where the kernel cannot take GQA
+        mode, kernels.GQA = kernels.GQA, "repeat"
+        try:
+            return attention_forward(module, q, k, v, None, scaling=DIM ** -0.5, **kw)[0]
+        finally:
+            kernels.GQA = mode
+
     cases: dict[str, Any] = {"sdpa as transformers calls it (enable_gqa)":
                              step(lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True))}
     for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
@@ -94,6 +102,7 @@ def _measure(b: int, s: int, rng: random.Random) -> list[dict[str, Any]]:
         kw = {name: (x.to(dev) if isinstance(x, torch.Tensor) else x) for name, x in kw.items()}
         cases[f"toolkit varlen (docs ~{mean})"] = step(
             lambda kw=kw: attention_forward(module, q, k, v, None, scaling=DIM ** -0.5, **kw)[0])
+        cases[f"toolkit varlen, kv heads repeated (docs ~{mean})"] = step(lambda kw=kw: repeated(kw))
     rows = []
     for name, fn in cases.items():
         try:
@@ -108,9 +117,12 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    from toolkit.runtime.attention.kernels import prepare
+
+    gqa = prepare(torch.device("cuda"))  # what a training run decides before its first forward
     rng = random.Random(0)
     rows = [r for b, s in SHAPES for r in _measure(b, s, rng)]
-    doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+    doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "varlen_kv_heads": gqa, "rows": rows}
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     return 0
 

@@ -22,6 +22,7 @@ def _model(attn: str) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from toolkit.runtime.attention.interface import NAME, register, watch_boundaries
+    from toolkit.runtime.attention.kernels import prepare
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -29,6 +30,7 @@ def _model(attn: str) -> torch.nn.Module:
     model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
     if attn == "varlen":
         register()
+        prepare(torch.device("cuda"))  # as a run does: the varlen kernel's kv-head mode, probed once
         watch_boundaries(model)
         attn = NAME
     model.config._attn_implementation = attn

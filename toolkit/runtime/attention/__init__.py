@@ -53,11 +53,14 @@ def for_run(cfg: Any) -> AttentionPlan:
     from toolkit.config.schema import packing
     from toolkit.launch import dist
     from toolkit.runtime.attention.interface import NAME, register
-    from toolkit.runtime.attention.kernels import varlen_available
+    from toolkit.runtime.attention.kernels import prepare, varlen_available
 
     cuda = torch.cuda.is_available() and not dist.on_cpu()
     p = plan(cfg.model.attn_implementation, cfg.model.task, packing(cfg)[0], cuda,
              cuda and varlen_available(torch.device("cuda")))
     if p.implementation == NAME:
         register()
+        if p.boundaries and cuda:
+            gqa = prepare(dist.device())
+            p = AttentionPlan(p.implementation, p.boundaries, f"{p.note} (kv heads: {gqa})")
     return p

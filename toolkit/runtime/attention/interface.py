@@ -1,32 +1,31 @@
 """The toolkit's attention for causal LMs, registered with transformers' attention interface.
 
-One name (`NAME`) serves every batch a run sees:
-- packed rows from the toolkit's collator carry their documents' boundaries (`cu_seq_lens_q/k`,
-  `max_length_q/k`, the keywords transformers' own flash-attention path reads) and go to variable-length
-  attention: each document attends within itself and no 4-D mask is built;
-- anything else (unpadded rows, padded eval batches, generation) goes to transformers' sdpa function with
-  the mask transformers builds for sdpa, so it computes what `attn_implementation="sdpa"` computes.
+Two names, one attention function:
+- `PACKED`: packed rows from the toolkit's collator, which carry their documents' boundaries
+  (`cu_seq_lens_q/k`, `max_length_q/k`, the keywords transformers' own flash-attention path reads), go
+  to variable-length attention: each document attends within itself. The name has no mask function, so
+  transformers builds no mask for such a batch and does not look for packed sequences in the position
+  ids either (`masking_utils._preprocess_mask_arguments`: a host sync every forward, `.all()` on the device).
+- `NAME`: every other batch (unpadded rows, padded eval batches, generation, packed rows from someone
+  else's collator) goes to transformers' sdpa function with transformers' sdpa mask, so it computes what
+  `attn_implementation="sdpa"` computes.
+A pre-hook on the model picks the name for each forward from its keyword arguments (`watch_boundaries`).
 
 Why not plain sdpa with packed rows: transformers builds a (batch, 1, seq, seq) block-diagonal mask for
-them every forward, and a masked sdpa call cannot use the flash or cuDNN kernels: 7.76 ms against 2.88
-ms for varlen, one llama-1b layer at 16 x 2048 on an H100 (../shared/anchors.md).
-
-The mask function sees no keyword arguments, so a pre-hook on the model records whether this forward
-carries boundaries: a packed batch without them (someone else's collator) still gets the real
-block-diagonal mask, never a causal mask over several documents.
+them every forward, and a masked sdpa call cannot use the flash or cuDNN kernels: 8.05 ms against 3.38 ms
+(varlen) for one llama-1b layer at 16 x 2048, fwd + bwd, on an H100 (bench/results/attention.md).
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 
 from toolkit.runtime.attention.kernels import varlen
 
-NAME = "toolkit_varlen"
-_forward = threading.local()  # this thread's current forward: does it carry document boundaries?
+NAME = "toolkit_sdpa"
+PACKED = "toolkit_varlen"
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -50,36 +49,28 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return out.view(b, s, h, d), None
 
 
-def mask_function(**kw: Any) -> torch.Tensor | None:
-    """transformers' sdpa mask, except where no mask is needed: no padding and either plain causal rows
-    (sdpa's causal kernel) or packed rows whose boundaries reach the attention."""
-    from transformers.masking_utils import causal_mask_function, sdpa_mask
-
-    if kw.get("attention_mask") is None and (kw.get("mask_function") is causal_mask_function
-                                             or getattr(_forward, "boundaries", False)):
-        return None
-    return sdpa_mask(**kw)
-
-
-def _note_boundaries(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    _forward.boundaries = kwargs.get("cu_seq_lens_q") is not None
+def _pick_name(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    want = PACKED if kwargs.get("cu_seq_lens_q") is not None else NAME
+    if module.config._attn_implementation != want:
+        module.config._attn_implementation = want
 
 
 def register() -> None:
-    """Add NAME to transformers' attention and mask interfaces (idempotent)."""
+    """Add both names to transformers' attention interface and NAME to its mask interface (idempotent)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(NAME, attention_forward)
-    AttentionMaskInterface.register(NAME, mask_function)
+    AttentionInterface.register(PACKED, attention_forward)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
 def watch_boundaries(model: torch.nn.Module) -> None:
-    """Pre-hooks on every transformers model inside `model` (the LM and its backbone, under LoRA too):
-    each sees the forward's keyword arguments before the backbone builds its masks."""
+    """Pre-hooks on every transformers model inside `model` (the LM and its backbone, under LoRA too): each
+    forward runs under PACKED when it carries document boundaries, else under NAME."""
     from transformers import PreTrainedModel
 
     for m in model.modules():
         if isinstance(m, PreTrainedModel) and not getattr(m, "_toolkit_boundaries", False):
-            m.register_forward_pre_hook(_note_boundaries, with_kwargs=True)
+            m.register_forward_pre_hook(_pick_name, with_kwargs=True)
             m._toolkit_boundaries = True

@@ -18,18 +18,52 @@ from typing import Any
 
 import torch
 
-# Measured on one H100 (bench/results/attention.md): which sdpa backend the causal, unpadded case prefers.
-# The order is a priority list for torch's dispatcher; a backend that cannot take a call (head size, a
-# mask, GQA) is skipped, so the order never changes what is computed, only which kernel computes it.
-SDPA_PRIORITY: tuple[str, ...] = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+# sdpa's own backend order is kept: for causal rows without a mask transformers calls sdpa with enable_gqa,
+# and that default measured fastest (3.27 ms, one llama-1b layer at 16 x 2048 on an H100, against 3.51 for
+# cuDNN and 5.23 for flash with the kv heads repeated; bench/results/attention.md).
+
+
+GQA = "repeat"
+"""How varlen() hands fewer kv heads to the kernel: set once per process by prepare() before any forward (a
+plain module value, so a compiled layer reads a constant instead of tracing the probe)."""
+
+
+def prepare(device: torch.device) -> str:
+    """Probe the varlen kernel's GQA support on this device (CUDA) and remember it for varlen(); returns it."""
+    global GQA
+    if varlen_available(device):
+        GQA = gqa_mode(device.index if device.index is not None else torch.cuda.current_device())
+    return GQA
 
 
 @cache
-def _varlen_takes_gqa() -> bool:
-    """torch 2.13's varlen_attn repeats kv heads itself (enable_gqa); 2.11's does not."""
+def gqa_mode(device_index: int) -> str:
+    """How torch's varlen kernel gets fewer kv heads than query heads: "enable_gqa" (torch 2.13 has the
+    flag), "native" (flash attention's kernel takes them as they are; torch 2.11's wrapper passes them
+    through), or "repeat" (kv heads repeated first, 4-7x the k/v memory traffic). Probed once per device
+    on a small input, forward and backward, against the repeated result."""
     from torch.nn.attention.varlen import varlen_attn
 
-    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+    if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+        return "enable_gqa"
+    dev = torch.device("cuda", device_index)
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(64, 4, 64, device=dev, dtype=torch.bfloat16, generator=g, requires_grad=True)
+    k, v = (torch.randn(64, 2, 64, device=dev, dtype=torch.bfloat16, generator=g, requires_grad=True) for _ in "kv")
+    cu = torch.tensor([0, 40, 64], device=dev, dtype=torch.int32)
+    try:
+        native = varlen_attn(q, k, v, cu, cu, 40, 40, window_size=(-1, 0))
+        native.sum().backward()
+        grads = [t.grad.clone() for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        rep = varlen_attn(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), cu, cu, 40, 40, window_size=(-1, 0))
+        rep.sum().backward()
+    except (RuntimeError, ValueError):
+        return "repeat"
+    same = torch.allclose(native, rep, atol=1e-2) and all(
+        torch.allclose(a, t.grad, atol=5e-2) for a, t in zip(grads, (q, k, v), strict=True))
+    return "native" if same else "repeat"
 
 
 def varlen_available(device: torch.device) -> bool:
@@ -53,9 +87,9 @@ def varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_l
 
         n_rep = query.shape[1] // key.shape[1]
         extra: dict[str, Any] = {}
-        if n_rep > 1 and _varlen_takes_gqa():
+        if n_rep > 1 and GQA == "enable_gqa":
             extra["enable_gqa"] = True
-        elif n_rep > 1:
+        elif n_rep > 1 and GQA == "repeat":
             key, value = key.repeat_interleave(n_rep, dim=1), value.repeat_interleave(n_rep, dim=1)
         return varlen_attn(query, key, value, cu_seq_lens, cu_seq_lens, max_length, max_length, scale=scale,
                            window_size=(left, 0), **extra)
@@ -81,14 +115,3 @@ def reference_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                                                              scale=scale)
         out[a:b] = o.transpose(0, 1)
     return out
-
-
-def set_sdpa_priority(order: tuple[str, ...] = SDPA_PRIORITY) -> str:
-    """Put the measured order of sdpa backends first, process-wide (once, before any compile traces sdpa).
-    Returns the first backend's name for the run's first lines."""
-    from torch.nn.attention import SDPBackend
-
-    wanted = [int(getattr(SDPBackend, name)) for name in order]
-    current = list(torch._C._get_sdp_priority_order())
-    torch._C._set_sdp_priority_order(wanted + [b for b in current if b not in wanted])
-    return order[0].split("_")[0].lower().replace("cudnn", "cuDNN")
