@@ -47,6 +47,8 @@ WORKLOADS: dict[str, tuple[str, int, int]] = {
 }
 # workload -> the file in --data-dir it trains on (tokenized with DIR/llama's 8k BPE tokenizer); others: synthetic.
 # data100k: 100k prompt/response rows of about 118 tokens; docs: 600 text documents of about 1k-20k tokens.
+SYNTHETIC_OF = {"llama-1b-seq2048-data100k": "llama-1b-seq2048", "qwen2-0.5b-seq2048-data100k": "qwen2-0.5b-seq2048",
+                "llama-1b-seq8192-docs": "llama-1b-seq8192"}  # a real-data workload -> its synthetic twin
 DATA: dict[str, str] = {"llama-1b-seq2048-data100k": "data100k.jsonl", "qwen2-0.5b-seq2048-data100k": "data100k.jsonl",
                         "llama-1b-seq8192-docs": "docs.jsonl"}
 DEFAULT_WORKLOADS = ("gpt2-124m-seq1024", "qwen2-0.5b-seq2048", "llama-1b-seq2048")
@@ -350,9 +352,9 @@ def _markdown(doc: dict[str, Any]) -> str:
              "sequences per optimizer step for every variant. Tokens/s per GPU, median of the timed steps; "
              "ratios against the bare loop (and the hand-tuned bare loop, bare-tuned) of the same workload, stage "
              "and run. MFU is bf16-equivalent (float8 rows count the same FLOPs against the bf16 peak).", "",
-             "| workload | data | ZeRO | GPUs | variant | micro x accum | tokens/s/GPU | vs bare | vs tuned | MFU | padding "
-             "| peak GiB | host GiB | run | code |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| workload | data | ZeRO | GPUs | variant | micro x accum | tokens/s/GPU | vs bare | vs tuned | vs synthetic "
+             "| MFU | padding | peak GiB | host GiB | run | code |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (w, s, o, g), vs in by.items():
         def vs_row(r: dict[str, Any], base_name: str, vs: dict[str, dict[str, Any]] = vs) -> str:
             base_row = vs.get(base_name, {})
@@ -363,6 +365,8 @@ def _markdown(doc: dict[str, Any]) -> str:
         for name, r in vs.items():
             t = r.get("tokens_per_s_per_gpu")
             ratio, tuned = vs_row(r, "bare"), vs_row(r, "bare-tuned")
+            twin = by.get((SYNTHETIC_OF.get(w), s, o, g), {}).get(name)  # the same variant on synthetic rows
+            synth = vs_row(r, name, {name: twin}) if twin else ""
             stage = f"{s}" + (" + opt offload" if o != "none" else "")
             tput = f"{t / 1000:.1f}k" if t else f"failed (rc {r.get('rc')})"
             if t and r.get("repeat_tokens_per_s_per_gpu"):
@@ -372,7 +376,7 @@ def _markdown(doc: dict[str, Any]) -> str:
             host = f"{r['host_rss_gib']:.1f}" if r.get("host_rss_gib") else ""
             pad = f"{100 * r['padding_waste']:.1f}%" if r.get("padding_waste") is not None else ""
             lines.append(f"| {w} | {r.get('data', 'synthetic')} | {stage} | {g} | {name} | {r.get('micro_batch')} x "
-                         f"{r.get('grad_accum')} | {tput} | {ratio} | {tuned} | {mfu} | {pad} | {peak} | {host} | "
+                         f"{r.get('grad_accum')} | {tput} | {ratio} | {tuned} | {synth} | {mfu} | {pad} | {peak} | {host} | "
                          f"{r.get('measured_in', '')} | "
                          f"{doc.get('sources', {}).get(r.get('measured_in'), {}).get('commit', '')} |")
     return "\n".join(lines)
