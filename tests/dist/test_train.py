@@ -93,7 +93,13 @@ def _runs(tmp: Path) -> list[dict]:
     add("raw-file", "zero2", "train.path=raw", f"data.source={data}", f"model.tokenizer={tok}",
         "train.micro_batch_size=2", "train.export=false")
     add("raw-file-epoch", "zero2", "train.path=raw", f"data.source={data}", f"model.tokenizer={tok}",
-        "train.micro_batch_size=2", "train.max_steps=0", "train.export=false")
+        "data.packing=false", "train.micro_batch_size=2", "train.max_steps=0", "train.export=false")
+    # packed by default (data.packing=auto), resumed mid-epoch: the same curve as without the stop
+    packed = ["train.path=raw", f"data.source={data}", f"model.tokenizer={tok}", "data.seq_len=48",
+              "train.micro_batch_size=2", "train.export=false"]
+    add("raw-packed", "zero2", *packed)
+    add("raw-packed-resume", "zero2", *packed, "train.stop_after=3")
+    add("raw-packed-resume", "zero2", *packed, "train.resume=latest")
     add("trainer-file-packed", "zero2", "train.path=trainer", f"data.source={data}", f"model.tokenizer={tok}",
         "data.packing=true", "data.seq_len=16", "train.micro_batch_size=2", "train.export=false")
     # chat rows (loss on the assistant turns), packed, with a held-out eval loss every 2 steps, at ZeRO-3
@@ -105,9 +111,11 @@ def _runs(tmp: Path) -> list[dict]:
                 {"role": "assistant", "content": f"the {['cat', 'dog'][i % 2]} sat on the {['mat', 'log'][i % 3 % 2]}"},
             ]}) + "\n")
     for path in PATHS:
-        add(f"{path}-chat", "zero3", f"train.path={path}", f"data.source={chat}", f"model.tokenizer={tok}",
-            "data.packing=true", "data.seq_len=48", "data.eval_fraction=0.25", "train.eval_every=2",
-            "train.micro_batch_size=2", "train.export=false")
+        for attn in ("sdpa", "varlen"):  # the block-diagonal mask, and the toolkit's attention (CPU reference)
+            add(f"{path}-chat" + ("-varlen" if attn == "varlen" else ""), "zero3", f"train.path={path}",
+                f"data.source={chat}", f"model.tokenizer={tok}", "data.packing=true", "data.seq_len=48",
+                "data.eval_fraction=0.25", "train.eval_every=2", "train.micro_batch_size=2", "train.export=false",
+                f"model.attn_implementation={attn}")
     add("raw-lora-bf16-zero0", "zero0", "train.path=raw", "lora.enabled=true", "train.precision=bf16",
         "train.export=false")
     add("raw-lora-bf16-offload", "zero2_offload", "train.path=raw", "lora.enabled=true", "train.precision=bf16",
@@ -355,6 +363,34 @@ def test_file_data_packing_and_checkpointing_runs(runs: Path) -> None:
     assert file_losses[-1] < file_losses[0]
 
 
+@pytest.mark.timeout(60)
+def test_file_data_packs_by_default_and_resumes_mid_epoch_on_the_same_curve(runs: Path) -> None:
+    ran = json.loads((runs / "raw-packed" / "versions.json").read_text())
+    assert ran["packing"] is True and ran["attention"] == "sdpa", ran  # CPU: the block-diagonal mask
+    assert "data.packing=auto: on for causal-LM file data" in (runs / "launch.log").read_text()
+    full, resumed = metrics(runs / "raw-packed"), metrics(runs / "raw-packed-resume")
+    assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))
+    assert_close([m["loss"] for m in resumed], [m["loss"] for m in full], 1e-5)
+    assert all(0 <= m["padding_waste"] < 0.3 for m in full), full
+    # not packed: batches grouped by length, the padding they leave on record
+    unpacked = json.loads((runs / "raw-file-epoch" / "versions.json").read_text())
+    assert unpacked["packing"] is False
+    assert all(m["padding_waste"] is not None for m in metrics(runs / "raw-file-epoch"))
+
+
+@pytest.mark.timeout(60)
+def test_packed_rows_through_the_toolkits_attention_train_as_through_the_mask(runs: Path) -> None:
+    """ZeRO-3, 2 ranks, fp32, both paths: variable-length attention (its CPU reference, fed the collator's
+    document boundaries) gives the block-diagonal mask's losses and eval losses."""
+    for path in PATHS:
+        ran = json.loads((runs / f"{path}-chat-varlen" / "versions.json").read_text())
+        assert ran["attention"] == "toolkit_sdpa" and ran["packing"] is True, ran
+        lines, ref = metrics(runs / f"{path}-chat-varlen"), metrics(runs / f"{path}-chat")
+        assert_close([m["loss"] for m in lines if "loss" in m], [m["loss"] for m in ref if "loss" in m], 1e-5)
+        assert_close([m["eval_loss"] for m in lines if "eval_loss" in m],
+                     [m["eval_loss"] for m in ref if "eval_loss" in m], 1e-5)
+
+
 @pytest.mark.timeout(120)
 def test_chat_data_is_cached_once_and_the_eval_loss_is_the_same_on_both_paths(runs: Path) -> None:
     evals = {}
@@ -372,9 +408,9 @@ def test_chat_data_is_cached_once_and_the_eval_loss_is_the_same_on_both_paths(ru
     for a, b in zip(evals["raw"], evals["trainer"], strict=True):
         assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-4 * b["eval_loss"], (evals["raw"], evals["trainer"])
     log = (runs / "launch.log").read_text()
-    # one process tokenized chat.jsonl; the second run (same file, tokenizer and settings) reused it
+    # one process tokenized chat.jsonl; the other runs (same file, tokenizer and settings) reused it
     assert len(re.findall(r"data.source: tokenizing \S*chat.jsonl", log)) == 1, log[-3000:]
-    assert len(re.findall(r"data.source: reusing the tokenized cache \S*chat-", log)) == 1
+    assert len(re.findall(r"data.source: reusing the tokenized cache \S*chat-", log)) == 3  # 4 runs on it
     report = subprocess.run([sys.executable, "-m", "toolkit", "report", str(runs / "raw-chat")], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr

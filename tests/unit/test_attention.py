@@ -1,0 +1,117 @@
+"""Attention for packed rows (toolkit/runtime/attention/), packing by default, length-grouped batches and
+padding waste: the decisions and the plumbing, on CPU. The CUDA kernel is tests/gpu/test_gpu_varlen.py's;
+the training runs through both paths are tests/dist/test_train.py's."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+from toolkit.config.ds_config import ConfigError
+from toolkit.config.schema import load_config, packing
+from toolkit.runtime.attention import plan
+from toolkit.runtime.attention.interface import NAME, PACKED, register, watch_boundaries
+from toolkit.runtime.data import Collator, EpochOrder, ShardedBatches, document_boundaries, to_device
+
+
+def test_packing_auto_is_on_for_causal_lm_files_only() -> None:
+    assert packing(load_config(None, ["data.source=x.jsonl"])) == (True, "data.packing=auto: on for causal-LM file data")
+    assert packing(load_config(None, []))[0] is False  # synthetic rows are full length
+    assert packing(load_config(None, ["data.source=x.jsonl", "model.task=seq_cls"]))[0] is False
+    assert packing(load_config(None, ["data.source=x.jsonl", "data.packing=false"])) == (False, "data.packing=false")
+    assert packing(load_config(None, ["data.packing=true"]))[0] is True
+    with pytest.raises(ConfigError, match=r"data\.packing must be auto, true or false"):
+        load_config(None, ["data.packing=sometimes"])
+    with pytest.raises(ConfigError, match=r"data\.packing needs model\.task=causal_lm"):
+        load_config(None, ["data.packing=true", "model.task=seq_cls"])
+
+
+@pytest.mark.parametrize(("attn", "task", "packed", "cuda", "want", "boundaries"), [
+    ("sdpa", "causal_lm", True, True, NAME, True),  # the default on a GPU: varlen for packed rows
+    ("sdpa", "causal_lm", True, False, "sdpa", False),  # CPU: the block-diagonal mask
+    ("sdpa", "causal_lm", False, True, "sdpa", False),  # nothing packed: plain sdpa
+    ("varlen", "causal_lm", True, False, NAME, True),  # asked for: the reference on CPU
+    ("eager", "causal_lm", True, True, "eager", False),
+    ("flash_attention_2", "causal_lm", True, True, "flash_attention_2", True),  # flash-attn reads the boundaries
+    ("sdpa", "seq_cls", False, True, "sdpa", False),
+])
+def test_the_attention_plan(attn: str, task: str, packed: bool, cuda: bool, want: str, boundaries: bool) -> None:
+    p = plan(attn, task, packed, cuda, varlen_ok=cuda)
+    assert (p.implementation, p.boundaries) == (want, boundaries)
+    assert p.note.startswith("attention: ")
+
+
+def test_document_boundaries_make_the_padding_one_more_segment() -> None:
+    kw = document_boundaries([[3, 4], [5]], width=8)
+    assert kw["cu_seq_lens_q"].tolist() == [0, 3, 7, 8, 13, 16] and kw["cu_seq_lens_q"].dtype == torch.int32
+    assert kw["max_length_q"] == kw["max_length_k"] == 5 and isinstance(kw["max_length_q"], int)
+    batch = Collator(pad_id=0, boundaries=True)([{"input_ids": [5] * 7, "labels": [5] * 7, "seq_lens": [3, 4]},
+                                                 {"input_ids": [6] * 5, "labels": [6] * 5, "seq_lens": [5]}])
+    assert batch["cu_seq_lens_q"].tolist() == [0, 3, 7, 12, 14]  # width 7: row 2 is 5 tokens and 2 pads
+    moved = to_device(batch, torch.device("cpu"))
+    assert moved["max_length_q"] == 5 and moved["input_ids"].shape == (2, 7)
+
+
+def _tiny() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+    model = LlamaForCausalLM(cfg).eval()
+    register()
+    model.config._attn_implementation = NAME
+    watch_boundaries(model)
+    return model
+
+
+def test_a_forward_with_boundaries_builds_no_mask_and_one_without_gets_the_real_one() -> None:
+    """Packed forwards run under PACKED (no mask function: transformers skips its packed-sequence search and
+    its host sync); a packed batch without boundaries (another collator) still gets the block-diagonal mask."""
+    import transformers.masking_utils as mu
+
+    model = _tiny()
+    rows = [{"input_ids": [5, 6, 7, 8, 9, 10], "labels": [5, 6, 7, 8, 9, 10], "seq_lens": [2, 4]}]
+    with_b = Collator(pad_id=0, boundaries=True)(rows)
+    without = Collator(pad_id=0)(rows)
+    real = mu.find_packed_sequence_indices
+    with mock.patch.object(mu, "find_packed_sequence_indices", side_effect=real) as search, torch.no_grad():
+        a = model(**{k: v for k, v in with_b.items() if k != "labels"}).logits
+        assert search.call_count == 0 and model.config._attn_implementation == PACKED
+        b = model(input_ids=without["input_ids"], position_ids=without["position_ids"]).logits
+        assert search.call_count == 1 and model.config._attn_implementation == NAME
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # the second document alone: packing kept it apart either way
+        alone = model(input_ids=torch.tensor([[7, 8, 9, 10]])).logits
+    torch.testing.assert_close(a[:, 2:], alone, rtol=1e-5, atol=1e-6)
+
+
+def test_length_groups_deal_every_sample_once_and_pad_far_less() -> None:
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(10, 400, (4000,), generator=g).numpy()
+    grouped = EpochOrder(len(lengths), seed=3, shuffle=True, lengths=lengths, group=16 * 2)
+    plain = EpochOrder(len(lengths), seed=3, shuffle=True)
+    assert sorted(grouped.order(0).tolist()) == list(range(4000))
+    assert grouped.order(0).tolist() == grouped.order(0).tolist() != grouped.order(1).tolist()
+
+    def waste(order: EpochOrder) -> float:
+        tokens = positions = 0
+        for rank in range(2):
+            for batch in ShardedBatches(order, 16, rank, 2):
+                tokens += int(lengths[batch].sum())
+                positions += int(lengths[batch].max()) * len(batch)
+        return 1 - tokens / positions
+
+    assert waste(grouped) < 0.05 < 0.3 < waste(plain)
+
+
+def test_padding_waste_counts_pad_positions_of_packed_and_padded_batches() -> None:
+    from toolkit.observe.metrics import TokenCounter
+
+    c = TokenCounter()
+    c.add(Collator(pad_id=0)([{"input_ids": [5] * 6, "labels": [5] * 6, "seq_lens": [2, 4]},
+                               {"input_ids": [5] * 3, "labels": [5] * 3, "seq_lens": [3]}]))
+    c.add(Collator(pad_id=0)([{"input_ids": [5] * 4, "labels": [5] * 4}, {"input_ids": [5] * 2, "labels": [5] * 2}]))
+    assert (c.tokens, c.positions) == (9 + 6, 12 + 8)
