@@ -115,3 +115,29 @@ def test_padding_waste_counts_pad_positions_of_packed_and_padded_batches() -> No
                                {"input_ids": [5] * 3, "labels": [5] * 3, "seq_lens": [3]}]))
     c.add(Collator(pad_id=0)([{"input_ids": [5] * 4, "labels": [5] * 4}, {"input_ids": [5] * 2, "labels": [5] * 2}]))
     assert (c.tokens, c.positions) == (9 + 6, 12 + 8)
+
+
+def test_the_planner_counts_packed_attention_by_document_length() -> None:
+    from toolkit.plan import planner as pl
+
+    full = pl.Workload(None, 8192, 32)  # type: ignore[arg-type]  # attended() reads only the lengths
+    assert full.attended == 8192
+    assert pl.Workload(None, 8192, 32, doc_len=193).attended == pl.VARLEN_FLOOR_TOKENS  # the kernel's floor
+    assert pl.Workload(None, 8192, 32, doc_len=5000).attended == 5000
+    assert pl.Workload(None, 2048, 32, doc_len=193).attended == 2048  # never above the row
+
+
+def test_plan_doc_len_speeds_up_long_packed_rows_and_refuses_nonsense(capsys) -> None:
+    from toolkit.cli import main
+
+    def tokens(*extra: str) -> float:
+        assert main(["plan", "--model", "llama-1b", "--gpus", "1", "--seq", "8192", "--global-batch", "32",
+                     "--stage", "2", "--json", *extra]) == 0
+        import json
+
+        return json.loads(capsys.readouterr().out)["chosen"]["tokens_per_s_per_gpu"]
+
+    assert tokens("--doc-len", "193") > 1.2 * tokens()
+    assert main(["plan", "--model", "llama-1b", "--gpus", "1", "--seq", "2048", "--global-batch", "32",
+                 "--doc-len", "1"]) == 1  # a config error, as for any other bad input of plan
+    assert "--doc-len must be at least 2 tokens" in capsys.readouterr().err

@@ -92,8 +92,10 @@ def _workload(args: Any) -> tuple[pl.Workload, pl.Hardware]:
     if args.task != shape.task:
         raise ConfigError(f"toolkit plan models {args.model} as {shape.task} (the task the toolkit trains it on), "
                           f"not {args.task}")
+    if args.doc_len is not None and args.doc_len < 2:
+        raise ConfigError(f"--doc-len must be at least 2 tokens, got {args.doc_len}")
     w = pl.Workload(shape, args.seq, args.global_batch, lora, not args.no_liger, args.attn, args.fused_loss,
-                    args.compile, args.fp8_recipe if args.precision == "fp8" else None)
+                    args.compile, args.fp8_recipe if args.precision == "fp8" else None, args.doc_len)
     hw = pl.Hardware(args.gpus, args.nodes, args.gpu_mem, args.host_mem)
     return w, hw
 
@@ -165,7 +167,8 @@ def render(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predictio
     lines = [
         f"toolkit plan: {args.model} ({s.total_params / 1e9:.2f}B parameters, {kind}), {hw.gpus_per_node} GPU(s) x "
         f"{hw.nodes} node(s), {hw.gpu_mem_gib:g} GiB per GPU, {host}",
-        f"sequence {w.seq_len}, global batch {w.global_batch} ({w.global_batch // hw.world} per rank), "
+        f"sequence {w.seq_len}" + (f" packed with documents of {w.doc_len:g} tokens (token-weighted)" if w.doc_len else "")
+        + f", global batch {w.global_batch} ({w.global_batch // hw.world} per rank), "
         f"attention {w.attn}, Liger {'on where supported' if w.liger else 'off'}, train.compile={w.compile} "
         f"(auto: compiled; eager at ZeRO-3 under LoRA), " + (f"float8 matmuls ({w.fp8})" if w.fp8 else "bf16"),
         f"GPU need = predicted peak allocated x {1 + pl.ALLOC_MARGIN:.2f} + {pl.CUDA_CONTEXT_GIB} GiB CUDA context; "
@@ -232,7 +235,7 @@ def plan_json(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predic
                    "world_size": hw.world, "gpu_mem_gib": hw.gpu_mem_gib, "host_mem_gib": hw.host_mem_gib,
                    "lora": None if w.lora is None else {"r": w.lora.r, "targets": list(w.lora.targets)},
                    "liger": w.liger, "fused_loss": w.fused_loss, "attn": w.attn, "compile": w.compile,
-                   "fp8": w.fp8, "task": w.shape.task},
+                   "fp8": w.fp8, "task": w.shape.task, "doc_len": w.doc_len},
         "constants": {"cuda_context_gib": pl.CUDA_CONTEXT_GIB, "alloc_margin": pl.ALLOC_MARGIN,
                       "host_baseline_gib": pl.HOST_BASELINE_GIB},
     }
@@ -337,6 +340,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--fused-loss", choices=("auto", "true", "false"), default="auto",
                    help="model.liger_fused_loss (auto, true: Liger's fused loss where Liger applies; false: off)")
     p.add_argument("--attn", choices=("sdpa", "eager", "flash_attention_2"), default="sdpa")
+    p.add_argument("--doc-len", type=float, default=None,
+                   help="packed rows: the documents' token-weighted mean length, as a run prints it (attention "
+                        "runs within each document); default: full-length rows")
     p.add_argument("--compile", choices=("auto", "off", "torch"), default="auto",
                    help="train.compile (auto: compiled for a run of 200+ steps; eager at ZeRO-3 under LoRA)")
     p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",

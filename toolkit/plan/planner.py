@@ -138,6 +138,14 @@ class Hardware:
         return self.gpus_per_node * self.nodes
 
 
+# Packed rows through the varlen kernel cost about what causal rows of this many tokens cost, however short the
+# documents: one llama-1b layer, fwd + bwd, H100 (bench/results/attention.md), ~120-token documents 3.10 ms at
+# 16 x 2048 (causal sdpa 3.29: T ~ 1,930), 3.14 ms at 4 x 8192 (causal 9.57: T ~ 2,690), 3.35 ms at 1 x 32768
+# (causal 35.86: T ~ 3,060). Measured end to end (real_data.md, run s32): llama-1b seq 2048 on the 100k corpus
+# ran at 67.8k tokens/s; the plan with --doc-len predicts 67.1k, the same as full-length rows.
+VARLEN_FLOOR_TOKENS = 2_600.0
+
+
 @dataclass(frozen=True)
 class Workload:
     shape: ModelShape
@@ -154,6 +162,19 @@ class Workload:
     enough to pay it back). Compiled, Liger keeps its fused loss only and inductor fuses the rest."""
     fp8: str | None = None
     """train.precision=fp8: the float8 recipe (tensorwise, rowwise); None: bf16 matmuls."""
+    doc_len: float | None = None
+    """Packed rows (data.packing): the documents' token-weighted mean length (sum of L^2 / sum of L, what a run
+    prints). Attention then runs within each document (variable-length attention), so its FLOPs per token
+    follow this length instead of seq_len; memory is sdpa's (no mask is built). None: full-length rows."""
+
+    @property
+    def attended(self) -> float:
+        """The 12·L·H·T term's T: seq_len for full-length rows; for packed rows the documents' length, but not
+        below VARLEN_FLOOR_TOKENS (the varlen kernel over short documents costs what causal attention over that
+        many tokens costs) and not above seq_len."""
+        if not self.doc_len:
+            return float(self.seq_len)
+        return min(float(self.seq_len), max(self.doc_len, VARLEN_FLOOR_TOKENS))
 
 
 @dataclass(frozen=True)
@@ -693,7 +714,7 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     tokens per micro-step, ZeRO-3's per-micro-step cost, offload copies, and the CPU Adam step."""
     s = w.shape
     tokens = c.micro_batch * w.seq_len
-    attn = 12.0 * s.num_layers * s.hidden_size * w.seq_len
+    attn = 12.0 * s.num_layers * s.hidden_size * w.attended  # packed documents: their own length (Workload.doc_len)
     flops = 4.0 * p_all + 2.0 * t_all + attn  # toolkit/observe/metrics.py flops_per_token
     if c.grad_ckpt:
         flops += 2.0 * p_all + attn / 3  # one more forward

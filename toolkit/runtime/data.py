@@ -245,6 +245,22 @@ def to_device(batch: dict[str, Any], device: Any) -> dict[str, Any]:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
+def document_note(rows: Rows) -> str | None:
+    """Packed rows of a file: how long their documents are, token-weighted (what attention spans within
+    each document; `toolkit plan --doc-len` takes it). None for rows that are not packed blocks."""
+    if isinstance(rows.base, list) or "seq_lens" not in rows.base.column_names:
+        return None
+    import numpy as np
+    import pyarrow.compute as pc
+
+    lens = pc.list_flatten(rows.base.data.column("seq_lens")).to_numpy().astype(np.float64)
+    if not len(lens):
+        return None
+    weighted = float((lens * lens).sum() / lens.sum())
+    return (f"packed: {len(rows):,} blocks of {len(lens):,} documents, mean {lens.mean():.0f} tokens, "
+            f"token-weighted {weighted:.0f} (toolkit plan --doc-len {weighted:.0f})")
+
+
 class EpochOrder(Sampler[int]):
     """The global sample order: a seeded permutation per epoch (or identity without shuffle).
 

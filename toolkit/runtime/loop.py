@@ -55,6 +55,7 @@ from toolkit.runtime.data import (
     Rows,
     ShardedBatches,
     build_rows,
+    document_note,
     even_rows,
     row_lengths,
     steps_per_epoch,
@@ -175,6 +176,9 @@ def _run(p: RunSpec, liger: Any, attn: attention.AttentionPlan, compiled: tuple[
     metrics.memory_reading = mem.reading  # every rank's memory for wandb / mlflow (metrics.report_to)
     mem.phase_boundary("model_loaded", 0)
     collator = Collator(pad_id=pad_id, task=cfg.model.task, drop_full_mask=True, boundaries=attn.boundaries)
+    note = document_note(rows) if rank == 0 else None
+    if note:
+        print(note, flush=True)
     lengths = None if packing(cfg)[0] or not cfg.data.shuffle else row_lengths(rows)
     if lengths is not None and rank == 0:
         print("batches grouped by length (as HF's group_by_length): rows of similar length share a micro-batch",
