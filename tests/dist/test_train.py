@@ -115,7 +115,12 @@ def _runs(tmp: Path) -> list[dict]:
             add(f"{path}-chat" + ("-varlen" if attn == "varlen" else ""), "zero3", f"train.path={path}",
                 f"data.source={chat}", f"model.tokenizer={tok}", "data.packing=true", "data.seq_len=48",
                 "data.eval_fraction=0.25", "train.eval_every=2", "train.micro_batch_size=2", "train.export=false",
-                f"model.attn_implementation={attn}")
+                f"model.attn_implementation={attn}", "eval.generate=true", "eval.num_prompts=2")
+    # the toolkit's attention with gradient checkpointing and LoRA, against the mask
+    for attn in ("sdpa", "varlen"):
+        add(f"raw-chat-gc-lora-{attn}", "zero2", "train.path=raw", f"data.source={chat}", f"model.tokenizer={tok}",
+            "data.seq_len=48", "train.micro_batch_size=2", "train.export=false", "model.gradient_checkpointing=true",
+            "lora.enabled=true", "lora.target_modules=[q_proj,v_proj]", f"model.attn_implementation={attn}")
     add("raw-lora-bf16-zero0", "zero0", "train.path=raw", "lora.enabled=true", "train.precision=bf16",
         "train.export=false")
     add("raw-lora-bf16-offload", "zero2_offload", "train.path=raw", "lora.enabled=true", "train.precision=bf16",
@@ -372,6 +377,10 @@ def test_file_data_packs_by_default_and_resumes_mid_epoch_on_the_same_curve(runs
     assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))
     assert_close([m["loss"] for m in resumed], [m["loss"] for m in full], 1e-5)
     assert all(0 <= m["padding_waste"] < 0.3 for m in full), full
+    assert "train/padding_waste" in _tb_scalars(runs / "raw-packed" / "tb")
+    report = subprocess.run([sys.executable, "-m", "toolkit", "report", str(runs / "raw-packed")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert re.search(r"padding \(pad / computed positions\)\s+\|?\s*\d+\.\d%", report.stdout), report.stdout
     # not packed: batches grouped by length, the padding they leave on record
     unpacked = json.loads((runs / "raw-file-epoch" / "versions.json").read_text())
     assert unpacked["packing"] is False
@@ -389,6 +398,11 @@ def test_packed_rows_through_the_toolkits_attention_train_as_through_the_mask(ru
         assert_close([m["loss"] for m in lines if "loss" in m], [m["loss"] for m in ref if "loss" in m], 1e-5)
         assert_close([m["eval_loss"] for m in lines if "eval_loss" in m],
                      [m["eval_loss"] for m in ref if "eval_loss" in m], 1e-5)
+        # generation after training (padded prompts: sdpa with its mask under the toolkit's name): the same text
+        gen = [json.loads(x) for x in (runs / f"{path}-chat-varlen" / "generations.jsonl").read_text().splitlines()]
+        ref_gen = [json.loads(x) for x in (runs / f"{path}-chat" / "generations.jsonl").read_text().splitlines()]
+        assert len(gen) == 2 and gen == ref_gen, (gen, ref_gen)
+    assert_close(losses(runs / "raw-chat-gc-lora-varlen"), losses(runs / "raw-chat-gc-lora-sdpa"), 1e-5)
 
 
 @pytest.mark.timeout(120)
@@ -410,7 +424,8 @@ def test_chat_data_is_cached_once_and_the_eval_loss_is_the_same_on_both_paths(ru
     log = (runs / "launch.log").read_text()
     # one process tokenized chat.jsonl; the other runs (same file, tokenizer and settings) reused it
     assert len(re.findall(r"data.source: tokenizing \S*chat.jsonl", log)) == 1, log[-3000:]
-    assert len(re.findall(r"data.source: reusing the tokenized cache \S*chat-", log)) == 3  # 4 runs on it
+    # 4 packed runs at seq 48 share one cache; the 2 gc-lora runs (seq 48, packed) share it too
+    assert len(re.findall(r"data.source: reusing the tokenized cache \S*chat-", log)) == 5
     report = subprocess.run([sys.executable, "-m", "toolkit", "report", str(runs / "raw-chat")], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr

@@ -141,3 +141,30 @@ def test_plan_doc_len_speeds_up_long_packed_rows_and_refuses_nonsense(capsys) ->
     assert main(["plan", "--model", "llama-1b", "--gpus", "1", "--seq", "2048", "--global-batch", "32",
                  "--doc-len", "1"]) == 1  # a config error, as for any other bad input of plan
     assert "--doc-len must be at least 2 tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "varlen"])
+def test_a_packed_batch_is_normalized_as_the_padded_batch_of_the_same_samples(attn: str) -> None:
+    """The loops divide the summed token loss by the label count of the whole window (num_items_in_batch): the
+    same samples packed or padded give the same count and, in fp32, the same loss."""
+    from toolkit.runtime.corpus import pack_batch
+    from toolkit.runtime.loop import _label_count
+
+    model = _tiny()
+    if attn == "sdpa":
+        model.config._attn_implementation = "sdpa"
+    g = torch.Generator().manual_seed(2)
+    samples = []
+    for n in (5, 9, 4, 7, 6):
+        ids = torch.randint(4, 64, (n,), generator=g).tolist()
+        samples.append({"input_ids": ids, "labels": [-100] * 2 + ids[2:]})
+    blocks = pack_batch({"input_ids": [x["input_ids"] for x in samples], "labels": [x["labels"] for x in samples]}, 16)
+    packed = Collator(pad_id=0, boundaries=attn == "varlen")(
+        [{k: blocks[k][i] for k in blocks} for i in range(len(blocks["input_ids"]))])
+    padded = Collator(pad_id=0)(samples)
+    n_packed, n_padded = (_label_count([b], torch.device("cpu")) for b in (packed, padded))
+    assert int(n_packed) == int(n_padded) == sum(len(x["input_ids"]) - 2 for x in samples)  # the unmasked ones
+    with torch.no_grad():
+        a = model(**packed, num_items_in_batch=n_packed).loss
+        b = model(**padded, num_items_in_batch=n_padded).loss
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
