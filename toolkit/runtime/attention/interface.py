@@ -42,6 +42,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if dropout and module.training:
         raise ValueError("variable-length attention runs without attention dropout; set the model's "
                          "attention_dropout to 0 or data.packing=false")
+    extras = [k for k in ("softcap", "s_aux") if kwargs.get(k) is not None]  # Gemma-2's softcapping, GPT-OSS's sinks
+    if extras or not getattr(module, "is_causal", True):
+        what = f"attention with {', '.join(extras)}" if extras else "bidirectional attention"
+        raise ValueError(f"packed rows: this model's {what} is not what the varlen kernel computes; "
+                         "set model.attn_implementation=eager (packed rows then use a mask) or data.packing=false")
     b, h, s, d = query.shape
     # (batch, heads, seq, dim) -> (batch * seq, heads, dim): one copy, as transformers' flash path makes
     q, k, v = (t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (query, key, value))
