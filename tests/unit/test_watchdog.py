@@ -142,3 +142,60 @@ def test_module_functions_are_no_ops_without_a_watchdog() -> None:
     watchdog.step_end()
     watchdog.failing(RuntimeError("x"))
     watchdog.close()
+
+
+@pytest.fixture
+def wd3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Watchdog, TCPStore]]:
+    """Rank 0 of a 3-rank job: rank 1 on this host, rank 2 on another (issue 33's layout)."""
+    port = _port()
+    master = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=10))
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "3"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(Watchdog, "_judge", lambda self: None)
+    dog = Watchdog(tmp_path, heartbeat_timeout_s=2, collective_timeout_s=5, where=lambda: ("train", 3))
+    yield dog, master
+    dog.stop.set()
+
+
+def test_a_peer_its_watchdog_ended_after_a_failure_is_not_blamed_for_a_dead_host(
+        wd3: tuple[Watchdog, TCPStore]) -> None:
+    """Issue 33: node1 (rank 2) dies; rank 1 on this host leaves on the communication error it caused (its
+    watchdog ending it after another rank's failure) before rank 2's heartbeat has run out. The verdict must
+    wait for that heartbeat and name rank 2, with rank 1 as ended after it; it named rank 1, gone."""
+    dog, store = wd3
+    local = {"pid": 999_999, "start": 5.0, "host": dog.host}  # a pid that no longer exists, on this host
+    for n in range(1, 4):  # both peers beat for a while
+        store.set(_PREFIX + "beat/1", json.dumps({**local, "n": n, "step": 3, "phase": "train", "bye": False}))
+        _beat3(store, n)
+        time.sleep(0.3)
+    (dog.run_dir / "logs").mkdir(exist_ok=True)
+    dog._marker(1).write_text(json.dumps({**{k: local[k] for k in ("pid", "start")}, "kind": "watchdog",
+                                          "why": "rank 2 on elsewhere failed (RuntimeError: Connection reset by "
+                                                 "peer) and this rank was still running 39 s later; ending it",
+                                          "lost": {}, "peer": False}))
+    silent = time.monotonic()  # rank 2 beats no more; rank 1's process is gone, with its note
+    time.sleep(0.7)
+    assert dog._lost(time.monotonic()) == {}  # before rank 2's timeout: nobody, and never rank 1
+    while not (lost := dog._lost(time.monotonic())):
+        assert time.monotonic() - silent < 4
+        time.sleep(0.05)
+    assert list(lost) == [2] and "no heartbeat" in lost[2], lost
+    assert list(dog._ended_after(lost)) == [1] and "its watchdog ended it" in dog._ended_after(lost)[1]
+
+
+def test_after_a_communication_error_a_running_rank_waits_for_the_heartbeat(wd3: tuple[Watchdog, TCPStore]) -> None:
+    dog, _ = wd3
+    dog.timeout_s, dog.beat_s = 30.0, 3.0  # the defaults: heartbeat_timeout_s=30
+    assert dog._grace({"rank": 1, "error": "loss is NaN", "peer": False}) == watchdog.FAILED_GRACE_S
+    assert dog._grace({"rank": 1, "error": "Connection reset by peer", "peer": True}) == 39.0  # past the timeout
+    dog.failed_verdict = {"rank": 1, "host": "x", "error": "Connection reset by peer", "peer": True}
+    dog.verdict_seen = time.monotonic() - 20  # 20 s after it: the old 10 s grace would end this rank here
+    assert dog._failed(time.monotonic()) is None
+    dog.verdict_seen = time.monotonic() - 40
+    assert dog._failed(time.monotonic()) == dog.failed_verdict
+
+
+def _beat3(store: TCPStore, n: int) -> None:
+    store.set(_PREFIX + "beat/2", json.dumps({"n": n, "pid": 999_998, "host": "elsewhere", "start": 0.0, "step": 3,
+                                              "phase": "train", "bye": False}))

@@ -19,7 +19,9 @@ MASTER_ADDR:MASTER_PORT (served by rank 0's process). This module uses it for he
   delivered to a stopped process), and the rank exits with EXIT_LOST. The verdict is also written to the
   store, best effort, for ranks whose view lags.
 - failures: a rank that raises publishes a "failed" verdict; a rank that is still running 10 s later (it
-  is stuck, not failing with the others) dumps its stack and exits. Errors every rank raises together
+  is stuck, not failing with the others; after a communication error, heartbeat_timeout_s plus three beats,
+  so that a dead peer's heartbeat names it first) dumps its stack and exits, and peers report it as ended
+  after the failure, not as lost. Errors every rank raises together
   (a NaN, a refused save) finish on their own within that grace. A rank that raises a communication
   error first waits (at most heartbeat_timeout_s) until every peer has beaten since, so that a peer
   that died is named rather than the error it caused.
@@ -188,7 +190,8 @@ class Watchdog:
                 self.log.write(f"--- watchdog, rank {self.rank}: the main thread is leaving with this error:\n"
                                + "".join(traceback.format_exception(exc)))
                 self.log.flush()
-        self._publish("failed", {"rank": self.rank, "host": self.host, "error": f"{type(exc).__name__}: {exc}"[:500]})
+        self._publish("failed", {"rank": self.rank, "host": self.host, "error": f"{type(exc).__name__}: {exc}"[:500],
+                                 "peer": peer})
         # An error of this rank's own (out of memory, NaN, a refused save) is not a peer's doing: leave now.
         while peer and time.monotonic() < began + self.timeout_s + 2 * self.beat_s:
             lost = self._lost(time.monotonic())
@@ -197,7 +200,7 @@ class Watchdog:
             if self._answered_since(began):
                 break
             time.sleep(0.2)
-        self._leave("failed", f"{type(exc).__name__}: {exc}")
+        self._leave("failed", f"{type(exc).__name__}: {exc}", peer=peer)
 
     def close(self) -> None:
         """Every rank after its last collective: stop, and say goodbye (a rank that finishes first is not lost)."""
@@ -209,8 +212,8 @@ class Watchdog:
         self.armed_at = None
         faulthandler.cancel_dump_traceback_later()
 
-    def _leave(self, kind: str, why: str) -> None:
-        self._leave_note(kind, why)
+    def _leave(self, kind: str, why: str, peer: bool = False) -> None:
+        self._leave_note(kind, why, peer=peer)
         self.stop.set()
         bye = json.dumps({**self.me, "n": self.n + 1, "bye": True})
 
@@ -336,7 +339,9 @@ class Watchdog:
                 continue
             if note and note["kind"] == "watchdog":
                 theirs = {int(k): v for k, v in note.get("lost", {}).items()}
-                if theirs and not any(self._alive_to_me(x, now) for x in theirs):
+                if not theirs:  # it ended because another rank failed, or hung: a consequence, said as such
+                    continue
+                if not any(self._alive_to_me(x, now) for x in theirs):
                     lost.update(theirs)
                     continue
             if state == "gone":
@@ -363,17 +368,25 @@ class Watchdog:
         fresh = now - self.view_changed < 3 * self.beat_s
         return fresh and (r == 0 or self._age(r) < 3 * self.beat_s)
 
+    def _grace(self, failure: dict[str, Any]) -> float:
+        """How long after a peer's failure this rank may still be running before it ends itself: FAILED_GRACE_S
+        for an error of the peer's own; for a communication error, which a dead or cut-off rank causes, long
+        enough for that rank's heartbeat to run out first, so the verdict names it and not the rank that only
+        saw its death (a killed host was blamed on a survivor: the survivor ended here after 10 s, before the
+        dead host's 30 s were up, and its peers then found its process gone)."""
+        return max(FAILED_GRACE_S, self.timeout_s + 3 * self.beat_s) if failure.get("peer") else FAILED_GRACE_S
+
     def _failed(self, now: float) -> dict[str, Any] | None:
         """A peer that failed on its own (the store's verdict, or its note when the store is unreachable),
-        FAILED_GRACE_S ago: time enough for this rank to fail the same way, if it is going to."""
-        if self.failed_verdict and now - self.verdict_seen > FAILED_GRACE_S:
+        its grace ago (_grace): time enough for this rank to fail the same way, if it is going to."""
+        if self.failed_verdict and now - self.verdict_seen > self._grace(self.failed_verdict):
             return self.failed_verdict
         ranks = self._ranks()
         for r in self._suspects(now, 3 * self.beat_s):  # a peer that left stops beating
             note = self._note(r, ranks.get(r, {}))
             if note and note["kind"] == "failed":
                 seen = self.notes_seen.setdefault(r, now)
-                if now - seen > FAILED_GRACE_S:
+                if now - seen > self._grace(note):
                     return {"rank": r, "host": ranks.get(r, {}).get("host"), "error": note.get("why")}
         return None
 
@@ -422,9 +435,9 @@ class Watchdog:
         # pid and start time: a restarted container hands out the same pids again
         return note if (note.get("pid"), note.get("start")) == (rec.get("pid"), rec.get("start")) else None
 
-    def _leave_note(self, kind: str, why: str, lost: dict[int, str] | None = None) -> None:
+    def _leave_note(self, kind: str, why: str, lost: dict[int, str] | None = None, peer: bool = False) -> None:
         note = {"pid": self.me["pid"], "start": self.me["start"], "kind": kind, "why": why[:500],
-                "lost": {str(r): w for r, w in (lost or {}).items()}}
+                "lost": {str(r): w for r, w in (lost or {}).items()}, "peer": peer}
         with contextlib.suppress(OSError):
             atomic_write(self._marker(self.rank), json.dumps(note) + "\n")
 
@@ -493,15 +506,33 @@ class Watchdog:
             ranks[0] = {"host": os.environ.get("MASTER_ADDR", "?")}
         hosts = sorted({ranks.get(r, {}).get("host", "?") for r in lost})
         what = "; ".join(f"rank {r} on {ranks.get(r, {}).get('host', '?')}: {why}" for r, why in sorted(lost.items()))
-        line = f"lost {what}; ending the job"
+        after = self._ended_after(lost)
+        line = f"lost {what}; ending the job" + "".join(
+            f"; rank {r} ended after it ({why})" for r, why in sorted(after.items()))
         if not adopted:
             self._publish("lost", {"lost": {str(r): w for r, w in lost.items()}, "by": self.rank})
-        status = {"error": f"lost {what}", "lost_ranks": sorted(lost), "lost_hosts": hosts}
+        status = {"error": f"lost {what}", "lost_ranks": sorted(lost), "lost_hosts": hosts,
+                  "ended_after": {str(r): why for r, why in sorted(after.items())}}
         self._end(EXIT_LOST, line, status, lost, kill=sorted(lost))
+
+    def _ended_after(self, lost: dict[int, str]) -> dict[int, str]:
+        """Peers (not lost) that already left with an error, with why: a communication error, or their watchdog
+        ending them after another rank failed. They are what the lost ranks caused, not a cause."""
+        ranks = self._ranks()
+        out = {}
+        for r in range(self.world):
+            if r == self.rank or r in lost:
+                continue
+            note = self._note(r, ranks.get(r, {}))
+            if note and note["kind"] == "failed" and note.get("peer"):
+                out[r] = f"communication error: {note.get('why', '')[:200]}"
+            elif note and note["kind"] == "watchdog" and not note.get("lost"):
+                out[r] = f"its watchdog ended it: {note.get('why', '')[:200]}"
+        return out
 
     def _act_failed(self, v: dict[str, Any]) -> NoReturn:
         line = (f"rank {v.get('rank')} on {v.get('host')} failed ({v.get('error')}) and this rank was still "
-                f"running {FAILED_GRACE_S:.0f} s later; ending it")
+                f"running {self._grace(v):.0f} s later; ending it")
         self._end(EXIT_LOST, line, None, {})
 
     def _act_hang(self, took_s: float) -> NoReturn:
