@@ -36,6 +36,7 @@ def test_packing_auto_is_on_for_causal_lm_files_only() -> None:
     ("eager", "causal_lm", True, True, "eager", False),
     ("flash_attention_2", "causal_lm", True, True, "flash_attention_2", True),  # flash-attn reads the boundaries
     ("sdpa", "seq_cls", False, True, "sdpa", False),
+    ("varlen", "seq_cls", False, True, "sdpa", False),  # varlen is for causal LMs: sdpa, not an unknown name
 ])
 def test_the_attention_plan(attn: str, task: str, packed: bool, cuda: bool, want: str, boundaries: bool) -> None:
     p = plan(attn, task, packed, cuda, varlen_ok=cuda)
@@ -125,6 +126,7 @@ def test_the_planner_counts_packed_attention_by_document_length() -> None:
     assert pl.Workload(None, 8192, 32, doc_len=193).attended == pl.VARLEN_FLOOR_TOKENS  # the kernel's floor
     assert pl.Workload(None, 8192, 32, doc_len=5000).attended == 5000
     assert pl.Workload(None, 2048, 32, doc_len=193).attended == 2048  # never above the row
+    assert pl.Workload(None, 8192, 32, attn="eager", doc_len=193).attended == 8192  # eager masks: the full row
 
 
 def test_plan_doc_len_speeds_up_long_packed_rows_and_refuses_nonsense(capsys) -> None:

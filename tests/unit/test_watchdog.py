@@ -199,3 +199,24 @@ def test_after_a_communication_error_a_running_rank_waits_for_the_heartbeat(wd3:
 def _beat3(store: TCPStore, n: int) -> None:
     store.set(_PREFIX + "beat/2", json.dumps({"n": n, "pid": 999_998, "host": "elsewhere", "start": 0.0, "step": 3,
                                               "phase": "train", "bye": False}))
+
+
+def test_a_peer_its_watchdog_ended_does_not_keep_the_others_from_ending(wd3: tuple[Watchdog, TCPStore]) -> None:
+    """The other side of the change above: rank 1 ended by its watchdog after rank 2's failure (a NaN, say) is
+    not lost, and not late either, so this rank still ends on that failure after its grace."""
+    dog, store = wd3
+    local = {"pid": 999_999, "start": 5.0, "host": dog.host}
+    for n in range(1, 4):
+        store.set(_PREFIX + "beat/1", json.dumps({**local, "n": n, "step": 3, "phase": "train", "bye": False}))
+        _beat3(store, n)
+        time.sleep(0.3)
+    (dog.run_dir / "logs").mkdir(exist_ok=True)
+    dog._marker(1).write_text(json.dumps({"pid": 999_999, "start": 5.0, "kind": "watchdog", "lost": {}, "peer": False,
+                                          "why": "rank 2 on elsewhere failed (ValueError: loss is NaN) ..."}))
+    dog.failed_verdict = {"rank": 2, "host": "elsewhere", "error": "ValueError: loss is NaN", "peer": False}
+    dog.verdict_seen = time.monotonic() - watchdog.FAILED_GRACE_S - 1
+    for n in range(4, 10):  # rank 2 still beats (it is failing slowly); rank 1 is gone with its note
+        _beat3(store, n)
+        time.sleep(0.3)
+        now = time.monotonic()
+        assert dog._lost(now) == {} and dog._late(now) == [] and dog._failed(now) == dog.failed_verdict

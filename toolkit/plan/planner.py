@@ -172,7 +172,7 @@ class Workload:
         """The 12·L·H·T term's T: seq_len for full-length rows; for packed rows the documents' length, but not
         below VARLEN_FLOOR_TOKENS (the varlen kernel over short documents costs what causal attention over that
         many tokens costs) and not above seq_len."""
-        if not self.doc_len:
+        if not self.doc_len or self.attn == "eager":  # eager attention masks packed rows: the full row's cost
             return float(self.seq_len)
         return min(float(self.seq_len), max(self.doc_len, VARLEN_FLOOR_TOKENS))
 

@@ -384,10 +384,13 @@ class Watchdog:
         ranks = self._ranks()
         for r in self._suspects(now, 3 * self.beat_s):  # a peer that left stops beating
             note = self._note(r, ranks.get(r, {}))
-            if note and note["kind"] == "failed":
+            # its own error, or its watchdog ending it after another failure (the store may never have carried
+            # that failure to this rank)
+            if note and (note["kind"] == "failed" or (note["kind"] == "watchdog" and not note.get("lost"))):
                 seen = self.notes_seen.setdefault(r, now)
                 if now - seen > self._grace(note):
-                    return {"rank": r, "host": ranks.get(r, {}).get("host"), "error": note.get("why")}
+                    return {"rank": r, "host": ranks.get(r, {}).get("host"), "error": note.get("why"),
+                            "peer": note.get("peer", False)}
         return None
 
     def _late(self, now: float) -> list[int]:
@@ -397,7 +400,9 @@ class Watchdog:
         late = []
         for r in self._suspects(now, 3 * self.beat_s):
             note = self._note(r, ranks.get(r, {}))
-            if not (note and note["kind"] != "watchdog"):
+            # a rank that left on its own, or that its watchdog ended naming nobody lost (after another rank's
+            # failure, or a hang), is not late: this rank must still be able to end on that failure or hang
+            if not (note and (note["kind"] != "watchdog" or not note.get("lost"))):
                 late.append(r)
         return late
 

@@ -30,9 +30,10 @@ def plan(attn: str, task: str, packing: bool, cuda: bool, varlen_ok: bool) -> At
     from toolkit.runtime.attention.interface import NAME
 
     if task != "causal_lm" or attn == "eager":
-        why = "eager attention" if attn == "eager" else f"{attn} ({task})"
+        built = "sdpa" if attn == "varlen" else attn  # varlen is for causal LMs; others read sdpa as asked
+        why = "eager attention" if attn == "eager" else f"{built} ({task})"
         mask = "; packed rows use a block-diagonal mask" if packing else ""
-        return AttentionPlan(attn, False, f"attention: {why}{mask}")
+        return AttentionPlan(built, False, f"attention: {why}{mask}")
     if attn == "flash_attention_2":
         how = "; packed rows through its varlen kernel" if packing else ""
         return AttentionPlan(attn, packing, f"attention: flash_attention_2 (flash-attn package){how}")
