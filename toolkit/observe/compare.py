@@ -19,6 +19,8 @@ from toolkit.observe.tables import error, md_table, run_peaks
 
 # Same model and same data, or the comparison is between workloads (refused without --force).
 WORKLOAD_KEYS = ("model.name", "model.task", "data.source", "data.seq_len", "data.packing")
+# Settings a run resolves (versions.json): compared as they ran, so data.packing auto and true that both packed agree.
+RESOLVED = {"data.packing": "versions: packing"}
 # Differs between any two runs and says nothing about how they trained.
 IGNORED_KEYS = ("train.run_dir",)
 MAX_CELL = 60  # long values (liger_note) are cut in the table; the files keep them whole
@@ -67,7 +69,7 @@ def workload_mismatch(runs: list[Run]) -> str | None:
             )
     diffs = []
     for key in WORKLOAD_KEYS:
-        values = [_cell(run.settings.get(key, "(absent)")) for run in runs]
+        values = [_cell(run.settings.get(RESOLVED.get(key, key), run.settings.get(key, "(absent)"))) for run in runs]
         if len(set(values)) > 1:
             diffs.append(f"{key}: {' vs '.join(values)}")
     return f"these runs train different models or data ({'; '.join(diffs)})" if diffs else None
