@@ -27,17 +27,21 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def wd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Watchdog, TCPStore]]:
+def _watchdog(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, world: int) -> Iterator[tuple[Watchdog, TCPStore]]:
     port = _port()
     master = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                       timeout=datetime.timedelta(seconds=10))
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "2"}.items():
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": str(world)}.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(Watchdog, "_judge", lambda self: None)  # decisions are called by hand below
     dog = Watchdog(tmp_path, heartbeat_timeout_s=2, collective_timeout_s=5, where=lambda: ("train", 3))
     yield dog, master
     dog.stop.set()
+
+
+@pytest.fixture
+def wd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Watchdog, TCPStore]]:
+    yield from _watchdog(tmp_path, monkeypatch, 2)
 
 
 def _beat(store: TCPStore, n: int, pid: int = 999_999, host: str = "elsewhere") -> None:
@@ -147,15 +151,7 @@ def test_module_functions_are_no_ops_without_a_watchdog() -> None:
 @pytest.fixture
 def wd3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Watchdog, TCPStore]]:
     """Rank 0 of a 3-rank job: rank 1 on this host, rank 2 on another (issue 33's layout)."""
-    port = _port()
-    master = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                      timeout=datetime.timedelta(seconds=10))
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "3"}.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setattr(Watchdog, "_judge", lambda self: None)
-    dog = Watchdog(tmp_path, heartbeat_timeout_s=2, collective_timeout_s=5, where=lambda: ("train", 3))
-    yield dog, master
-    dog.stop.set()
+    yield from _watchdog(tmp_path, monkeypatch, 3)
 
 
 def test_a_peer_its_watchdog_ended_after_a_failure_is_not_blamed_for_a_dead_host(
