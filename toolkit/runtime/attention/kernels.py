@@ -1,5 +1,4 @@
-"""The attention kernels behind the toolkit's attention function: variable-length attention over packed
-documents, and the backend order of sdpa for everything else.
+"""The kernel behind the toolkit's attention function for packed rows: variable-length attention.
 
 Variable-length attention takes the packed tokens as one (total_tokens, heads, dim) sequence and the
 documents' boundaries (`cu_seq_lens`, cumulative offsets, and the longest document): each document
