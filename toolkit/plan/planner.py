@@ -139,7 +139,7 @@ class Hardware:
 
 
 # Packed rows through the varlen kernel cost about what causal rows of this many tokens cost, however short the
-# documents: one llama-1b layer, fwd + bwd, H100 (bench/results/attention.md), ~120-token documents 3.10 ms at
+# documents: one llama-1b layer, fwd + bwd, H100 (bench/results/real_data.md), ~120-token documents 3.10 ms at
 # 16 x 2048 (causal sdpa 3.29: T ~ 1,930), 3.14 ms at 4 x 8192 (causal 9.57: T ~ 2,690), 3.35 ms at 1 x 32768
 # (causal 35.86: T ~ 3,060). Measured end to end (real_data.md, run s32): llama-1b seq 2048 on the 100k corpus
 # ran at 67.8k tokens/s; the plan with --doc-len predicts 67.1k, the same as full-length rows.

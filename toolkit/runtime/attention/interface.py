@@ -12,8 +12,8 @@ Two names, one attention function:
 A pre-hook on the model picks the name for each forward from its keyword arguments (`watch_boundaries`).
 
 Why not plain sdpa with packed rows: transformers builds a (batch, 1, seq, seq) block-diagonal mask for
-them every forward, and a masked sdpa call cannot use the flash or cuDNN kernels: 8.05 ms against 3.38 ms
-(varlen) for one llama-1b layer at 16 x 2048, fwd + bwd, on an H100 (bench/results/attention.md).
+them every forward, and a masked sdpa call cannot use the flash or cuDNN kernels: 8.16 ms against 3.10 ms
+(varlen) for one llama-1b layer at 16 x 2048, fwd + bwd, on an H100 (bench/results/real_data.md).
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 # sdpa's own backend order is kept: for causal rows without a mask transformers calls sdpa with enable_gqa,
-# and that default measured fastest (3.27 ms, one llama-1b layer at 16 x 2048 on an H100, against 3.51 for
-# cuDNN and 5.23 for flash with the kv heads repeated; bench/results/attention.md).
+# and that default measured fastest (3.29 ms, one llama-1b layer at 16 x 2048 on an H100, against 3.59 for
+# cuDNN and 5.29 for flash with the kv heads repeated; bench/results/real_data.md, attention.json).
 
 
 GQA = "repeat"
