@@ -193,10 +193,15 @@ class Watchdog:
         self._publish("failed", {"rank": self.rank, "host": self.host, "error": f"{type(exc).__name__}: {exc}"[:500],
                                  "peer": peer})
         # An error of this rank's own (out of memory, NaN, a refused save) is not a peer's doing: leave now.
-        while peer and time.monotonic() < began + self.timeout_s + 2 * self.beat_s:
+        # Up to the heartbeat timeout plus four beats: the dead peer's last beat may be a beat older than its
+        # death, rank 0 sees beats a beat apart, and this rank reads rank 0's view a beat later still (with two,
+        # a loaded machine let a node0 rank leave on its error just before node1's verdict reached it).
+        while peer and time.monotonic() < began + self.timeout_s + 4 * self.beat_s:
             lost = self._lost(time.monotonic())
             if lost:
                 self._act_lost(lost)
+            if self.lost_verdict:  # another rank named them first
+                self._act_lost({int(r): why for r, why in self.lost_verdict["lost"].items()}, adopted=True)
             if self._answered_since(began):
                 break
             time.sleep(0.2)
