@@ -274,9 +274,7 @@ class Watchdog:
                 if raw_failed and self.failed_verdict is None:
                     self.failed_verdict, self.verdict_seen = json.loads(raw_failed), time.monotonic()
                 if raw_lost and self.lost_verdict is None:
-                    self.lost_verdict = json.loads(raw_lost)
-                    if self.rank != 0:  # rank 0 keeps the store up until the others have read it
-                        self.store.add(_PREFIX + "acks", 1)
+                    self.lost_verdict = json.loads(raw_lost)  # acknowledged by _end, once its stacks are written
             except Exception:
                 # The store's process is gone or the connection broke: a TCPStore client does not reconnect,
                 # and every further call would only log torch's C++ warning again. Stop here; the judge sees
@@ -494,7 +492,17 @@ class Watchdog:
                     os.kill(rec["pid"], signal.SIGKILL)
         print(f"\nerror: rank {self.rank}: {line}; stacks in {console.log_path(self.run_dir, self.rank)}",
               file=sys.stderr, flush=True)
-        if self.rank == 0:  # rank 0 serves the store: give the others up to two beats to read the verdict
+        if self.rank != 0:
+            # Only now, with its stacks written, may rank 0 leave: once rank 0 exits, the launcher on its host
+            # kills the ranks there. Acknowledging on reading the verdict (before) let a node0 rank be killed
+            # before its judge had written its dump (2 of 46 launched dead-host runs).
+            def ack() -> None:
+                with contextlib.suppress(Exception):
+                    _client(5.0).add(_PREFIX + "acks", 1)
+            t = threading.Thread(target=ack, daemon=True)
+            t.start()
+            t.join(timeout=2.0)
+        if self.rank == 0:  # rank 0 serves the store: give the others up to three beats to act on the verdict
             others = len([r for r in range(1, self.world) if r not in lost])
 
             def acked() -> None:
@@ -504,7 +512,7 @@ class Watchdog:
                         time.sleep(0.1)
             t = threading.Thread(target=acked, daemon=True)
             t.start()
-            t.join(timeout=2 * self.beat_s)
+            t.join(timeout=3 * self.beat_s)
         self.log.flush()
         with contextlib.suppress(Exception):
             sys.stdout.flush()
