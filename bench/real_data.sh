@@ -3,6 +3,7 @@
 #   bash bench/real_data.sh OUT STAGE "speed.py run options" ["more options" ...]
 # STAGE kernels: corpora made (bench/data_cache.py make: data100k, docs), attention kernels alone
 #                (bench/attention.py), tests/gpu/test_gpu_varlen.py, then the speed rows in the options;
+# STAGE test:    corpora made, tests/gpu/test_gpu_varlen.py, then the speed rows;
 # STAGE rows:    only the speed rows (the corpora made first where /tmp/dc lacks them).
 # Each quoted group is one `bench/speed.py run` (its own workloads and variants), in order, until
 # ROWS_BUDGET_S seconds (default 520) are spent. Speed rows go to OUT/speed.json + OUT/speed.md (bench/speed.py table, this command, the GPU's name);
@@ -14,10 +15,10 @@ cmdline="bash bench/real_data.sh OUT $stage$(printf ' "%s"' "$@")"
 work=/tmp/dc
 mkdir -p "$out/s"
 export PYTHONUNBUFFERED=1
-if [ "$stage" = kernels ]; then
+if [ "$stage" = kernels ] || [ "$stage" = test ]; then
   python bench/prebuild_ops.py fused_adam > "$out/s/prebuild.log" 2>&1 &
   python bench/data_cache.py make --work "$work" --files data100k,docs > "$out/s/make.log" 2>&1 &
-  python bench/attention.py --out "$out/attention.json" > "$out/s/attention.log" 2>&1
+  [ "$stage" = test ] || python bench/attention.py --out "$out/attention.json" > "$out/s/attention.log" 2>&1
   python -m pytest -q -x tests/gpu/test_gpu_varlen.py > "$out/s/gpu_test.log" 2>&1; echo "gpu test rc=$?" >> "$out/s/gpu_test.log"
   tail -3 "$out/s/gpu_test.log"
   wait

@@ -106,9 +106,11 @@ def _runs(tmp: Path) -> list[dict]:
     chat = tmp / "chat.jsonl"
     with chat.open("w") as f:
         for i in range(96):
+            # every 8th answer fills a 48-token row alone (cut to it): such rows take sdpa's causal kernel
+            answer = f"the {['cat', 'dog'][i % 2]} sat on the {['mat', 'log'][i % 3 % 2]}" * (1 if i % 8 else 8)
             f.write(json.dumps({"messages": [
                 {"role": "user", "content": " ".join(["what did the", ["cat", "dog"][i % 2], "do"] + ["a"] * (i % 4))},
-                {"role": "assistant", "content": f"the {['cat', 'dog'][i % 2]} sat on the {['mat', 'log'][i % 3 % 2]}"},
+                {"role": "assistant", "content": answer},
             ]}) + "\n")
     for path in PATHS:
         for attn in ("sdpa", "varlen"):  # the block-diagonal mask, and the toolkit's attention (CPU reference)

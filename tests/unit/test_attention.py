@@ -13,7 +13,14 @@ from toolkit.config.ds_config import ConfigError
 from toolkit.config.schema import load_config, packing
 from toolkit.runtime.attention import plan
 from toolkit.runtime.attention.interface import NAME, PACKED, register, watch_boundaries
-from toolkit.runtime.data import Collator, EpochOrder, ShardedBatches, document_boundaries, to_device
+from toolkit.runtime.data import (
+    Collator,
+    EpochOrder,
+    ShardedBatches,
+    document_boundaries,
+    row_split,
+    to_device,
+)
 
 
 def test_packing_auto_is_on_for_causal_lm_files_only() -> None:
@@ -53,6 +60,45 @@ def test_document_boundaries_make_the_padding_one_more_segment() -> None:
     assert batch["cu_seq_lens_q"].tolist() == [0, 3, 7, 12, 14]  # width 7: row 2 is 5 tokens and 2 pads
     moved = to_device(batch, torch.device("cpu"))
     assert moved["max_length_q"] == 5 and moved["input_ids"].shape == (2, 7)
+
+
+def test_rows_of_one_document_are_named_for_the_causal_kernel() -> None:
+    assert row_split([[3, 4], [5]], width=8) == {}  # 5 of 8 is not a whole row: varlen skips its padding
+    split = row_split([[3, 4], [8], [7], [2, 2]], width=8)
+    assert split["whole_rows"].tolist() == [1, 2] and split["packed_rows"].tolist() == [0, 3]
+    assert split["packed_cu_seq_lens"].tolist() == [0, 3, 7, 8, 10, 12, 16] and split["packed_max_length"] == 4
+    assert set(row_split([[8], [7]], width=8)) == {"whole_rows"}  # every row whole: no varlen part
+    rows = [{"input_ids": [5] * 8, "labels": [5] * 8, "seq_lens": [8]}, {"input_ids": [5] * 6, "labels": [5] * 6,
+                                                                      "seq_lens": [2, 4]}]
+    assert "whole_rows" not in Collator(pad_id=0, boundaries=True)(rows)  # only for the toolkit's attention
+    assert Collator(pad_id=0, boundaries=True, whole_rows=True)(rows)["whole_rows"].tolist() == [0]
+
+
+@pytest.mark.parametrize("lens", [[[16], [5, 11], [15], [3, 3, 10]], [[16], [14]]], ids=["mixed", "all-whole"])
+def test_whole_rows_through_the_causal_kernel_equal_documents_alone(lens: list[list[int]]) -> None:
+    """Rows split between sdpa's causal kernel and the varlen kernel (the CPU reference here) give every
+    document's output and gradients as the per-document reference over the whole batch does."""
+    from toolkit.runtime.attention.interface import attention_forward
+    from toolkit.runtime.attention.kernels import reference_varlen
+
+    g = torch.Generator().manual_seed(0)
+    b, s, d = len(lens), 16, 8
+    q = torch.randn(b, 4, s, d, generator=g, requires_grad=True)
+    k, v = (torch.randn(b, 2, s, d, generator=g, requires_grad=True) for _ in "kv")
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True
+    kw = document_boundaries(lens, s) | row_split(lens, s)
+    out, _ = attention_forward(module, q, k, v, None, scaling=0.3, **kw)
+    flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]
+    want = reference_varlen(*flat, kw["cu_seq_lens_q"], 0.3).view(b, s, 4, d)
+    real = torch.zeros(b, s, dtype=torch.bool)  # padding outputs differ (nothing reads them)
+    for i, row in enumerate(lens):
+        real[i, : sum(row)] = True
+    torch.testing.assert_close(out[real], want[real], rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(out[real].sum(), (q, k, v))
+    wants = torch.autograd.grad(want[real].sum(), (q, k, v))
+    for a, w in zip(grads, wants, strict=True):
+        torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-5)
 
 
 def _tiny() -> torch.nn.Module:

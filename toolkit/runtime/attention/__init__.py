@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,8 @@ class AttentionPlan:
     """Packed batches carry cu_seq_lens_q/k and max_length_q/k (read by the toolkit's and flash-attn's kernels)."""
     note: str
     """The run's line about it."""
+    whole_rows: bool = False
+    """Packed batches also say which rows hold one document, for the toolkit's attention (`data.row_split`)."""
 
 
 def plan(attn: str, task: str, packing: bool, cuda: bool, varlen_ok: bool) -> AttentionPlan:
@@ -42,7 +45,7 @@ def plan(attn: str, task: str, packing: bool, cuda: bool, varlen_ok: bool) -> At
     if attn == "varlen" or (cuda and varlen_ok):
         kernel = "torch varlen_attn (flash)" if cuda and varlen_ok else "sdpa once per document (reference, not CUDA)"
         return AttentionPlan(NAME, True, f"attention: packed documents through variable-length attention, {kernel}; "
-                                         "other batches through sdpa")
+                                         "rows of one document and other batches through sdpa", whole_rows=True)
     why = "not CUDA" if not cuda else "this torch has no torch.nn.attention.varlen (2.10+)"
     return AttentionPlan("sdpa", False, f"attention: sdpa; packed rows use a block-diagonal mask ({why})")
 
@@ -63,5 +66,5 @@ def for_run(cfg: Any) -> AttentionPlan:
         register()
         if p.boundaries and cuda:
             gqa = prepare(dist.device())
-            p = AttentionPlan(p.implementation, p.boundaries, f"{p.note} (kv heads: {gqa})")
+            p = dataclasses.replace(p, note=f"{p.note} (kv heads: {gqa})")
     return p

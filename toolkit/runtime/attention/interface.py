@@ -10,6 +10,9 @@ Two names, one attention function:
   else's collator) goes to transformers' sdpa function with transformers' sdpa mask, so it computes what
   `attn_implementation="sdpa"` computes.
 A pre-hook on the model picks the name for each forward from its keyword arguments (`watch_boundaries`).
+Within a packed batch, rows that hold one document (`whole_rows`, from the collator) go to sdpa's causal
+kernel instead: at 8k tokens cuDNN's causal kernel is about 1.5x faster per token than flash's varlen one
+(bench/results/real_data.md), and such rows are common once long documents are cut into rows.
 
 Why not plain sdpa with packed rows: transformers builds a (batch, 1, seq, seq) block-diagonal mask for
 them every forward, and a masked sdpa call cannot use the flash or cuDNN kernels: 8.16 ms against 3.10 ms
@@ -47,11 +50,37 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         what = f"attention with {', '.join(extras)}" if extras else "bidirectional attention"
         raise ValueError(f"packed rows: this model's {what} is not what the varlen kernel computes; "
                          "set model.attn_implementation=eager (packed rows then use a mask) or data.packing=false")
+    whole, window = kwargs.get("whole_rows"), kwargs.get("sliding_window")
+    if whole is None or window is not None:  # (sdpa's causal kernel has no window)
+        return _varlen(query, key, value, cu, int(kwargs["max_length_q"]), scaling, window), None
+    if whole.numel() == query.shape[0]:  # every row one document: the whole batch is causal attention
+        return _causal(module, query, key, value, scaling), None
+    # Some rows whole, some packed: each group through its kernel, the rows put back in place. The index
+    # tensors' lengths are known on the host, so nothing here waits for the device.
+    rest = kwargs["packed_rows"]
+    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+    out.index_copy_(0, whole, _causal(module, *(t.index_select(0, whole) for t in (query, key, value)), scaling))
+    out.index_copy_(0, rest, _varlen(*(t.index_select(0, rest) for t in (query, key, value)),
+                                     kwargs["packed_cu_seq_lens"], int(kwargs["packed_max_length"]), scaling, None))
+    return out, None
+
+
+def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, longest: int,
+            scaling: float | None, window: int | None) -> torch.Tensor:
+    """(batch, heads, seq, dim) inputs -> (batch, seq, heads, dim), documents attending within themselves."""
     b, h, s, d = query.shape
     # (batch, heads, seq, dim) -> (batch * seq, heads, dim): one copy, as transformers' flash path makes
     q, k, v = (t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (query, key, value))
-    out = varlen(q, k, v, cu, int(kwargs["max_length_q"]), scaling, kwargs.get("sliding_window"))
-    return out.view(b, s, h, d), None
+    return varlen(q, k, v, cu, longest, scaling, window).view(b, s, h, d)
+
+
+def _causal(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            scaling: float | None) -> torch.Tensor:
+    """Rows that are one document each: transformers' sdpa call without a mask (the causal kernel, kv heads
+    passed as transformers passes them), -> (batch, seq, heads, dim)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, is_causal=True)[0]
 
 
 def _pick_name(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
