@@ -59,10 +59,16 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     # tensors' lengths are known on the host, so nothing here waits for the device.
     rest = kwargs["packed_rows"]
     out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-    out.index_copy_(0, whole, _causal(module, *(t.index_select(0, whole) for t in (query, key, value)), scaling))
-    out.index_copy_(0, rest, _varlen(*(t.index_select(0, rest) for t in (query, key, value)),
-                                     kwargs["packed_cu_seq_lens"], int(kwargs["packed_max_length"]), scaling, None))
+    out.index_copy_(0, whole, _causal(module, *_rows(whole, query, key, value), scaling))
+    out.index_copy_(0, rest, _varlen(*_rows(rest, query, key, value), kwargs["packed_cu_seq_lens"],
+                                     int(kwargs["packed_max_length"]), scaling, None))
     return out, None
+
+
+def _rows(index: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """These rows of (batch, heads, seq, dim) tensors, gathered in (batch, seq, heads, dim) order: the layout the
+    projections wrote (and Liger's rope keeps), so the varlen path's flattening needs no second copy."""
+    return [t.transpose(1, 2).index_select(0, index).transpose(1, 2) for t in tensors]
 
 
 def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, longest: int,
