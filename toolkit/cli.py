@@ -60,6 +60,14 @@ def _cmd_gen_config(args: argparse.Namespace) -> int:
 def _cmd_check(args: argparse.Namespace) -> int:
     from toolkit.config.checks import run_check
 
+    if args.model and args.sequence_parallel > 1:  # the model's heads, for the sequence-parallel rules
+        from toolkit.config.schema import load_config
+        from toolkit.runtime.model import model_config
+
+        text = model_config(load_config(None, [f"model.name={args.model}"]))
+        text = text.get_text_config() if hasattr(text, "get_text_config") else text
+        q = getattr(text, "num_attention_heads", None)
+        args.heads = (q, getattr(text, "num_key_value_heads", q)) if q else None
     return run_check(args)
 
 
@@ -114,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "deepspeed.initialize: fills none). Default: trainer")
     c.add_argument("--micro-batch", type=_positive_int, default=None, help="micro batch the training config gives")
     c.add_argument("--grad-accum", type=_positive_int, default=None, help="accumulation the training config gives")
+    c.add_argument("--sequence-parallel", type=_positive_int, default=1, metavar="N",
+                   help="train.sequence_parallel of the run: its rules against --world-size (ranks), the config's "
+                        "ZeRO stage and, with --model, the model's heads and --seq-len")
+    c.add_argument("--model", default=None, help="with --sequence-parallel: model.name (a preset or a local directory)")
+    c.add_argument("--seq-len", type=_positive_int, default=None, help="with --sequence-parallel: data.seq_len")
     c.add_argument("--json", action="store_true", help="print findings as a JSON list")
     c.set_defaults(func=_cmd_check)
 

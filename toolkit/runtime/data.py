@@ -182,6 +182,8 @@ class Collator:
     the row are named in `whole_rows` (they run through sdpa's causal kernel, cuDNN's on Hopper, about 1.5x
     flash's varlen kernel per token at 8k), the others in `packed_rows` with their own `packed_cu_seq_lens`
     and `packed_max_length` (see `row_split`)."""
+    multiple_of: int = 1
+    """Batches are padded to a multiple of this many positions (train.sequence_parallel: each rank's slice)."""
     drop_full_mask: bool = False
     """Training batches: leave attention_mask out when nothing is padded, so causal models run SDPA's
     causal kernel without building a mask or checking it on the host (transformers calls
@@ -190,7 +192,7 @@ class Collator:
     def __call__(self, batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         if "seq_lens" in batch[0]:
             return self._packed(batch)
-        width = max(len(b["input_ids"]) for b in batch)
+        width = self._width(batch)
         ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for i, b in enumerate(batch):
@@ -210,13 +212,17 @@ class Collator:
         return out
 
 
+    def _width(self, batch: list[dict[str, Any]]) -> int:
+        longest = max(len(b["input_ids"]) for b in batch)
+        return -(-longest // self.multiple_of) * self.multiple_of
+
     def _packed(self, batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """Packed blocks: position ids restart at 0 for every sample and no attention_mask is sent, which is
         how transformers recognizes packed sequences (masking_utils.find_packed_sequence_indices for sdpa and
         eager, the varlen path for flash-attention): no sample attends to another. Padding after the last
         sample gets position 0 at every token, so each pad is a sequence of its own (TokenCounter tells it
         apart: real samples have at least 2 tokens)."""
-        width = max(len(b["input_ids"]) for b in batch)
+        width = self._width(batch)
         ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
         labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
         pos = torch.zeros((len(batch), width), dtype=torch.long)

@@ -34,8 +34,11 @@ def rank_batches(n: int, micro: int, rank: int, world: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def evaluate(engine: Any, rows: Sequence[dict[str, Any]], collate: Any, micro: int, task: str) -> dict[str, float]:
-    """Every rank calls it (a collective under ZeRO-3). Eval mode for the pass, the caller's mode after."""
+def evaluate(engine: Any, rows: Sequence[dict[str, Any]], collate: Any, micro: int, task: str,
+             sp: Any = None) -> dict[str, float]:
+    """Every rank calls it (a collective under ZeRO-3). Eval mode for the pass, the caller's mode after.
+    sp (sequence/ulysses.py's SequenceParallel): each group shares the batches, each rank its slice of them,
+    so eval runs at the training length on the same memory."""
     t0 = time.perf_counter()
     device = dist.device()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -43,9 +46,10 @@ def evaluate(engine: Any, rows: Sequence[dict[str, Any]], collate: Any, micro: i
     was_training = engine.training
     engine.eval()
     try:
-        for idx in rank_batches(len(rows), micro, dist.rank(), dist.world_size()):
+        rank, world = (sp.dp_rank, sp.dp_world) if sp else (dist.rank(), dist.world_size())
+        for idx in rank_batches(len(rows), micro, rank, world):
             samples = [rows[i] for i in idx] if idx != [-1] else [_masked(rows[0], task)]
-            b = to_device(collate(samples), device)
+            b = to_device(sp.shard(collate(samples)) if sp else collate(samples), device)
             if task == "seq_cls":
                 labels = b.pop("labels")
                 logits = engine(**b).logits.float()
@@ -56,13 +60,20 @@ def evaluate(engine: Any, rows: Sequence[dict[str, Any]], collate: Any, micro: i
                 # num_items_in_batch=1: the model's (or Liger's fused) loss is then the sum over the batch's
                 # target tokens, without materializing the logits here
                 loss_sum += engine(**b, num_items_in_batch=torch.ones((), device=device)).loss.double()
-                count += (b["labels"][..., 1:] != IGNORE_INDEX).sum()
+                count += target_count(b)
     finally:
         engine.train(was_training)
     total = dist.all_reduce_tensor(torch.stack([loss_sum, count]))
     loss = float(total[0] / total[1]) if float(total[1]) > 0 else float("nan")
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 80.0)), "eval_tokens": int(total[1]),
             "eval_s": time.perf_counter() - t0}
+
+
+def target_count(batch: dict[str, Any]) -> torch.Tensor:
+    """Target tokens of a causal-LM batch (labels shift by one; a sequence-parallel slice has them shifted)."""
+    if "shift_labels" in batch:
+        return (batch["shift_labels"] != IGNORE_INDEX).sum()
+    return (batch["labels"][..., 1:] != IGNORE_INDEX).sum()
 
 
 def _masked(row: dict[str, Any], task: str) -> dict[str, Any]:

@@ -48,7 +48,6 @@ from toolkit.runtime.checkpoint import (
     write_status,
 )
 from toolkit.runtime.data import (
-    IGNORE_INDEX,
     Collator,
     EpochOrder,
     ListDataset,
@@ -61,7 +60,7 @@ from toolkit.runtime.data import (
     steps_per_epoch,
     to_device,
 )
-from toolkit.runtime.evaluate import evaluate
+from toolkit.runtime.evaluate import evaluate, target_count
 from toolkit.runtime.guards import NonFiniteError, NonFiniteGuard
 from toolkit.runtime.integrity import CheckpointError
 from toolkit.runtime.model import (
@@ -73,6 +72,7 @@ from toolkit.runtime.model import (
     is_preset,
 )
 from toolkit.runtime.preempt import Preemption
+from toolkit.runtime.sequence import ulysses
 
 if TYPE_CHECKING:
     from toolkit.runtime.spec import RunSpec
@@ -123,7 +123,10 @@ def run(p: RunSpec) -> int:
     dist.barrier()
     try:
         with console.rank_log(p.run_dir, rank):  # the traceback goes to logs/rank{N}.log
-            rc = _run(p, liger, attn, (compiled, compile_why))
+            try:
+                rc = _run(p, liger, attn, (compiled, compile_why))
+            finally:
+                ulysses.stop()  # sequence parallelism's process-wide state, for a next run in this process
     except CheckpointError as e:  # a save that could not happen: the same one line on every rank
         watchdog.failing(e)
         if rank == 0:
@@ -163,20 +166,22 @@ def _run(p: RunSpec, liger: Any, attn: attention.AttentionPlan, compiled: tuple[
     tokenizer = build_tokenizer(cfg)
     pad_id = tokenizer.pad_token_id if tokenizer is not None else p.model_config.pad_token_id or 0
     rows, eval_rows = build_rows(cfg, p.model_config.vocab_size, pad_id, tokenizer)
-    rows = even_rows(rows, cfg.train.micro_batch_size * cfg.train.grad_accum, p.world_size)
+    rows = even_rows(rows, cfg.train.micro_batch_size * cfg.train.grad_accum, p.data_world)
     if cfg.train.max_steps == 0:  # one epoch of the data actually loaded
-        p.total_steps = steps_per_epoch(len(rows), cfg, p.world_size)
+        p.total_steps = steps_per_epoch(len(rows), cfg, p.data_world)
 
     autotune.inject_fault_for_tests(cfg.train.micro_batch_size)
     keep_alive = _deepspeed_config_alive(p)  # must exist before the model under ZeRO-3
     model = build_model(cfg, p.model_config, frozen_bf16=p.adapter_autocast, attn=attn.implementation)
     kernels.apply(model, liger)
+    sp = ulysses.start(cfg.train.sequence_parallel, p.model_config, cfg.train.micro_batch_size) \
+        if cfg.train.sequence_parallel > 1 else None
     _fp8_and_compile(p, model, *compiled)
     metrics = _metrics_logger(p, model)
     metrics.memory_reading = mem.reading  # every rank's memory for wandb / mlflow (metrics.report_to)
     mem.phase_boundary("model_loaded", 0)
     collator = Collator(pad_id=pad_id, task=cfg.model.task, drop_full_mask=True, boundaries=attn.boundaries,
-                        whole_rows=attn.whole_rows)
+                        whole_rows=attn.whole_rows, multiple_of=cfg.train.sequence_parallel)
     note = document_note(rows) if rank == 0 else None
     if note:
         print(note, flush=True)
@@ -185,13 +190,14 @@ def _run(p: RunSpec, liger: Any, attn: attention.AttentionPlan, compiled: tuple[
         print("batches grouped by length (as HF's group_by_length): rows of similar length share a micro-batch",
               flush=True)
     order = EpochOrder(len(rows), cfg.train.seed, cfg.data.shuffle, lengths=lengths,
-                       group=cfg.train.micro_batch_size * p.world_size)
-    state = {"phase": "engine_ready", "step": 0, "preempt": Preemption(), "preempted": False,
-             # the loss on this batch is recorded at every save and checked after every resume
+                       group=cfg.train.micro_batch_size * p.data_world)
+    state = {"phase": "engine_ready", "step": 0, "preempt": Preemption(), "preempted": False, "sp": sp,
+             # the loss on this batch is recorded at every save and checked after every resume (whole on
+             # every rank under sequence parallelism: no boundaries, so the attention is not sharded)
              "fixed_batch": resume.fixed_batch(rows, Collator(pad_id=pad_id, task=cfg.model.task,
-                                                              boundaries=attn.boundaries)),
+                                                              boundaries=attn.boundaries and sp is None)),
              "profiler": StepProfiler(p.run_dir, rank, list(cfg.train.profile_steps)),
-             "eval": _evaluator(p, eval_rows, collator, metrics)}
+             "eval": _evaluator(p, eval_rows, collator, metrics, sp)}
     watchdog.follow(lambda: (state["phase"], state["step"]))
     metrics.engine_starting(f"ZeRO-{zero_stage(p.ds)}, {cfg.train.path} path, {p.world_size} ranks")
     try:
@@ -264,7 +270,7 @@ def _fp8_and_compile(p: RunSpec, model: Any, compiled: bool, why: str) -> None:
         print("\n".join(x for x in lines if x), flush=True)
 
 
-def _evaluator(p: RunSpec, rows: Rows | None, collate: Collator, metrics: MetricsLogger) -> Any:
+def _evaluator(p: RunSpec, rows: Rows | None, collate: Collator, metrics: MetricsLogger, sp: Any = None) -> Any:
     """eval(engine, step, final): the held-out loss every train.eval_every steps and at the end; None
     without held-out data. Every rank calls it (ZeRO-3 forwards are collectives)."""
     if rows is None:
@@ -273,7 +279,8 @@ def _evaluator(p: RunSpec, rows: Rows | None, collate: Collator, metrics: Metric
 
     def run(engine: Any, step: int, final: bool) -> None:
         if final or (every and step % every == 0 and step < p.total_steps):
-            metrics.log_eval(step, evaluate(engine, rows, collate, p.cfg.train.micro_batch_size, p.cfg.model.task))
+            metrics.log_eval(step, evaluate(engine, rows, collate, p.cfg.train.micro_batch_size, p.cfg.model.task,
+                                            sp))
 
     return run
 
@@ -499,13 +506,17 @@ def _run_raw(p: RunSpec, model: Any, dataset: ListDataset, collator: Collator, o
 
     t = p.cfg.train
     world, rank = p.world_size, dist.rank()
+    sp = state["sp"]
+    # under sequence parallelism the ranks of a group draw the same batches and each keeps its slice
+    data_rank, data_world = (sp.dp_rank, sp.dp_world) if sp else (rank, world)
+    loss_mult = ulysses.loss_multiplier(sp, p.ds) if sp else world
     params = [q for q in model.parameters() if q.requires_grad]
     universal = resume.prepare(p.reshard, t.collective_timeout_s)  # another rank count: convert first
     engine, _, _, scheduler = deepspeed.initialize(model=model, model_parameters=params, config=p.ds,
-                                                   lr_scheduler=_lr_schedule(p))
+                                                   lr_scheduler=_lr_schedule(p), mpu=sp.mpu if sp else None)
     leaf_check(engine.module)
     ckpt_dir = p.run_dir / "checkpoints"
-    global_batch = t.micro_batch_size * t.grad_accum * world
+    global_batch = t.micro_batch_size * t.grad_accum * data_world
     step = 0
     if p.resume_from:
         ck = p.resume_from
@@ -516,7 +527,7 @@ def _run_raw(p: RunSpec, model: Any, dataset: ListDataset, collator: Collator, o
         resume.verify(engine, state["fixed_batch"], ck, p.run_dir, p.precision, world, t.grad_accum, universal)
     mem.phase_boundary("engine_ready", step)
 
-    sampler = ShardedBatches(order, t.micro_batch_size, rank, world)
+    sampler = ShardedBatches(order, t.micro_batch_size, data_rank, data_world)
     per_epoch = len(sampler)  # micro-batches per rank per epoch, a multiple of grad_accum
     consumed = step * t.grad_accum
     sampler.skip = consumed % per_epoch
@@ -538,8 +549,10 @@ def _run_raw(p: RunSpec, model: Any, dataset: ListDataset, collator: Collator, o
         watchdog.step_begin(step + 1)  # the hang deadline covers the step, not the save or eval after it
         batches = [next(stream) for _ in range(t.grad_accum)]
         samples = [i for _ in batches for i in sampler.drawn.popleft()]
-        for b in batches:
+        for b in batches if not sp or sp.rank == 0 else []:  # a group's batches are counted once
             counter.add(b)  # host tensors: free
+        if sp:
+            batches = [sp.shard(b) for b in batches]
         n_items = _label_count(batches, device) if causal else None
         acc = torch.zeros((), device=device)
         for b in batches:
@@ -547,8 +560,9 @@ def _run_raw(p: RunSpec, model: Any, dataset: ListDataset, collator: Collator, o
             if causal:
                 # Token-level mean over the whole accumulation window and all ranks, the same
                 # normalization the HF Trainer uses (model returns sum/n_items; DeepSpeed then
-                # averages over ranks, hence x world; no extra 1/grad_accum).
-                loss = engine(**b, num_items_in_batch=n_items).loss * world
+                # averages over ranks, hence x world; no extra 1/grad_accum). Under sequence parallelism
+                # see ulysses.loss_multiplier.
+                loss = engine(**b, num_items_in_batch=n_items).loss * loss_mult
                 engine.backward(loss, scale_wrt_gas=False)
                 acc += loss.detach()
             else:
@@ -563,7 +577,7 @@ def _run_raw(p: RunSpec, model: Any, dataset: ListDataset, collator: Collator, o
         logged = step % t.log_every == 0 or step == last or step == 1
         if logged:
             rec = metrics.log(step, float(acc), scheduler.get_last_lr()[0],
-                              None if grad_norm is None else float(grad_norm), loss_scale=1 / world)
+                              None if grad_norm is None else float(grad_norm), loss_scale=1 / loss_mult)
             guard.check()
             if step == 1:
                 _first_step(p, step, rec["loss"], mem)
@@ -579,7 +593,8 @@ def _run_raw(p: RunSpec, model: Any, dataset: ListDataset, collator: Collator, o
         if saving or preempted:
             state["phase"] = "save"  # what status.json says if the save fails
             save_deepspeed_checkpoint(engine, ckpt_dir, step, t.keep_checkpoints,
-                                      lambda: resume.save_record(engine, state["fixed_batch"], world, global_batch))
+                                      lambda: resume.save_record(engine, state["fixed_batch"], world, global_batch,
+                                                                 t.sequence_parallel))
             state["phase"] = "train"
         if preempted:
             state["preempted"] = True
@@ -602,7 +617,7 @@ def loader_kwargs() -> dict[str, Any]:
 def _label_count(batches: list[dict[str, torch.Tensor]], device: torch.device) -> torch.Tensor:
     """Predicted tokens in the accumulation window on all ranks (labels shift by one), summed on the
     device: the forward waits for it on the stream, the host does not."""
-    local = sum((b["labels"][..., 1:] != IGNORE_INDEX).sum() for b in batches)
+    local = sum(target_count(b) for b in batches)
     return dist.all_reduce_tensor(torch.as_tensor(local, dtype=torch.int64).to(device, non_blocking=True))
 
 

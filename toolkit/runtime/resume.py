@@ -223,10 +223,11 @@ def fixed_batch_loss(model: Any, batch: dict[str, Any]) -> float:
         model.train(was_training)
 
 
-def save_record(model: Any, batch: dict[str, Any], world: int, global_batch: int) -> dict[str, Any]:
+def save_record(model: Any, batch: dict[str, Any], world: int, global_batch: int,
+                sequence_parallel: int = 1) -> dict[str, Any]:
     """What a completion marker records besides the step: enough to reshard and to verify the load."""
     return {"world_size": world, "global_batch": global_batch, "fixed_batch_loss": fixed_batch_loss(model, batch),
-            "fixed_batch": batch_digest(batch)}
+            "fixed_batch": batch_digest(batch), "sequence_parallel": sequence_parallel}
 
 
 def tolerance(precision: str) -> float:

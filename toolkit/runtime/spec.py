@@ -64,6 +64,11 @@ class RunSpec:
     autotune: dict[str, Any] | None = None  # train.micro_batch_size=auto: the probes and the choice
     fp8: str | None = None  # train.precision=fp8: the float8 recipe (precision is then bf16, DeepSpeed's mode)
 
+    @property
+    def data_world(self) -> int:
+        """Ranks that draw their own batches: all of them, or the groups under train.sequence_parallel."""
+        return self.world_size // self.cfg.train.sequence_parallel
+
 
 def _precision(cfg: Config, ds: dict[str, Any]) -> str:
     pinned = precision_of(ds)
@@ -98,11 +103,16 @@ def build_spec(inputs: RunInputs) -> RunSpec:
     if t.resume:
         _check_resume_mode(Path(t.run_dir), autocast)
     # before the batch checks: on another rank count, resume changes grad_accum to keep the global batch
+    _check_sequence_parallel(cfg, mc, ds_raw, world)
     ckpt, reshard, notes = _resume(cfg, world, ds_raw)
+    ranks = world  # what the global batch counts: ranks drawing their own batches
+    if t.sequence_parallel > 1:
+        world = world // t.sequence_parallel  # (the ranks of a sequence-parallel group share each batch)
+        ranks = f"{world} sequence-parallel groups"
     batch = t.micro_batch_size * t.grad_accum * world
     if t.global_batch_size and batch != t.global_batch_size:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} but micro_batch_size {t.micro_batch_size} x "
-                          f"grad_accum {t.grad_accum} x {world} ranks = {batch}; "
+                          f"grad_accum {t.grad_accum} x {ranks}{' ranks' * isinstance(ranks, int)} = {batch}; "
                           "fix one, or set train.micro_batch_size=auto")
     warnings = notes + _run_checks(ds_raw, cfg, world) + _single_gpu_zero3(ds_raw, world)
     check_data_file(cfg)
@@ -119,10 +129,28 @@ def build_spec(inputs: RunInputs) -> RunSpec:
                         warmup_steps=t.warmup_steps, total_steps=total, adapter_autocast=autocast,
                         zero_sizes=t.zero_sizes)
     ds = resolve(ds_raw, values)
+    if t.sequence_parallel > 1:  # read where no mpu is passed (zero.Init under ZeRO-3): the data-parallel size
+        ds["sequence_parallel_size"] = t.sequence_parallel
     if reshard:
         ds = universal_config(ds)
+    world = inputs.world_size
     return RunSpec(cfg, ds, mc, Path(t.run_dir), world, precision, total, warnings, autocast, ckpt, reshard,
                    fp8=t.fp8_recipe if t.precision == "fp8" else None)
+
+
+def _check_sequence_parallel(cfg: Config, mc: Any, ds: dict[str, Any], world: int) -> None:
+    from toolkit.config.checks.sequence import problems
+
+    t = cfg.train
+    text = mc.get_text_config() if hasattr(mc, "get_text_config") else mc
+    heads = getattr(text, "num_attention_heads", None)
+    found = problems(t.sequence_parallel, world, zero_stage(ds), heads, getattr(text, "num_key_value_heads", heads),
+                     cfg.data.seq_len, cfg.model.attn_implementation, t.path, cfg.model.task, t.micro_batch_size)
+    if t.sequence_parallel > 1 and t.compile == "torch":
+        found.append("train.compile=torch with train.sequence_parallel: compiled layers under Ulysses are not "
+                     "tested here yet; use train.compile=auto or off")
+    if found:
+        raise ConfigError("\n".join(found))
 
 
 def _resume(cfg: Config, world: int, ds: dict[str, Any]) -> tuple[Checkpoint | None, Reshard | None, list[str]]:
@@ -135,9 +163,17 @@ def _resume(cfg: Config, world: int, ds: dict[str, Any]) -> tuple[Checkpoint | N
         ckpt = find(Path(t.run_dir), t.path, t.resume)
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
+    saved_sp = int(ckpt.record.get("sequence_parallel", 1))
+    if saved_sp != t.sequence_parallel:
+        raise ConfigError(f"train.resume: {ckpt.dir.name} was written at train.sequence_parallel={saved_sp}; resume "
+                          f"it at {saved_sp} (moving a checkpoint to another sequence-parallel degree is not supported)")
+    if saved_sp > 1 and ckpt.record.get("world_size") != world:
+        raise ConfigError(f"train.resume: {ckpt.dir.name} was written on {ckpt.record.get('world_size')} ranks with "
+                          f"train.sequence_parallel={saved_sp}; resume it on the same number of ranks")
     reshard = reshard_for(ckpt, t.micro_batch_size, t.grad_accum, world)
     if not reshard:
         saved = ckpt.record.get("global_batch")
+        world //= t.sequence_parallel  # the batch counts data-parallel groups
         if saved and saved != t.micro_batch_size * t.grad_accum * world:
             # the batch order and the schedule continue from step x global batch: another batch breaks both
             raise ConfigError(f"train.resume: {ckpt.dir.name} trained a global batch of {saved}; this run would use "

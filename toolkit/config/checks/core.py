@@ -176,11 +176,25 @@ def check_file(
     return check_config(dc.load_ds_config(file), world_size, optimizer, consumer, micro_batch, grad_accum)
 
 
+def sequence_parallel_findings(ds: dict, sp: int, world: int, heads: tuple[int, int] | None,
+                               seq_len: int | None) -> list[Finding]:
+    """`toolkit check --sequence-parallel N`: the run's sequence-parallel rules; heads: (attention, key/value)."""
+    from toolkit.config.checks.sequence import problems
+
+    q, kv = heads or (None, None)
+    return [Finding("error", "train.sequence_parallel", m)
+            for m in problems(sp, world, dc.zero_stage(ds), q, kv, seq_len, path="raw")]
+
+
 def run_check(args: argparse.Namespace) -> int:
     try:
         findings = check_file(
             args.file, args.world_size, args.optimizer, args.consumer, args.micro_batch, args.grad_accum
         )
+        if getattr(args, "sequence_parallel", 1) > 1:
+            findings = sequence_parallel_findings(dc.load_ds_config(args.file), args.sequence_parallel,
+                                                  args.world_size, getattr(args, "heads", None),
+                                                  args.seq_len) + findings
     except dc.ConfigError as e:
         if args.json:
             print(json.dumps([{"level": "error", "key": "(file)", "message": str(e)}]))

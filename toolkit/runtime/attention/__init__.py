@@ -27,10 +27,16 @@ class AttentionPlan:
     """Packed batches also say which rows hold one document, for the toolkit's attention (`data.row_split`)."""
 
 
-def plan(attn: str, task: str, packing: bool, cuda: bool, varlen_ok: bool) -> AttentionPlan:
+def plan(attn: str, task: str, packing: bool, cuda: bool, varlen_ok: bool, sequence_parallel: int = 1) -> AttentionPlan:
     """attn: model.attn_implementation (eager, sdpa, varlen, flash_attention_2); varlen_ok: torch's varlen
     kernel is there (CUDA, torch 2.10+)."""
     from toolkit.runtime.attention.interface import NAME
+
+    if sequence_parallel > 1:  # Ulysses wraps the toolkit's attention (sequence/ulysses.py); eager is refused
+        kernel = "torch varlen_attn" if cuda and varlen_ok else "the per-document reference"
+        return AttentionPlan(NAME, True, f"attention: Ulysses sequence parallelism over {sequence_parallel} ranks "
+                                         f"around the toolkit's attention (sdpa's causal kernel for rows of one "
+                                         f"document, {kernel} for packed rows)", whole_rows=True)
 
     if task != "causal_lm" or attn == "eager":
         built = "sdpa" if attn == "varlen" else attn  # varlen is for causal LMs; others read sdpa as asked
@@ -61,7 +67,7 @@ def for_run(cfg: Any) -> AttentionPlan:
 
     cuda = torch.cuda.is_available() and not dist.on_cpu()
     p = plan(cfg.model.attn_implementation, cfg.model.task, packing(cfg)[0], cuda,
-             cuda and varlen_available(torch.device("cuda")))
+             cuda and varlen_available(torch.device("cuda")), cfg.train.sequence_parallel)
     if p.implementation == NAME:
         register()
         if p.boundaries and cuda:
