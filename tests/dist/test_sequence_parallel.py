@@ -59,6 +59,9 @@ def _runs(tmp: Path) -> list[dict]:
         add(f"chat-zero3-{sp}", "zero3", *sizes, *chat_run, "train.max_steps=4")
         add(f"late-zero2-{sp}", "zero2", *sizes, f"data.source={late}", f"model.tokenizer={tok}",
             "data.packing=false", "data.shuffle=false", "train.max_steps=3")
+    # the MLPs in 4 tiles over each rank's slice (DeepSpeed's TiledMLP, ZeRO-3 reducing after the last tile)
+    add("synthetic-zero3-sp2-tiled", "zero3", *SP2, "train.max_steps=3", "data.num_samples=32",
+        "model.tiled_mlp=true", "model.tiled_mlp_shards=4")
     # save at SP=2 after 2 of 4 steps, resume: the uninterrupted run's curve
     add("chat-resume-sp2", "zero3", *SP2, *chat_run, "train.max_steps=4", "train.stop_after=2")
     add("chat-resume-sp2", "zero3", *SP2, *chat_run, "train.max_steps=4", "train.resume=latest")
@@ -147,3 +150,12 @@ def test_a_plain_run_after_sp_runs_in_the_same_process_is_plain(runs: Path) -> N
           [m["loss"] for m in metrics(runs / "synthetic-zero2-sp1") if "loss" in m], 1e-6)
     ds = json.loads((runs / "synthetic-zero2-after" / "ds_config.json").read_text())
     assert "sequence_parallel_size" not in ds
+
+
+@pytest.mark.timeout(60)
+def test_tiled_mlps_train_as_plain_ones_under_sp_at_zero3(runs: Path) -> None:
+    tiled, plain = metrics(runs / "synthetic-zero3-sp2-tiled"), metrics(runs / "synthetic-zero3-sp2")
+    _same([m["loss"] for m in tiled], [m["loss"] for m in plain], 1e-6)
+    _same([m["grad_norm"] for m in tiled], [m["grad_norm"] for m in plain], 1e-5)
+    assert json.loads((runs / "synthetic-zero3-sp2-tiled" / "versions.json").read_text())["tiled_mlp"] is True
+    assert "MLP tiled over the sequence: on (model.tiled_mlp=true)" in (runs / "launch.log").read_text()

@@ -90,3 +90,45 @@ def test_toolkit_check_says_the_sequence_parallel_rules(capsys: pytest.CaptureFi
     assert "does not divide the 3 ranks" in out and "ZeRO stage 1, 2 or 3" in out and "seq_len=63" in out
     assert main(["check", "ds_configs/zero2.json", "--world-size", "2", "--sequence-parallel", "2", "--model", "tiny",
                  "--seq-len", "64"]) == 0
+
+
+def test_tiled_mlps_give_the_plain_loss_and_gradients() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.runtime.compile import decoder_layers
+    from toolkit.runtime.sequence.tiling import tile_mlps
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(0))
+    out = []
+    for tiles in (0, 4):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+        if tiles:
+            assert tile_mlps(decoder_layers(model), tiles) == 2
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        out.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-6, atol=1e-7)
+    for a, b in zip(out[1][1], out[0][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_tiling_auto_turns_on_where_a_rank_holds_a_long_slice() -> None:
+    from toolkit.runtime.sequence.tiling import decide
+
+    assert decide("auto", 65_536, 1)[0] and not decide("auto", 65_536, 2)[0] and decide("auto", 262_144, 4)[0]
+    assert decide("true", 64, 1) == (True, "model.tiled_mlp=true") and not decide("false", 10**6, 1)[0]
+    assert "32,768 tokens of a row per rank" in decide("auto", 65_536, 2)[1]
+
+
+def test_an_mlp_with_dropout_is_not_tiled() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from toolkit.runtime.compile import decoder_layers
+    from toolkit.runtime.sequence.tiling import tile_mlps
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=64))
+    with pytest.raises(ValueError, match="has dropout"):
+        tile_mlps(decoder_layers(model))

@@ -29,6 +29,19 @@ PRESETS: dict[str, dict[str, Any]] = {
                         num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
                         max_position_embeddings=8192, rope_theta=500_000.0, rms_norm_eps=1e-5,
                         tie_word_embeddings=False),
+    # Long-context shapes (issue 35): their own 131,072 positions through Llama 3's rope scaling, as published.
+    "llama-3.2-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                         max_position_embeddings=131072, rope_theta=500_000.0, rms_norm_eps=1e-5,
+                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192),
+                         tie_word_embeddings=True),
+    "llama-3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         max_position_embeddings=131072, rope_theta=500_000.0, rms_norm_eps=1e-5,
+                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192),
+                         tie_word_embeddings=False),
     "bert-large": dict(model_type="bert", vocab_size=30522, hidden_size=1024, intermediate_size=4096,
                        num_hidden_layers=24, num_attention_heads=16, max_position_embeddings=512),
     # No dropout: a test model must be deterministic so both paths can be compared step by step.
@@ -37,3 +50,32 @@ PRESETS: dict[str, dict[str, Any]] = {
                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0),
 }
 SPECIAL_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def extend_positions(mc: Any, factor: float) -> Any:
+    """model.rope_factor: the HF config `mc` with factor x its positions, through rope scaling (in place; returns
+    it). A model with no rope scaling gets YaRN from its own positions; one with a scaling (llama3, yarn,
+    linear, dynamic) gets that scaling's factor multiplied, the way Qwen2.5's YaRN is raised by users."""
+    if factor == 1:
+        return mc
+    positions = int(mc.max_position_embeddings)
+    attr = "rope_parameters" if hasattr(mc, "rope_parameters") else "rope_scaling"  # transformers 5 / 4
+    current = dict(getattr(mc, attr, None) or {})
+    theta = current.get("rope_theta", getattr(mc, "rope_theta", None))
+    if current.get("rope_type", "default") == "default":
+        new = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": positions}
+    else:
+        new = current | {"factor": float(current.get("factor", 1.0)) * factor}
+        new.setdefault("original_max_position_embeddings", positions)
+    if attr == "rope_parameters" and theta is not None:
+        new["rope_theta"] = theta
+    new.pop("type", None)
+    setattr(mc, attr, new)
+    mc.max_position_embeddings = int(positions * factor)
+    return mc
+
+
+def positions_hint(limit: int) -> str:
+    """How to train past `limit` positions, for the one line that refuses a longer sequence."""
+    return (f"extend them with model.rope_factor (e.g. {limit * 4:,} positions: model.rope_factor=4, rope scaling "
+            "from the model's own), or take a model with more (the presets llama-3.2-1b and llama-3.1-8b: 131,072)")

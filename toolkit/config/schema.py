@@ -34,6 +34,17 @@ class ModelConfig:
     """auto (= true), true, or false: Liger's fused linear cross-entropy (no logits tensor). Under ZeRO-3
     lm_head.weight is registered as an external parameter of the model, so ZeRO-3 gathers it with the
     model's forward instead of blocking on it."""
+    rope_factor: float = 1.0
+    """Train beyond the model's positions: max_position_embeddings x this factor, through YaRN rope scaling from
+    the model's own positions when it has none, else its own scaling's factor multiplied (Llama 3.1/3.2's
+    llama3, Qwen2.5's YaRN). 1: the model as it is. Fine-tune at the longer length for the model to use it."""
+    tiled_mlp: str = "auto"
+    """auto, true or false: each decoder layer's MLP runs over the sequence in tiles (DeepSpeed's TiledMLP,
+    recomputed in backward), so its (tokens x intermediate) activations exist for one tile at a time. auto:
+    on when a rank holds at least 65,536 tokens of a row (data.seq_len / train.sequence_parallel), where the
+    MLP's activations dominate a layer's memory; the run says which (toolkit/runtime/sequence/tiling.py)."""
+    tiled_mlp_shards: int = 0
+    """Tiles per MLP call; 0: ceil(tokens / hidden size), DeepSpeed's and ALST's choice."""
     tokenizer: str | None = None
     """Local tokenizer directory for text data; defaults to the model directory."""
 
@@ -264,6 +275,7 @@ class Config:
         t = self.train
         # YAML reads on/off/true/false as booleans, which the str field then holds as "True"/"False"
         self.model.liger_fused_loss = str(self.model.liger_fused_loss).lower()
+        self.model.tiled_mlp = str(self.model.tiled_mlp).lower()
         c = str(t.compile).lower()  # off/on arrive as booleans too: off -> off, true -> torch
         t.compile = {"false": "off", "true": "torch"}.get(c, c)
         if isinstance(self.data.packing, str):  # "true"/"false" given as strings (a dotlist of a quoted value)
@@ -271,6 +283,11 @@ class Config:
         checks = [
             (self.model.liger_fused_loss in ("auto", "true", "false"),
              f"model.liger_fused_loss must be auto, true or false, got {self.model.liger_fused_loss!r}"),
+            (self.model.tiled_mlp in ("auto", "true", "false"),
+             f"model.tiled_mlp must be auto, true or false, got {self.model.tiled_mlp!r}"),
+            (self.model.rope_factor >= 1, f"model.rope_factor must be >= 1, got {self.model.rope_factor}"),
+            (self.model.tiled_mlp_shards >= 0, "model.tiled_mlp_shards must be >= 0 (0: tokens / hidden size)"),
+            (t.sequence_parallel >= 1, f"train.sequence_parallel must be >= 1, got {t.sequence_parallel}"),
             (t.path in ("trainer", "raw"), f"train.path must be trainer or raw, got {t.path!r}"),
             (t.precision in ("auto", "bf16", "fp16", "fp32", "fp8"),
              f"train.precision must be auto, bf16, fp16, fp32 or fp8, got {t.precision!r}"),

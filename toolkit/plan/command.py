@@ -5,6 +5,7 @@ No torch import: a 70B-shaped preset plans in well under a second.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import sys
@@ -57,6 +58,8 @@ def train_overrides(args: Any, p: pl.Prediction, out_dir: Path | None) -> dict[s
         o["train.fp8_recipe"] = args.fp8_recipe
     if args.task != "causal_lm":
         o["model.task"] = args.task
+    if args.rope_factor != 1:
+        o["model.rope_factor"] = args.rope_factor
     if args.lora:
         o["lora.r"] = args.lora_r
         o["lora.target_modules"] = list(_targets(args))
@@ -88,6 +91,10 @@ def _workload(args: Any) -> tuple[pl.Workload, pl.Hardware]:
         raise ConfigError(f"toolkit plan has no activation model for model type {kind!r} "
                           f"(it knows {', '.join(sorted(pl.ACTIVATION_MODELS))})")
     shape = load_shape(args.model)
+    if args.rope_factor < 1:
+        raise ConfigError(f"--rope-factor must be at least 1, got {args.rope_factor}")
+    if args.rope_factor != 1 and shape.max_positions is not None:  # rope scaling moves no memory or FLOPs
+        shape = dataclasses.replace(shape, max_positions=int(shape.max_positions * args.rope_factor))
     lora = pl.Lora(args.lora_r, _targets(args)) if args.lora else None
     if args.task != shape.task:
         raise ConfigError(f"toolkit plan models {args.model} as {shape.task} (the task the toolkit trains it on), "
@@ -265,7 +272,7 @@ def command(args: Any) -> str:
         parts += ["--lora", "--lora-r", str(args.lora_r), "--lora-targets", args.lora_targets]
     flags = (("--grad-ckpt", args.grad_ckpt), ("--no-liger", args.no_liger))
     parts += [f for f, on in flags if on]
-    for flag, value, default in (("--fused-loss", args.fused_loss, "auto"), ("--attn", args.attn, "sdpa"),
+    for flag, value, default in (("--rope-factor", f"{args.rope_factor:g}", "1"), ("--fused-loss", args.fused_loss, "auto"), ("--attn", args.attn, "sdpa"),
                                  ("--compile", args.compile, "auto"), ("--precision", args.precision, "bf16"),
                                  ("--fp8-recipe", args.fp8_recipe, "tensorwise"), ("--task", args.task, "causal_lm"),
                                  ("--stage", args.stage, None), ("--offload", args.offload, None),
@@ -340,6 +347,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--fused-loss", choices=("auto", "true", "false"), default="auto",
                    help="model.liger_fused_loss (auto, true: Liger's fused loss where Liger applies; false: off)")
     p.add_argument("--attn", choices=("sdpa", "eager", "flash_attention_2"), default="sdpa")
+    p.add_argument("--rope-factor", type=float, default=1.0,
+                   help="model.rope_factor: the model's positions x this factor (rope scaling), to plan past them")
     p.add_argument("--doc-len", type=float, default=None,
                    help="packed rows: the documents' token-weighted mean length, as a run prints it (attention "
                         "runs within each document); default: full-length rows")

@@ -786,7 +786,10 @@ def plan(w: Workload, hw: Hardware, **limits: Any) -> list[Prediction]:
     if w.lora is not None:
         check_lora_targets(w.shape, w.lora)
     if w.shape.max_positions is not None and w.seq_len > w.shape.max_positions:
-        raise ConfigError(f"sequence length {w.seq_len} is above the model's {w.shape.max_positions} positions")
+        from toolkit.config.models import positions_hint
+
+        raise ConfigError(f"sequence length {w.seq_len} is above the model's {w.shape.max_positions} positions; "
+                          + positions_hint(w.shape.max_positions).replace("model.rope_factor", "--rope-factor"))
     preds = [predict(w, c, hw) for c in choices(w, hw, **limits)]
     speed_fits = {_key(p.choice) for p in preds if p.choice.zero_sizes == "speed" and p.fits}
     kept = [p for p in preds if p.choice.zero_sizes == "speed"

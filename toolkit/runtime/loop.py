@@ -72,7 +72,7 @@ from toolkit.runtime.model import (
     is_preset,
 )
 from toolkit.runtime.preempt import Preemption
-from toolkit.runtime.sequence import ulysses
+from toolkit.runtime.sequence import tiling, ulysses
 
 if TYPE_CHECKING:
     from toolkit.runtime.spec import RunSpec
@@ -82,6 +82,9 @@ def run(p: RunSpec) -> int:
     cfg = p.cfg
     rank = dist.rank()
     compiled, compile_why = compiling.decide(cfg, p.ds, zero_stage(p.ds), p.total_steps, bool(p.fp8))
+    tiled, tiled_why = tiling.decide(cfg.model.tiled_mlp, cfg.data.seq_len, cfg.train.sequence_parallel)
+    if tiled and compiled:  # (train.compile=torch with tiling is refused before launch: spec.py)
+        compiled, compile_why = False, "model.tiled_mlp: compiled layers with tiled MLPs are not tested here yet"
     linear_note = compiling.plain_linear(p.ds) if compiled and zero_stage(p.ds) == 3 else None
     liger = kernels.choice_for(cfg, p.model_config.model_type, zero_stage(p.ds), compiled)
     attn = attention.for_run(cfg)
@@ -100,6 +103,8 @@ def run(p: RunSpec) -> int:
     if rank == 0:
         print(liger.describe(), flush=True)
         print(f"{packing(cfg)[1]}; {attn.note}", flush=True)
+        if tiled or cfg.model.tiled_mlp != "auto":
+            print(f"MLP tiled over the sequence: {'on' if tiled else 'off'} ({tiled_why})", flush=True)
         if not compiled:
             print(f"torch.compile: off ({compile_why})", flush=True)
         if linear_note:
@@ -108,7 +113,7 @@ def run(p: RunSpec) -> int:
                                                "adapter_autocast": p.adapter_autocast, "path": cfg.train.path,
                                                "liger": liger.kwargs, "liger_note": liger.describe(),
                                                "packing": packing(cfg)[0], "attention": attn.implementation,
-                                               "attention_note": attn.note,
+                                               "attention_note": attn.note, "tiled_mlp": tiled,
                                                "compile": compiled, "compile_note": compile_why, "fp8": p.fp8})
         write_status(p.run_dir, "running")
         note = breakdown.copy_plan(cfg.train.plan, p.run_dir)
@@ -174,6 +179,8 @@ def _run(p: RunSpec, liger: Any, attn: attention.AttentionPlan, compiled: tuple[
     keep_alive = _deepspeed_config_alive(p)  # must exist before the model under ZeRO-3
     model = build_model(cfg, p.model_config, frozen_bf16=p.adapter_autocast, attn=attn.implementation)
     kernels.apply(model, liger)
+    if tiling.decide(cfg.model.tiled_mlp, cfg.data.seq_len, cfg.train.sequence_parallel)[0]:
+        tiling.tile_mlps(compiling.decoder_layers(model), cfg.model.tiled_mlp_shards)
     sp = ulysses.start(cfg.train.sequence_parallel, p.model_config, cfg.train.micro_batch_size) \
         if cfg.train.sequence_parallel > 1 else None
     _fp8_and_compile(p, model, *compiled)

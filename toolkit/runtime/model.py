@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.config.ds_config import ConfigError
-from toolkit.config.models import PRESETS, SPECIAL_IDS
+from toolkit.config.models import PRESETS, SPECIAL_IDS, extend_positions, positions_hint
 from toolkit.config.schema import Config, packing
 
 
@@ -43,9 +43,14 @@ def model_config(cfg: Config) -> Any:
     # ids as separate sequences when no cache is passed (masking_utils._preprocess_mask_arguments), and a
     # training forward builds one whenever config.use_cache is on. generate() asks for its own cache.
     mc.use_cache = not (cfg.model.gradient_checkpointing or packing(cfg)[0])
+    if cfg.model.rope_factor != 1:
+        if getattr(mc, "max_position_embeddings", None) is None:
+            raise ConfigError(f"model.rope_factor: a {mc.model_type} model has no rotary positions to extend")
+        extend_positions(mc, cfg.model.rope_factor)
     limit = getattr(mc, "max_position_embeddings", None) or getattr(mc, "n_positions", None)
     if limit is not None and cfg.data.seq_len > limit:
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} is above the model's maximum of {limit} positions")
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} is above the model's maximum of {limit} positions; "
+                          + positions_hint(limit))
     return mc
 
 

@@ -149,6 +149,13 @@ def _check_sequence_parallel(cfg: Config, mc: Any, ds: dict[str, Any], world: in
     if t.sequence_parallel > 1 and t.compile == "torch":
         found.append("train.compile=torch with train.sequence_parallel: compiled layers under Ulysses are not "
                      "tested here yet; use train.compile=auto or off")
+    from toolkit.runtime.sequence.tiling import decide
+
+    tiled, why = decide(cfg.model.tiled_mlp, cfg.data.seq_len, t.sequence_parallel)
+    if tiled and (t.compile == "torch" or t.precision == "fp8"):
+        what = "train.compile=torch" if t.compile == "torch" else "train.precision=fp8 (which compiles)"
+        found.append(f"{what} with tiled MLPs ({why}): not tested together here yet; set model.tiled_mlp=false "
+                     "or train.compile=auto")
     if found:
         raise ConfigError("\n".join(found))
 
