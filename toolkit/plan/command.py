@@ -60,6 +60,11 @@ def train_overrides(args: Any, p: pl.Prediction, out_dir: Path | None) -> dict[s
         o["model.task"] = args.task
     if args.rope_factor != 1:
         o["model.rope_factor"] = args.rope_factor
+    if args.sequence_parallel > 1:
+        o["train.sequence_parallel"] = args.sequence_parallel
+        o["train.path"] = "raw"  # (sequence parallelism runs on the raw path)
+    if args.tiled_mlp != "auto":
+        o["model.tiled_mlp"] = args.tiled_mlp
     if args.lora:
         o["lora.r"] = args.lora_r
         o["lora.target_modules"] = list(_targets(args))
@@ -82,7 +87,8 @@ def _workload(args: Any) -> tuple[pl.Workload, pl.Hardware]:
               (args.global_batch >= 1, f"--global-batch must be at least 1, got {args.global_batch}"),
               (args.gpu_mem > 0, f"--gpu-mem must be positive, got {args.gpu_mem}"),
               (args.host_mem is None or args.host_mem > 0, f"--host-mem must be positive, got {args.host_mem}"),
-              (args.lora_r >= 1, f"--lora-r must be at least 1, got {args.lora_r}")]
+              (args.lora_r >= 1, f"--lora-r must be at least 1, got {args.lora_r}"),
+              (args.sequence_parallel >= 1, f"--sequence-parallel must be at least 1, got {args.sequence_parallel}")]
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
@@ -101,8 +107,12 @@ def _workload(args: Any) -> tuple[pl.Workload, pl.Hardware]:
                           f"not {args.task}")
     if args.doc_len is not None and args.doc_len < 2:
         raise ConfigError(f"--doc-len must be at least 2 tokens, got {args.doc_len}")
+    from toolkit.plan.speedups import tiled_mlp_on
+
+    tiled = tiled_mlp_on(args.tiled_mlp, args.seq, args.sequence_parallel)[0]
     w = pl.Workload(shape, args.seq, args.global_batch, lora, not args.no_liger, args.attn, args.fused_loss,
-                    args.compile, args.fp8_recipe if args.precision == "fp8" else None, args.doc_len)
+                    args.compile, args.fp8_recipe if args.precision == "fp8" else None, args.doc_len,
+                    args.sequence_parallel, tiled)
     hw = pl.Hardware(args.gpus, args.nodes, args.gpu_mem, args.host_mem)
     return w, hw
 
@@ -175,7 +185,9 @@ def render(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predictio
         f"toolkit plan: {args.model} ({s.total_params / 1e9:.2f}B parameters, {kind}), {hw.gpus_per_node} GPU(s) x "
         f"{hw.nodes} node(s), {hw.gpu_mem_gib:g} GiB per GPU, {host}",
         f"sequence {w.seq_len}" + (f" packed with documents of {w.doc_len:g} tokens (token-weighted)" if w.doc_len else "")
-        + f", global batch {w.global_batch} ({w.global_batch // hw.world} per rank), "
+        + (f" over {w.sequence_parallel} ranks each (sequence parallelism)" if w.sequence_parallel > 1 else "")
+        + (", MLPs tiled" if w.tiled_mlp else "")
+        + f", global batch {w.global_batch} ({w.global_batch * w.sequence_parallel // hw.world} per rank), "
         f"attention {w.attn}, Liger {'on where supported' if w.liger else 'off'}, train.compile={w.compile} "
         f"(auto: compiled; eager at ZeRO-3 under LoRA), " + (f"float8 matmuls ({w.fp8})" if w.fp8 else "bf16"),
         f"GPU need = predicted peak allocated x {1 + pl.ALLOC_MARGIN:.2f} + {pl.CUDA_CONTEXT_GIB} GiB CUDA context; "
@@ -242,7 +254,8 @@ def plan_json(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predic
                    "world_size": hw.world, "gpu_mem_gib": hw.gpu_mem_gib, "host_mem_gib": hw.host_mem_gib,
                    "lora": None if w.lora is None else {"r": w.lora.r, "targets": list(w.lora.targets)},
                    "liger": w.liger, "fused_loss": w.fused_loss, "attn": w.attn, "compile": w.compile,
-                   "fp8": w.fp8, "task": w.shape.task, "doc_len": w.doc_len},
+                   "fp8": w.fp8, "task": w.shape.task, "doc_len": w.doc_len,
+                   "sequence_parallel": w.sequence_parallel, "tiled_mlp": w.tiled_mlp},
         "constants": {"cuda_context_gib": pl.CUDA_CONTEXT_GIB, "alloc_margin": pl.ALLOC_MARGIN,
                       "host_baseline_gib": pl.HOST_BASELINE_GIB},
     }
@@ -262,7 +275,8 @@ def plan_json(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predic
 
 def command(args: Any) -> str:
     """The plan's command line, rebuilt from its arguments (recorded in plan.json and train.yaml)."""
-    parts = ["toolkit", "plan", "--model", args.model, "--gpus", str(args.gpus), "--seq", str(args.seq),
+    parts = ["toolkit", "plan", "--model", args.model, "--gpus", str(args.gpus),
+             *(["--max-seq"] if getattr(args, "max_seq", False) else ["--seq", str(args.seq)]),
              "--global-batch", str(args.global_batch), "--gpu-mem", f"{args.gpu_mem:g}"]
     if args.nodes != 1:
         parts += ["--nodes", str(args.nodes)]
@@ -272,7 +286,8 @@ def command(args: Any) -> str:
         parts += ["--lora", "--lora-r", str(args.lora_r), "--lora-targets", args.lora_targets]
     flags = (("--grad-ckpt", args.grad_ckpt), ("--no-liger", args.no_liger))
     parts += [f for f, on in flags if on]
-    for flag, value, default in (("--rope-factor", f"{args.rope_factor:g}", "1"), ("--fused-loss", args.fused_loss, "auto"), ("--attn", args.attn, "sdpa"),
+    for flag, value, default in (("--sequence-parallel", args.sequence_parallel, 1), ("--tiled-mlp", args.tiled_mlp, "auto"),
+                                 ("--rope-factor", f"{args.rope_factor:g}", "1"), ("--fused-loss", args.fused_loss, "auto"), ("--attn", args.attn, "sdpa"),
                                  ("--compile", args.compile, "auto"), ("--precision", args.precision, "bf16"),
                                  ("--fp8-recipe", args.fp8_recipe, "tensorwise"), ("--task", args.task, "causal_lm"),
                                  ("--stage", args.stage, None), ("--offload", args.offload, None),
@@ -305,6 +320,10 @@ def write_plan(out_dir: Path, data: dict[str, Any], force: bool) -> list[Path]:
 
 
 def run_plan(args: Any) -> int:
+    if args.max_seq:
+        return _run_max_seq(args)
+    if args.seq is None:
+        raise ConfigError("toolkit plan needs --seq L (or --max-seq: the longest length each choice fits)")
     w, hw = _workload(args)
     ranked = pl.plan(w, hw, **_limits(args, hw, w))
     chosen = pl.best(ranked)
@@ -325,6 +344,27 @@ def run_plan(args: Any) -> int:
     return 0
 
 
+def _run_max_seq(args: Any) -> int:
+    from toolkit.plan import max_seq
+
+    if args.output:
+        raise ConfigError("--max-seq plans no run to write (-o): plan one of its lengths with --seq")
+    args.seq = 1024 * args.sequence_parallel  # the search's first step; _workload checks the rest
+    w, hw = _workload(args)
+    rows = max_seq.search(w, hw, args.tiled_mlp, **_limits(args, hw, w))
+    if args.json:
+        sys.stdout.write(json.dumps({"command": command(args), "longest": max_seq.to_json(rows)}, indent=1) + "\n")
+    else:
+        s = w.shape
+        print(f"toolkit plan --max-seq: {args.model} ({s.total_params / 1e9:.2f}B parameters"
+              + (", LoRA" if w.lora else ", full fine-tune") + f"), {hw.gpus_per_node} GPU(s) x {hw.nodes} node(s), "
+              f"{hw.gpu_mem_gib:g} GiB per GPU, global batch {w.global_batch}"
+              + (f", sequence parallelism over {w.sequence_parallel}" if w.sequence_parallel > 1 else "")
+              + f", model.tiled_mlp={args.tiled_mlp}\n")
+        print(max_seq.render(rows, args.top, _describe))
+    return 0 if rows else 1
+
+
 def add_parser(sub: Any) -> None:
     """The `plan` subcommand's arguments (cli.py calls this)."""
     p = sub.add_parser(
@@ -337,7 +377,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU (default 80; an H200 has 139)")
     p.add_argument("--host-mem", type=float, default=None, help="host RAM per node, GiB (default: not checked)")
-    p.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence")
+    p.add_argument("--max-seq", action="store_true",
+                   help="instead of --seq: the longest sequence each choice fits (steps of 1,024 x --sequence-parallel)")
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step, all ranks")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters instead of every weight")
     p.add_argument("--lora-r", type=int, default=8)
@@ -347,6 +389,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--fused-loss", choices=("auto", "true", "false"), default="auto",
                    help="model.liger_fused_loss (auto, true: Liger's fused loss where Liger applies; false: off)")
     p.add_argument("--attn", choices=("sdpa", "eager", "flash_attention_2"), default="sdpa")
+    p.add_argument("--sequence-parallel", type=int, default=1, metavar="N",
+                   help="train.sequence_parallel: each row over N ranks (activations / N; global batch counts groups)")
+    p.add_argument("--tiled-mlp", choices=("auto", "true", "false"), default="auto",
+                   help="model.tiled_mlp (auto: on from 65,536 tokens of a row per rank)")
     p.add_argument("--rope-factor", type=float, default=1.0,
                    help="model.rope_factor: the model's positions x this factor (rope scaling), to plan past them")
     p.add_argument("--doc-len", type=float, default=None,

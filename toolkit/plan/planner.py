@@ -166,6 +166,13 @@ class Workload:
     """Packed rows (data.packing): the documents' token-weighted mean length (sum of L^2 / sum of L, what a run
     prints). Attention then runs within each document (variable-length attention), so its FLOPs per token
     follow this length instead of seq_len; memory is sdpa's (no mask is built). None: full-length rows."""
+    sequence_parallel: int = 1
+    """train.sequence_parallel: each row's tokens spread over this many ranks (Ulysses). Activations per rank are
+    a row's 1/N; model states are sharded over every rank as before; the global batch counts groups of N ranks.
+    The all-to-alls around each attention are not counted in the step time."""
+    tiled_mlp: bool = False
+    """model.tiled_mlp resolved: each MLP keeps only its input and runs one tile of micro x hidden tokens at a time,
+    once more in backward."""
 
     @property
     def attended(self) -> float:
@@ -305,7 +312,8 @@ def _cpu_groups(n_groups: int, ratio: float) -> int:
 
 
 def layer_activation_bytes(shape: ModelShape, *, seq_len: int, attn: str, liger: bool,
-                           lora: Lora | None, autocast: bool = False, compiled: bool = False) -> float:
+                           lora: Lora | None, autocast: bool = False, compiled: bool = False,
+                           tiled_mlp: bool = False) -> float:
     """Bytes one decoder layer saves for backward, per token (bf16 activations).
 
     GPT-2 and BERT: `_layernorm_layer_bytes`. The rest of this docstring is the Llama/Qwen2 layer.
@@ -321,6 +329,7 @@ def layer_activation_bytes(shape: ModelShape, *, seq_len: int, attn: str, liger:
         per score), and its output only when o_proj saves its input;
       MLP (HF): gate output, SiLU output, up output, and their product when down_proj saves its input;
       MLP (Liger): gate and up outputs (the SiLU-mul kernel recomputes the rest), and the product.
+      MLP (tiled, DeepSpeed's TiledMLP): its input only; the rest exists for one tile at a time (predict()).
     A linear saves its input only when its weight trains (full fine-tune) or it carries a LoRA adapter.
     autocast (LoRA in adapter autocast mode: fp32 adapters, bf16 activations): PEFT's lora.Linear casts
     its input to the adapter's dtype (`x = self._cast_input_dtype(x, lora_A.weight.dtype)`, fp32) and
@@ -349,16 +358,18 @@ def layer_activation_bytes(shape: ModelShape, *, seq_len: int, attn: str, liger:
     norm = 2 * h if liger else 4 * h + (2 * h if full else 0)
     total = 2 * norm
     total += 2 * h * inputs_saved("q_proj", "k_proj", "v_proj")
-    total += 2 * h * inputs_saved("gate_proj", "up_proj")
+    total += 2 * h if tiled_mlp else 2 * h * inputs_saved("gate_proj", "up_proj")
     if attn == "eager":
         total += 3 * 2 * q + 6 * shape.num_heads * seq_len + 2 * q * inputs_saved("o_proj")
     else:
         # sdpa/flash keep their output themselves; an o_proj adapter under autocast keeps its own copy
         total += 2 * q + 2 * 2 * kv + 2 * q + 4 * shape.num_heads
         total += 2 * q if (autocast and lora is not None and "o_proj" in lora.targets) else 0
-    total += (2 if liger else 3) * 2 * inter + (2 * inter if saves_input("down_proj") else 0)
+    if not tiled_mlp:
+        total += (2 if liger else 3) * 2 * inter + (2 * inter if saves_input("down_proj") else 0)
     if lora is not None:  # lora_A's output, saved by lora_B: r values per targeted linear
-        total += sum(2 * lora.r for name, _, _ in shape.linears if name.rsplit(".", 1)[-1] in lora.targets)
+        total += sum(2 * lora.r for name, _, _ in shape.linears if name.rsplit(".", 1)[-1] in lora.targets
+                     and not (tiled_mlp and name.rsplit(".", 1)[-1] in ("gate_proj", "up_proj", "down_proj")))
     return float(total)
 
 
@@ -510,7 +521,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     # LoRA below ZeRO-3 under bf16 trains like PEFT: fp32 adapters, bf16 frozen base, torch autocast
     # (toolkit/config/ds_config.py adapter_autocast); at ZeRO-3 DeepSpeed's bf16 mode keeps everything bf16.
     autocast = lora is not None and stage < 3
-    tokens = c.micro_batch * w.seq_len
+    tokens = c.micro_batch * w.seq_len // w.sequence_parallel  # this rank's slice of each row
     h, vocab = s.hidden_size, s.vocab_size
     largest = max(s.param_numels())
 
@@ -547,8 +558,9 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
         held = (4.0 if autocast else 2.0) * t_all / (1 if stage == 0 else n)
 
     # ---- activations ---------------------------------------------------------------------------------
+    tiled = w.tiled_mlp and s.model_type in LLAMA_LIKE
     per_layer = layer_activation_bytes(s, seq_len=w.seq_len, attn=w.attn, liger=fused, lora=lora, autocast=autocast,
-                                       compiled=comp)
+                                       compiled=comp, tiled_mlp=tiled)
     if split_by_hooks(w, stage) and s.model_type in LLAMA_LIKE:
         # Under LoRA the layers are not ZeRO-3 leaves, DeepSpeed's hooks split a compiled layer into a graph per
         # module, and less fuses: llama-1b micro 16 peaked at 66.5 GiB compiled against 57.6 eager with Liger (run
@@ -570,6 +582,10 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     # backward of the top layer's MLP: the gradient of the down projection's input, and in plain
     # transformers the two gradients the SiLU-mul product splits into (Liger computes them in place)
     mlp_bwd = (1 if fused else 3) * 2.0 * s.intermediate_size * tokens + 2 * 2.0 * h * tokens
+    if tiled:  # one tile of micro x hidden tokens at a time, recomputed with its activations, then its gradients
+        tile = min(tokens, c.micro_batch * h)
+        mlp_bwd = ((2 if fused else 3) + 1 + (1 if fused else 3)) * 2.0 * s.intermediate_size * tile \
+            + 2 * 2.0 * h * tokens
     if flce:
         # liger fused_linear_cross_entropy: grad_input and (trained head) grad_weight are computed in
         # forward and kept; chunks of chunk_size x V logits; the fp32 matmul per chunk for grad_weight
@@ -638,7 +654,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     step_s = _step_time_s(w, c, hw, p_all=p_all, t_all=t_all, fused_loss=flce, offload_opt=offload_opt,
                           offload_param=offload_param, cpu_params=sum(groups) - sum(gpu_groups) if stage == 3
                           else (t_all / n if offload_opt else 0.0))
-    tps = c.micro_batch * c.grad_accum * w.seq_len / step_s
+    tps = c.micro_batch * c.grad_accum * w.seq_len / w.sequence_parallel / step_s  # a group shares each row
     return Prediction(
         choice=c, liger=liger, fused_loss=flce, compiled=comp, phase=phase, gpu=gpu,
         persistent={"params": params / GIB, "grads": grads / GIB, "optimizer": optimizer / GIB},
@@ -713,11 +729,13 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     """Seconds per optimizer step on one rank: compute per micro-step at an MFU that grows with the
     tokens per micro-step, ZeRO-3's per-micro-step cost, offload copies, and the CPU Adam step."""
     s = w.shape
-    tokens = c.micro_batch * w.seq_len
+    tokens = c.micro_batch * w.seq_len // w.sequence_parallel  # per rank; its heads' attention spans the whole row
     attn = 12.0 * s.num_layers * s.hidden_size * w.attended  # packed documents: their own length (Workload.doc_len)
     flops = 4.0 * p_all + 2.0 * t_all + attn  # toolkit/observe/metrics.py flops_per_token
     if c.grad_ckpt:
         flops += 2.0 * p_all + attn / 3  # one more forward
+    if w.tiled_mlp and s.model_type in LLAMA_LIKE:
+        flops += 6.0 * s.hidden_size * s.intermediate_size * s.num_layers  # each MLP forward once more
     mfu = MFU_MAX * tokens / (tokens + MFU_HALF_TOKENS)  # fitted on runs with Liger's kernels and fused loss
     comp = compiled(w, c.stage)
     if not (fused_loss or comp):  # compiled layers fuse what Liger's kernels fuse (1.02x llama-1b, run s20)
@@ -752,10 +770,12 @@ def choices(w: Workload, hw: Hardware, *, stages: Iterable[int] = (0, 1, 2, 3),
             offloads: Iterable[Offload] = OFFLOADS, micro_batches: Iterable[int] | None = None,
             grad_ckpt: Iterable[bool] = (False, True), zero_sizes: Iterable[str] = ("speed", "memory")) -> list[Choice]:
     """Every combination worth predicting. The global batch fixes micro x accumulation per rank."""
-    per_rank = per_rank_batch(w.global_batch, hw.world)
+    per_rank = per_rank_batch(w.global_batch, hw.world // w.sequence_parallel)
     micros = [m for m in (micro_batches or divisors(per_rank)) if per_rank % m == 0]
     out: list[Choice] = []
     for stage in stages:
+        if stage == 0 and w.sequence_parallel > 1:
+            continue  # refused: DeepSpeed's Ulysses crashes at ZeRO-0
         for off in offloads:
             if (off == "optimizer" and stage == 0) or (off == "all" and stage != 3):
                 continue
@@ -785,6 +805,13 @@ def plan(w: Workload, hw: Hardware, **limits: Any) -> list[Prediction]:
     do not fit (the memory-lean sizes cost speed, DESIGN.md: chosen only when memory is tight)."""
     if w.lora is not None:
         check_lora_targets(w.shape, w.lora)
+    if w.sequence_parallel > 1:
+        from toolkit.config.checks.sequence import problems
+
+        found = problems(w.sequence_parallel, hw.world, heads=w.shape.num_heads, kv_heads=w.shape.num_kv_heads,
+                         seq_len=w.seq_len, attn=w.attn)
+        if found:
+            raise ConfigError("; ".join(found))
     if w.shape.max_positions is not None and w.seq_len > w.shape.max_positions:
         from toolkit.config.models import positions_hint
 

@@ -1,4 +1,4 @@
-"""The compile and float8 decisions, pure: which runs compile, which Linear modules float8 converts, and
+"""The compile, float8 and MLP-tiling decisions, pure: which runs compile, which Linear modules float8 converts, and
 which GPUs can run it. Shared by the runtime (toolkit/runtime/compile.py, fp8.py) and `toolkit plan`;
 testable without a GPU. The measurements behind each constant are in bench/results/fp8_compile.md.
 """
@@ -84,3 +84,19 @@ def fp8_support_error(capability: tuple[int, int] | None, gpu: str = "") -> str 
         return (f"train.precision=fp8 needs float8 tensor cores (SM 8.9+); {gpu or 'this GPU'} is SM "
                 f"{capability[0]}.{capability[1]}; use train.precision=bf16")
     return None
+
+
+# model.tiled_mlp=auto: on when a rank holds at least this many tokens of a row (../shared/notes/long_context.md
+# section 6: from about 64K tokens the MLP's recompute memory dominates a layer's). Not measured here yet.
+TILED_MLP_AUTO_MIN_TOKENS = 65_536
+
+
+def tiled_mlp_on(setting: str, seq_len: int, sequence_parallel: int) -> tuple[bool, str]:
+    """(tile or not, why) for model.tiled_mlp = auto | true | false (toolkit/runtime/sequence/tiling.py)."""
+    if setting in ("true", "false"):
+        return setting == "true", f"model.tiled_mlp={setting}"
+    per_rank = seq_len // max(1, sequence_parallel)
+    if per_rank >= TILED_MLP_AUTO_MIN_TOKENS:
+        return True, (f"model.tiled_mlp=auto: {per_rank:,} tokens of a row per rank (>= {TILED_MLP_AUTO_MIN_TOKENS:,}): "
+                      "the MLP's activations would dominate")
+    return False, f"model.tiled_mlp=auto: {per_rank:,} tokens of a row per rank (< {TILED_MLP_AUTO_MIN_TOKENS:,})"

@@ -20,20 +20,7 @@ from typing import Any
 
 import torch
 
-AUTO_MIN_TOKENS = 65_536
-"""model.tiled_mlp=auto: on when a rank holds at least this many tokens of a row (long_context.md section 6:
-from about 64K tokens the MLP's recompute memory dominates a layer's)."""
-
-
-def decide(setting: str, seq_len: int, sequence_parallel: int) -> tuple[bool, str]:
-    """(tile or not, why) for model.tiled_mlp = auto | true | false."""
-    if setting in ("true", "false"):
-        return setting == "true", f"model.tiled_mlp={setting}"
-    per_rank = seq_len // max(1, sequence_parallel)
-    if per_rank >= AUTO_MIN_TOKENS:
-        return True, (f"model.tiled_mlp=auto: {per_rank:,} tokens of a row per rank (>= {AUTO_MIN_TOKENS:,}): "
-                      "the MLP's activations would dominate")
-    return False, f"model.tiled_mlp=auto: {per_rank:,} tokens of a row per rank (< {AUTO_MIN_TOKENS:,})"
+from toolkit.plan.speedups import tiled_mlp_on as decide  # noqa: F401  (the runtime's and the planner's decision)
 
 
 def tile_mlps(layers: list[Any], shards: int = 0) -> int:

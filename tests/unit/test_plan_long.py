@@ -1,0 +1,77 @@
+"""`toolkit plan` for long sequences: sequence parallelism and tiled MLPs in the predictions, and --max-seq.
+The terms are the planner's arithmetic; how close they come on GPUs at long lengths is not measured yet."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from toolkit.config.ds_config import ConfigError
+from toolkit.plan import planner as pl
+from toolkit.plan.max_seq import search
+from toolkit.plan.shapes import load_shape
+
+
+def _w(seq: int = 65536, **kw: object) -> pl.Workload:
+    return pl.Workload(load_shape("llama-3.2-1b"), seq, 1, **kw)  # type: ignore[arg-type]
+
+
+def test_sequence_parallelism_divides_the_activations_not_the_states() -> None:
+    c = pl.Choice(3, micro_batch=1, grad_accum=1, grad_ckpt=True)
+    one = pl.predict(_w(), c, pl.Hardware(2))
+    two = pl.predict(_w(sequence_parallel=2), c, pl.Hardware(2))
+    assert two.persistent == one.persistent  # ZeRO shards states over both ranks either way
+    assert two.gpu["activations"] == pytest.approx(one.gpu["activations"] / 2, rel=1e-6)
+    # two ranks share a row: per GPU half the tokens of a row per step, at (about) half the step time
+    assert two.tokens_per_s_per_gpu == pytest.approx(one.tokens_per_s_per_gpu, rel=0.25)
+
+
+def test_sequence_parallel_choices_count_groups_and_skip_zero0() -> None:
+    w = replace(_w(sequence_parallel=4), global_batch=2)
+    hw = pl.Hardware(8)
+    cs = pl.choices(w, hw)  # global batch 2 over 8 ranks in groups of 4: 1 sequence per group
+    assert cs and all(c.stage > 0 and c.micro_batch * c.grad_accum == 1 for c in cs)
+    with pytest.raises(ConfigError, match="does not divide the model's 32 attention heads"):
+        pl.plan(replace(w, sequence_parallel=3), pl.Hardware(3))
+
+
+def test_tiled_mlps_keep_less_and_cost_a_forward() -> None:
+    s = load_shape("llama-3.2-1b")
+    plain = pl.layer_activation_bytes(s, seq_len=65536, attn="sdpa", liger=True, lora=None)
+    tiled = pl.layer_activation_bytes(s, seq_len=65536, attn="sdpa", liger=True, lora=None, tiled_mlp=True)
+    assert plain - tiled == 2 * 2 * s.intermediate_size + 2 * s.intermediate_size  # gate, up, product
+    c = pl.Choice(3, micro_batch=1, grad_accum=1, grad_ckpt=False)
+    a, b = pl.predict(_w(), c, pl.Hardware(1)), pl.predict(_w(tiled_mlp=True), c, pl.Hardware(1))
+    assert b.peak_allocated_gib < a.peak_allocated_gib and b.tokens_per_s_per_gpu < a.tokens_per_s_per_gpu
+
+
+def test_max_seq_is_the_longest_step_that_fits() -> None:
+    w, hw = _w(seq=1024), pl.Hardware(1, gpu_mem_gib=80.0)
+    rows = search(replace(w, shape=replace(w.shape, max_positions=1 << 22)), hw, "auto", stages=(3,),
+                  offloads=("none",), grad_ckpt=(True,), zero_sizes=("speed",))
+    assert len(rows) == 1
+    r = rows[0]
+    assert r.seq_len % 1024 == 0 and not r.capped and r.prediction.fits
+    longer = replace(w, seq_len=r.seq_len + 1024, tiled_mlp=True)  # tiling is on there (auto)
+    assert not pl.predict(longer, r.prediction.choice, hw).fits
+    capped = search(w, hw, "auto", stages=(3,), offloads=("none",), grad_ckpt=(True,), zero_sizes=("speed",))
+    assert capped[0].capped and capped[0].seq_len == 131072  # the preset's positions stop it first
+
+
+def test_plan_cli_sequence_parallel_and_max_seq(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    from toolkit.cli import main
+
+    base = ["plan", "--model", "llama-3.2-1b", "--gpus", "2", "--global-batch", "1", "--sequence-parallel", "2"]
+    assert main([*base, "--seq", "65536", "-o", str(tmp_path)]) == 0
+    train = (tmp_path / "train.yaml").read_text()
+    assert "sequence_parallel: 2" in train and "path: raw" in train
+    capsys.readouterr()
+    assert main([*base, "--max-seq", "--rope-factor", "8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    lengths = [r["seq_len"] for r in data["longest"]]
+    assert lengths == sorted(lengths, reverse=True) and all(n % 2048 == 0 for n in lengths)
+    assert "--max-seq" in data["command"] and "--sequence-parallel 2" in data["command"]
+    assert main(["plan", "--model", "llama-3.2-1b", "--gpus", "1", "--global-batch", "1"]) == 1
+    assert "needs --seq" in capsys.readouterr().err
