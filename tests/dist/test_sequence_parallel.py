@@ -59,6 +59,11 @@ def _runs(tmp: Path) -> list[dict]:
         add(f"chat-zero3-{sp}", "zero3", *sizes, *chat_run, "train.max_steps=4")
         add(f"late-zero2-{sp}", "zero2", *sizes, f"data.source={late}", f"model.tokenizer={tok}",
             "data.packing=false", "data.shuffle=false", "train.max_steps=3")
+    # each decoder layer compiled under Ulysses (deepspeed#8491: q/k/v gradients were zero before 0.19.7)
+    add("synthetic-zero2-sp2-compiled", "zero2", *SP2, "train.max_steps=3", "data.num_samples=32", "train.compile=torch")
+    # ... and with tiled MLPs inside the compiled layers
+    add("synthetic-zero2-sp2-tiled-compiled", "zero2", *SP2, "train.max_steps=3", "data.num_samples=32",
+        "train.compile=torch", "model.tiled_mlp=true", "model.tiled_mlp_shards=4")
     # the MLPs in 4 tiles over each rank's slice (DeepSpeed's TiledMLP, ZeRO-3 reducing after the last tile)
     add("synthetic-zero3-sp2-tiled", "zero3", *SP2, "train.max_steps=3", "data.num_samples=32",
         "model.tiled_mlp=true", "model.tiled_mlp_shards=4")
@@ -89,6 +94,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if proc.returncode != 0:
         pytest.fail(f"launcher exited {proc.returncode}:\n{log.read_text()[-6000:]}")
     return tmp
+
+
+@pytest.mark.timeout(900)  # the first test pays the shared launch (pytest-timeout counts fixture setup)
+def test_every_run_ends_as_it_should(runs: Path) -> None:
+    for run in json.loads((runs / "runs.json").read_text()):
+        status = runs / run["name"] / "status.json"
+        if run.get("expect_rc", 0) == 0:
+            assert json.loads(status.read_text())["status"] == "completed", run["name"]
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -159,3 +172,14 @@ def test_tiled_mlps_train_as_plain_ones_under_sp_at_zero3(runs: Path) -> None:
     _same([m["grad_norm"] for m in tiled], [m["grad_norm"] for m in plain], 1e-5)
     assert json.loads((runs / "synthetic-zero3-sp2-tiled" / "versions.json").read_text())["tiled_mlp"] is True
     assert "MLP tiled over the sequence: on (model.tiled_mlp=true)" in (runs / "launch.log").read_text()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["synthetic-zero2-sp2-compiled", "synthetic-zero2-sp2-tiled-compiled"])
+def test_compiled_layers_under_sp_train_as_eager_ones(runs: Path, case: str) -> None:
+    """The same losses and gradient norms as the eager SP=2 run: a zero q/k/v gradient (the failure of compiled
+    layers under Ulysses before deepspeed 0.19.7) would change both from the first update on."""
+    compiled, eager = metrics(runs / case), metrics(runs / "synthetic-zero2-sp2")
+    _same([m["loss"] for m in compiled], [m["loss"] for m in eager], 1e-5)
+    _same([m["grad_norm"] for m in compiled], [m["grad_norm"] for m in eager], 1e-4)
+    assert json.loads((runs / case / "versions.json").read_text())["compile"] is True

@@ -146,16 +146,12 @@ def _check_sequence_parallel(cfg: Config, mc: Any, ds: dict[str, Any], world: in
     heads = getattr(text, "num_attention_heads", None)
     found = problems(t.sequence_parallel, world, zero_stage(ds), heads, getattr(text, "num_key_value_heads", heads),
                      cfg.data.seq_len, cfg.model.attn_implementation, t.path, cfg.model.task, t.micro_batch_size)
-    if t.sequence_parallel > 1 and t.compile == "torch":
-        found.append("train.compile=torch with train.sequence_parallel: compiled layers under Ulysses are not "
-                     "tested here yet; use train.compile=auto or off")
     from toolkit.runtime.sequence.tiling import decide
 
     tiled, why = decide(cfg.model.tiled_mlp, cfg.data.seq_len, t.sequence_parallel)
-    if tiled and (t.compile == "torch" or t.precision == "fp8"):
-        what = "train.compile=torch" if t.compile == "torch" else "train.precision=fp8 (which compiles)"
-        found.append(f"{what} with tiled MLPs ({why}): not tested together here yet; set model.tiled_mlp=false "
-                     "or train.compile=auto")
+    if tiled and t.precision == "fp8":
+        found.append(f"train.precision=fp8 with tiled MLPs ({why}): not tested together here yet; set "
+                     "model.tiled_mlp=false or train.precision=bf16")
     if found:
         raise ConfigError("\n".join(found))
 
