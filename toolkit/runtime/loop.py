@@ -33,7 +33,7 @@ from toolkit.observe.metrics import (
 )
 from toolkit.observe.profiling import StepProfiler
 from toolkit.plan.speedups import leaves_blocked
-from toolkit.runtime import attention, autotune, fp8, integrity, kernels, resume, watchdog
+from toolkit.runtime import attention, autotune, fp8, integrity, kernels, moe, resume, watchdog
 from toolkit.runtime import compile as compiling
 from toolkit.runtime.checkpoint import (
     DEFAULT_RUN_DIR,
@@ -180,8 +180,16 @@ def _run(p: RunSpec, liger: Any, attn: attention.AttentionPlan, compiled: tuple[
     keep_alive = _deepspeed_config_alive(p)  # must exist before the model under ZeRO-3
     model = build_model(cfg, p.model_config, frozen_bf16=p.adapter_autocast, attn=attn.implementation)
     kernels.apply(model, liger)
+    if zero_stage(p.ds) == 3:
+        moe.set_leaves(model)  # blocks with one module per expert: leaves, or ZeRO-3 hangs when ranks route apart
+    experts = moe.describe(model, p.ds)
+    if experts and rank == 0:
+        print(experts, flush=True)
     if tiling.decide(cfg.model.tiled_mlp, cfg.data.seq_len, cfg.train.sequence_parallel)[0]:
-        tiling.tile_mlps(compiling.decoder_layers(model), cfg.model.tiled_mlp_shards)
+        layers = compiling.decoder_layers(model)
+        tiled = tiling.tile_mlps(layers, cfg.model.tiled_mlp_shards)
+        if tiled < len(layers) and rank == 0:
+            print(f"MLP tiling: {tiled} of {len(layers)} layers (Mixture-of-Experts blocks are not tiled)", flush=True)
     sp = ulysses.start(cfg.train.sequence_parallel, p.model_config, cfg.train.micro_batch_size) \
         if cfg.train.sequence_parallel > 1 else None
     _fp8_and_compile(p, model, *compiled)

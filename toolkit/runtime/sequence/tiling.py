@@ -26,11 +26,13 @@ from toolkit.plan.speedups import tiled_mlp_on as decide  # noqa: F401  (the run
 def tile_mlps(layers: list[Any], shards: int = 0) -> int:
     """Patch each decoder layer's `mlp` (after Liger has swapped it, before compile and DeepSpeed); returns how
     many. shards: tiles per call, 0 for ceil(tokens / hidden size). An MLP with dropout is refused: its
-    backward recompute would draw other masks."""
+    backward recompute would draw other masks. Mixture-of-Experts blocks are left as they are."""
     done = 0
     for layer in layers:
         mlp = getattr(layer, "mlp", None)
         if mlp is None or getattr(mlp, "_toolkit_tiled", False):
+            continue
+        if hasattr(mlp, "experts"):  # a MoE block: its router's outputs (aux loss) are per call, not per tile
             continue
         dropout = [m for m in mlp.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
         if dropout:

@@ -1,0 +1,102 @@
+"""Mixture-of-Experts models (toolkit/runtime/moe/) on 2 CPU ranks through the real `deepspeed` launcher, fp32: the
+tiny Qwen3-MoE, Mixtral and OLMoE presets (8 experts, top-2, transformers' grouped_mm experts) train at ZeRO-2 and
+ZeRO-3 with ZeRO-0's losses, each rank on its own rows; and a local Qwen3-MoE directory with 16 experts, top-1, on
+8-token rows, so that every forward leaves at least 8 experts without a token. A hang fails the launch's timeout.
+All runs share one launch (tests/dist/_multi_train.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from _net import free_port
+
+pytestmark = pytest.mark.dist
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMON = ["train.precision=fp32", "train.warmup_steps=1", "memory.every=0", "train.export=false",
+          "train.max_steps=3", "train.micro_batch_size=2", "data.num_samples=24"]
+STAGES = ("zero0", "zero2", "zero3")
+FAMILIES = {"tiny-qwen3-moe": ("raw", "trainer"), "tiny-mixtral": ("raw",), "tiny-olmoe": ("raw",)}
+
+
+def _sparse_dir(out: Path) -> Path:
+    """16 experts, top-1: a forward over 8 tokens routes to at most 8 of them."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=16,
+                         num_experts_per_tok=1, norm_topk_prob=True, max_position_embeddings=64, pad_token_id=0,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    Qwen3MoeForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+def _runs(tmp: Path) -> list[dict]:
+    runs: list[dict] = []
+    for model, paths in FAMILIES.items():
+        for path in paths:
+            for stage in STAGES:
+                runs.append({"name": f"{model}-{path}-{stage}",
+                             "argv": ["--ds", str(ROOT / "ds_configs" / f"{stage}.json"), *COMMON, f"model.name={model}",
+                                      f"train.path={path}", f"train.run_dir={tmp / f'{model}-{path}-{stage}'}"]})
+    sparse = _sparse_dir(tmp / "sparse-moe")
+    for stage in STAGES:
+        runs.append({"name": f"sparse-{stage}",
+                     "argv": ["--ds", str(ROOT / "ds_configs" / f"{stage}.json"), *COMMON, f"model.name={sparse}",
+                              "train.path=raw", "data.seq_len=8", "train.micro_batch_size=1",
+                              f"train.run_dir={tmp / f'sparse-{stage}'}"]})
+    return runs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("moe")
+    spec = tmp / "runs.json"
+    spec.write_text(json.dumps(_runs(tmp)))
+    env = os.environ | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", "TOOLKIT_CACHE": str(tmp / "cache")}
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), str(ROOT / "tests/dist/_multi_train.py"),
+           str(spec)]
+    log = tmp / "launch.log"
+    with log.open("w") as f:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=600)
+    if proc.returncode != 0:
+        pytest.fail(f"launcher exited {proc.returncode}:\n{log.read_text()[-6000:]}")
+    return tmp
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(x)]
+
+
+@pytest.mark.timeout(700)  # the first test pays the shared launch (pytest-timeout counts fixture setup)
+def test_every_moe_run_completes(runs: Path) -> None:
+    for run in json.loads((runs / "runs.json").read_text()):
+        assert json.loads((runs / run["name"] / "status.json").read_text())["status"] == "completed", run["name"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", [f"{m}-{p}" for m, paths in FAMILIES.items() for p in paths] + ["sparse"])
+def test_zero2_and_zero3_train_moe_models_as_zero0(runs: Path, case: str) -> None:
+    ref = _losses(runs / f"{case}-zero0")
+    assert len(ref) == 3 and ref[-1] < ref[0]
+    for stage in ("zero2", "zero3"):
+        got = _losses(runs / f"{case}-{stage}")
+        assert got == pytest.approx(ref, rel=1e-5), (stage, got, ref)
+
+
+@pytest.mark.timeout(60)
+def test_the_run_says_its_experts_and_leaves(runs: Path) -> None:
+    log = (runs / "launch.log").read_text()
+    assert ("experts: 8 per layer in 2 layers (Qwen3MoeSparseMoeBlock), top-2, backend grouped_mm" in log)
+    # DeepSpeed's default leaves (Mixtral, Qwen2/3-MoE blocks) at ZeRO-3; OLMoE's fused experts need none
+    assert "ZeRO-3 leaves: 2 x Qwen3MoeSparseMoeBlock" in log and "ZeRO-3 leaves: 2 x MixtralSparseMoeBlock" in log
+    assert "experts: 8 per layer in 2 layers (OlmoeSparseMoeBlock)" in log and "ZeRO-3 leaves: none" in log
+    assert "experts: 16 per layer in 2 layers (Qwen3MoeSparseMoeBlock), top-1" in log

@@ -1,0 +1,61 @@
+"""Mixture-of-Experts models (toolkit/runtime/moe/): what the run says of their experts and which blocks become
+ZeRO-3 leaves. The training runs are tests/dist/test_moe.py's."""
+
+from __future__ import annotations
+
+import torch
+
+from toolkit.config.schema import load_config
+from toolkit.runtime import moe
+from toolkit.runtime.model import model_config
+
+
+def _model(name: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(model_config(load_config(None, [f"model.name={name}"])))
+
+
+class _PerExpertBlock(torch.nn.Module):
+    """Remote-code style: one module per expert, only the routed ones run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 4)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+
+def test_fused_experts_are_read_from_the_model() -> None:
+    e = moe.experts_of(_model("tiny-mixtral"))
+    assert e is not None and (e.count, e.top_k, e.layers, e.backend, e.block) == (8, 2, 2, "grouped_mm",
+                                                                                  "MixtralSparseMoeBlock")
+    assert e.block_params == 8 * 3 * 64 * 32 + 8 * 64  # experts (gate_up + down) and the router
+    assert moe.experts_of(_model("tiny")) is None
+
+
+def test_blocks_with_one_module_per_expert_become_leaves_and_fused_ones_do_not() -> None:
+    from deepspeed.utils.z3_leaf_module import z3_leaf_module
+
+    model = torch.nn.Sequential(_PerExpertBlock(), _PerExpertBlock())
+    assert moe.set_leaves(model) == ["_PerExpertBlock"]
+    assert all(z3_leaf_module(m) for m in model)
+    assert moe.set_leaves(_model("tiny-olmoe")) == []  # fused experts run on every rank: nothing to set
+
+
+def test_deepspeeds_default_leaves_are_reported_with_the_live_budget() -> None:
+    ds3 = {"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1_000_000_000}}
+    line = moe.describe(_model("tiny-qwen3-moe"), ds3)
+    assert "ZeRO-3 leaves: 2 x Qwen3MoeSparseMoeBlock" in line and "warning" not in line
+    small = {"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 50_000}}
+    assert "set it to at least 99,328" in moe.describe(_model("tiny-qwen3-moe"), small)  # 2 x 49,664 per block
+    own = {"zero_optimization": {"stage": 3, "leaf_module": {"classes": []}}}  # the config turns the defaults off
+    assert "ZeRO-3 leaves: none" in moe.describe(_model("tiny-qwen3-moe"), own)
+    assert moe.describe(_model("tiny-qwen3-moe"), {"zero_optimization": {"stage": 2}}).endswith(
+        "ZeRO-2: no leaf modules needed")
+
+
+def test_moe_presets_plan_refusal_is_one_line(capsys) -> None:
+    from toolkit.cli import main
+
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--gpus", "8", "--seq", "4096", "--global-batch", "8"]) == 1
+    assert "no activation model for model type 'qwen3_moe'" in capsys.readouterr().err

@@ -1,0 +1,106 @@
+"""Mixture-of-Experts models under ZeRO: what the run says of their experts, and which modules are ZeRO-3 leaves.
+
+transformers 5.x runs a layer's experts as one module (3-D `gate_up_proj` / `down_proj`, `grouped_mm` by default),
+on every rank every step, so ranks that route to different experts still run the same modules in the same order:
+ZeRO-3's per-module hooks cannot diverge. Where a model keeps one module per expert in a ModuleList (older
+transformers, remote code: DeepSeek, Kimi), only the routed experts run, the ranks' hook orders diverge and ZeRO-3
+hangs (deepspeed#4808): the block holding the list must be a leaf, gathered whole on entry (../shared/notes/moe.md
+section 1). So the policy here: leaves for the blocks whose experts are a ModuleList, found from the model's own
+modules (any class name, remote code included), never a guessed name that could miss; DeepSpeed adds its own
+default leaves (Mixtral, Qwen2-MoE, Qwen3-MoE blocks, `zero_optimization.leaf_module`), and the run reports both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Experts:
+    count: int
+    top_k: int
+    layers: int
+    """Decoder layers with experts."""
+    backend: str
+    """transformers' experts implementation (grouped_mm, eager, ...), or "modules" for a list of expert modules."""
+    block: str
+    """The class of the block that routes and holds the experts."""
+    block_params: int
+    """Parameters of one such block (router and every expert): what ZeRO-3 gathers at once for a leaf."""
+
+
+def experts_of(model: torch.nn.Module) -> Experts | None:
+    """The model's experts, read from its modules (None for a dense model)."""
+    blocks = [m for m in model.modules() if isinstance(getattr(m, "experts", None), torch.nn.Module)]
+    if not blocks:
+        return None
+    cfg = getattr(model, "config", None)
+    text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+    first = blocks[0]
+    per_expert = isinstance(first.experts, torch.nn.ModuleList)
+    count = len(first.experts) if per_expert else int(
+        getattr(text, "num_experts", None) or getattr(text, "num_local_experts", 0) or 0)
+    backend = "modules" if per_expert else str(getattr(text, "_experts_implementation", None) or "eager")
+    return Experts(count=count, top_k=int(getattr(text, "num_experts_per_tok", 0) or 0), layers=len(blocks),
+                   backend=backend, block=type(first).__name__,
+                   block_params=sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in first.parameters()))
+
+
+def per_expert_blocks(model: torch.nn.Module) -> list[type]:
+    """Classes of the blocks whose experts are one module each (a ModuleList named `experts`): the ones that
+    must be ZeRO-3 leaves."""
+    classes: list[type] = []
+    for m in model.modules():
+        if isinstance(getattr(m, "experts", None), torch.nn.ModuleList) and type(m) not in classes:
+            classes.append(type(m))
+    return classes
+
+
+def set_leaves(model: torch.nn.Module) -> list[str]:
+    """ZeRO-3 (before deepspeed.initialize): leaves for the per-expert blocks; returns their class names."""
+    classes = per_expert_blocks(model)
+    if classes:
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, classes)
+    return [c.__name__ for c in classes]
+
+
+def leaves_at_init(model: torch.nn.Module, ds: dict[str, Any]) -> list[torch.nn.Module]:
+    """The modules that will be ZeRO-3 leaves once deepspeed.initialize has run: those set here (set_leaves) and
+    those DeepSpeed's `zero_optimization.leaf_module` names (its defaults when the config names none)."""
+    from deepspeed.runtime.zero.leaf_module_config import DEFAULT_LEAF_MODULE_CLASSES
+    from deepspeed.utils.z3_leaf_module import z3_leaf_module
+
+    cfg = ds.get("zero_optimization", {}).get("leaf_module") or {}
+    classes = set(cfg.get("classes", DEFAULT_LEAF_MODULE_CLASSES))
+    names, suffixes = set(cfg.get("names", [])), tuple(cfg.get("name_suffixes", []))
+    return [m for n, m in model.named_modules() if z3_leaf_module(m) or n in names or (suffixes and n.endswith(suffixes))
+            or f"{type(m).__module__}.{type(m).__qualname__}" in classes]
+
+
+def describe(model: torch.nn.Module, ds: dict[str, Any]) -> str | None:
+    """The run's line about experts: how many, top-k, the backend, and at ZeRO-3 the leaves and their size against
+    stage3_max_live_parameters (a leaf is gathered whole: above half the budget, prefetching stalls)."""
+    e = experts_of(model)
+    if e is None:
+        return None
+    zero = ds.get("zero_optimization", {})
+    stage = int(zero.get("stage", 0))
+    line = (f"experts: {e.count} per layer in {e.layers} layers ({e.block}), top-{e.top_k}, "
+            f"backend {e.backend}, {e.block_params / 1e6:,.2f}M parameters per block")
+    if stage != 3:
+        return line + f"; ZeRO-{stage}: no leaf modules needed"
+    leaves = leaves_at_init(model, ds)
+    if not leaves:
+        return line + "; ZeRO-3 leaves: none (the experts run as one module on every rank: ranks cannot diverge)"
+    names = sorted({type(m).__name__ for m in leaves})
+    line += f"; ZeRO-3 leaves: {len(leaves)} x {', '.join(names)} (each gathered whole on entry)"
+    max_live = zero.get("stage3_max_live_parameters")
+    if isinstance(max_live, (int, float)) and e.block_params > max_live / 2:
+        line += (f"; warning: a leaf of {e.block_params:,} parameters is above half of stage3_max_live_parameters="
+                 f"{int(max_live):,}: set it to at least {2 * e.block_params:,}")
+    return line
