@@ -46,6 +46,7 @@ def _runs(tmp: Path) -> list[dict]:
                 runs.append({"name": f"{model}-{path}-{stage}",
                              "argv": ["--ds", str(ROOT / "ds_configs" / f"{stage}.json"), *COMMON, f"model.name={model}",
                                       f"train.path={path}", f"train.run_dir={tmp / f'{model}-{path}-{stage}'}"]})
+    runs += _aux_runs(tmp, world=2)
     sparse = _sparse_dir(tmp / "sparse-moe")
     for stage in STAGES:
         runs.append({"name": f"sparse-{stage}",
@@ -55,19 +56,39 @@ def _runs(tmp: Path) -> list[dict]:
     return runs
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("moe")
-    spec = tmp / "runs.json"
-    spec.write_text(json.dumps(_runs(tmp)))
+def _aux_runs(tmp: Path, world: int) -> list[dict]:
+    """The load-balancing loss at a large weight (0.5), one row per micro-batch: on 2 ranks with accumulation 1
+    and 2, on 1 rank with 2 and 4. Each pair (2 x 1 and 1 x 2, 2 x 2 and 1 x 4) trains on the same micro-batches
+    per step, so the gradients must be the same."""
+    out = []
+    for path in ("raw", "trainer"):
+        for ga in ((1, 2) if world == 2 else (2, 4)):
+            name = f"aux-{path}-w{world}-ga{ga}"
+            out.append({"name": name, "argv": [
+                "--ds", str(ROOT / "ds_configs" / "zero2.json"), *COMMON, "model.name=tiny-qwen3-moe", f"train.path={path}",
+                "moe.aux_loss_coef=0.5", "train.micro_batch_size=1", f"train.grad_accum={ga}", "data.num_samples=16",
+                f"train.run_dir={tmp / name}"]})
+    return out
+
+
+def _launch(tmp: Path, runs: list[dict], gpus: int, name: str) -> None:
+    spec = tmp / f"{name}.json"
+    spec.write_text(json.dumps(runs))
     env = os.environ | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", "TOOLKIT_CACHE": str(tmp / "cache")}
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), str(ROOT / "tests/dist/_multi_train.py"),
-           str(spec)]
-    log = tmp / "launch.log"
+    cmd = ["deepspeed", "--num_gpus", str(gpus), "--master_port", str(free_port()),
+           str(ROOT / "tests/dist/_multi_train.py"), str(spec)]
+    log = tmp / f"{name}.log"
     with log.open("w") as f:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=600)
     if proc.returncode != 0:
         pytest.fail(f"launcher exited {proc.returncode}:\n{log.read_text()[-6000:]}")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("moe")
+    _launch(tmp, _runs(tmp), 2, "launch")
+    _launch(tmp, _aux_runs(tmp, world=1), 1, "launch1")
     return tmp
 
 
@@ -78,7 +99,7 @@ def _losses(run_dir: Path) -> list[float]:
 
 @pytest.mark.timeout(700)  # the first test pays the shared launch (pytest-timeout counts fixture setup)
 def test_every_moe_run_completes(runs: Path) -> None:
-    for run in json.loads((runs / "runs.json").read_text()):
+    for run in json.loads((runs / "launch.json").read_text()) + json.loads((runs / "launch1.json").read_text()):
         assert json.loads((runs / run["name"] / "status.json").read_text())["status"] == "completed", run["name"]
 
 
@@ -95,8 +116,30 @@ def test_zero2_and_zero3_train_moe_models_as_zero0(runs: Path, case: str) -> Non
 @pytest.mark.timeout(60)
 def test_the_run_says_its_experts_and_leaves(runs: Path) -> None:
     log = (runs / "launch.log").read_text()
+    assert "load-balancing loss x 0.001 (moe.aux_loss_coef=auto)" in log  # Qwen3-MoE's own coefficient
+    assert "load-balancing loss x 0.01 (moe.aux_loss_coef=auto)" in log  # OLMoE's
     assert ("experts: 8 per layer in 2 layers (Qwen3MoeSparseMoeBlock), top-2, backend grouped_mm" in log)
     # DeepSpeed's default leaves (Mixtral, Qwen2/3-MoE blocks) at ZeRO-3; OLMoE's fused experts need none
     assert "ZeRO-3 leaves: 2 x Qwen3MoeSparseMoeBlock" in log and "ZeRO-3 leaves: 2 x MixtralSparseMoeBlock" in log
     assert "experts: 8 per layer in 2 layers (OlmoeSparseMoeBlock)" in log and "ZeRO-3 leaves: none" in log
     assert "experts: 16 per layer in 2 layers (Qwen3MoeSparseMoeBlock), top-1" in log
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", ["raw", "trainer"])
+def test_the_load_balancing_gradient_is_the_same_at_any_world_size_and_accumulation(runs: Path, path: str) -> None:
+    """transformers#48690: the Trainer scales the aux term by the world size, and neither path divides it by the
+    accumulation steps; here the gradient norms of the same micro-batches agree within 1e-6 across 2 x 1 / 1 x 2 and
+    2 x 2 / 1 x 4 (ranks x accumulation), the aux term weighing 0.5."""
+    for two, one in (("w2-ga1", "w1-ga2"), ("w2-ga2", "w1-ga4")):
+        a, b = _metrics(runs / f"aux-{path}-{two}"), _metrics(runs / f"aux-{path}-{one}")
+        assert len(a) == len(b) == 3
+        for x, y in zip(a, b, strict=True):
+            assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-6), (two, one, a, b)
+            assert x["loss"] == pytest.approx(y["loss"], rel=1e-6)
+    if path == "raw":  # the load-balancing loss alone, next to the loss it is part of
+        assert all(m["moe_aux_loss"] > 1.0 for m in _metrics(runs / "aux-raw-w2-ga1"))

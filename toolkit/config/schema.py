@@ -261,6 +261,22 @@ class EvalConfig:
                 raise ConfigError(msg)
 
 
+def _non_negative(text: str) -> bool:
+    try:
+        return float(text) >= 0
+    except ValueError:
+        return False
+
+
+@dataclass
+class MoeConfig:
+    aux_loss_coef: str = "auto"
+    """Mixture-of-Experts models: the weight of the router's load-balancing loss added to the training loss (as
+    TRL does; transformers adds none unless asked). auto: the model's own router_aux_loss_coef (0.001 for Qwen-MoE
+    and Mixtral, 0.01 for OLMoE); 0: off. Scaled as the token loss is, so its gradient is the same at any world
+    size and accumulation (toolkit/runtime/moe/); eval losses and the resume check leave it out."""
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -270,12 +286,14 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
 
     def __post_init__(self) -> None:
         t = self.train
         # YAML reads on/off/true/false as booleans, which the str field then holds as "True"/"False"
         self.model.liger_fused_loss = str(self.model.liger_fused_loss).lower()
         self.model.tiled_mlp = str(self.model.tiled_mlp).lower()
+        self.moe.aux_loss_coef = str(self.moe.aux_loss_coef).lower()
         c = str(t.compile).lower()  # off/on arrive as booleans too: off -> off, true -> torch
         t.compile = {"false": "off", "true": "torch"}.get(c, c)
         if isinstance(self.data.packing, str):  # "true"/"false" given as strings (a dotlist of a quoted value)
@@ -288,6 +306,8 @@ class Config:
             (self.model.rope_factor >= 1, f"model.rope_factor must be >= 1, got {self.model.rope_factor}"),
             (self.model.tiled_mlp_shards >= 0, "model.tiled_mlp_shards must be >= 0 (0: tokens / hidden size)"),
             (t.sequence_parallel >= 1, f"train.sequence_parallel must be >= 1, got {t.sequence_parallel}"),
+            (self.moe.aux_loss_coef == "auto" or _non_negative(self.moe.aux_loss_coef),
+             f"moe.aux_loss_coef must be auto or a number >= 0, got {self.moe.aux_loss_coef!r}"),
             (t.path in ("trainer", "raw"), f"train.path must be trainer or raw, got {t.path!r}"),
             (t.precision in ("auto", "bf16", "fp16", "fp32", "fp8"),
              f"train.precision must be auto, bf16, fp16, fp32 or fp8, got {t.precision!r}"),

@@ -164,7 +164,8 @@ class MetricsLogger:
         )
 
     def log(
-        self, step: int, loss: float, lr: float, grad_norm: float | None, loss_scale: float | None = None
+        self, step: int, loss: float, lr: float, grad_norm: float | None, loss_scale: float | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Collective (all ranks call): sums token counts across ranks, rank 0 writes the line.
 
@@ -201,6 +202,7 @@ class MetricsLogger:
             "mfu": mfu,
             "step_time_s": dt / max(step - self._last_step, 1),
             "elapsed_s": now - self._t0,
+            **(extra or {}),
         }
         self._last_t, self._last_step = now, step
         self._last_tokens, self._last_samples, self._last_positions = seen_tokens, seen_samples, seen_positions

@@ -183,8 +183,9 @@ def _run(p: RunSpec, liger: Any, attn: attention.AttentionPlan, compiled: tuple[
     if zero_stage(p.ds) == 3:
         moe.set_leaves(model)  # blocks with one module per expert: leaves, or ZeRO-3 hangs when ranks route apart
     experts = moe.describe(model, p.ds)
+    aux_coef = moe.take_aux_loss(model, cfg.moe.aux_loss_coef)
     if experts and rank == 0:
-        print(experts, flush=True)
+        print(f"{experts}; load-balancing loss x {aux_coef:g} (moe.aux_loss_coef={cfg.moe.aux_loss_coef})", flush=True)
     if tiling.decide(cfg.model.tiled_mlp, cfg.data.seq_len, cfg.train.sequence_parallel)[0]:
         layers = compiling.decoder_layers(model)
         tiled = tiling.tile_mlps(layers, cfg.model.tiled_mlp_shards)
@@ -208,6 +209,7 @@ def _run(p: RunSpec, liger: Any, attn: attention.AttentionPlan, compiled: tuple[
     order = EpochOrder(len(rows), cfg.train.seed, cfg.data.shuffle, lengths=lengths,
                        group=cfg.train.micro_batch_size * p.data_world)
     state = {"phase": "engine_ready", "step": 0, "preempt": Preemption(), "preempted": False, "sp": sp,
+             "aux_coef": aux_coef,
              # the loss on this batch is recorded at every save and checked after every resume (whole on
              # every rank under sequence parallelism: no boundaries, so the attention is not sharded)
              "fixed_batch": resume.fixed_batch(rows, Collator(pad_id=pad_id, task=cfg.model.task,
@@ -389,6 +391,7 @@ def _run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collat
     counter = metrics.counter
     global_batch = t.micro_batch_size * t.grad_accum * p.world_size
     universal: str | None = None
+    aux_coef = state["aux_coef"]
 
     class ToolkitTrainer(Trainer):
         def _get_train_sampler(self, train_dataset: Any = None) -> EpochOrder:
@@ -397,6 +400,16 @@ def _run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collat
         def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Any:
             counter.add(inputs)  # on the device, no sync: collation runs in loader workers
             return super().training_step(model, inputs, num_items_in_batch)
+
+        def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+                         num_items_in_batch: Any = None) -> Any:
+            if not (aux_coef and model.training):
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            # the Trainer multiplies the model's loss by the world size and never divides by the accumulation
+            # steps: the load-balancing loss is added after that, at its own scale (moe.aux_term)
+            loss, out = super().compute_loss(model, {**inputs, "output_router_logits": True}, True, num_items_in_batch)
+            loss = loss + moe.aux_term(out, aux_coef, self.args.gradient_accumulation_steps)
+            return (loss, out) if return_outputs else loss
 
         # Under DeepSpeed, accelerate's clip_grad_norm_ returns the engine's norm as a float (.item()),
         # and the Trainer reads it that way again: a GPU->host wait every optimizer step, which keeps
@@ -526,6 +539,8 @@ def _run_raw(p: RunSpec, model: Any, dataset: ListDataset, collator: Collator, o
     # under sequence parallelism the ranks of a group draw the same batches and each keeps its slice
     data_rank, data_world = (sp.dp_rank, sp.dp_world) if sp else (rank, world)
     loss_mult = ulysses.loss_multiplier(sp, p.ds) if sp else world
+    aux_coef = state["aux_coef"]
+    aux_kwargs = {"output_router_logits": True} if aux_coef else {}
     params = [q for q in model.parameters() if q.requires_grad]
     universal = resume.prepare(p.reshard, t.collective_timeout_s)  # another rank count: convert first
     engine, _, _, scheduler = deepspeed.initialize(model=model, model_parameters=params, config=p.ds,
@@ -571,6 +586,7 @@ def _run_raw(p: RunSpec, model: Any, dataset: ListDataset, collator: Collator, o
             batches = [sp.shard(b) for b in batches]
         n_items = _label_count(batches, device) if causal else None
         acc = torch.zeros((), device=device)
+        aux_acc = torch.zeros((), device=device)
         for b in batches:
             b = to_device(b, device)
             if causal:
@@ -578,9 +594,13 @@ def _run_raw(p: RunSpec, model: Any, dataset: ListDataset, collator: Collator, o
                 # normalization the HF Trainer uses (model returns sum/n_items; DeepSpeed then
                 # averages over ranks, hence x world; no extra 1/grad_accum). Under sequence parallelism
                 # see ulysses.loss_multiplier.
-                loss = engine(**b, num_items_in_batch=n_items).loss * loss_mult
+                out = engine(**b, num_items_in_batch=n_items, **aux_kwargs)
+                aux = moe.aux_term(out, aux_coef, t.grad_accum)
+                loss = out.loss * loss_mult + aux
                 engine.backward(loss, scale_wrt_gas=False)
                 acc += loss.detach()
+                if isinstance(aux, torch.Tensor):
+                    aux_acc += aux.detach() / aux_coef
             else:
                 loss = engine(**b).loss
                 engine.backward(loss)
@@ -592,8 +612,12 @@ def _run_raw(p: RunSpec, model: Any, dataset: ListDataset, collator: Collator, o
         guard.observe(step, acc, grad_norm, samples, engine.skipped_steps)
         logged = step % t.log_every == 0 or step == last or step == 1
         if logged:
+            extra = None
+            if aux_coef:  # the load-balancing loss alone, the mean over micro-batches and ranks (a collective)
+                extra = {"moe_aux_loss": float(dist.all_reduce_tensor(aux_acc)) / world}
             rec = metrics.log(step, float(acc), scheduler.get_last_lr()[0],
-                              None if grad_norm is None else float(grad_norm), loss_scale=1 / loss_mult)
+                              None if grad_norm is None else float(grad_norm), loss_scale=1 / loss_mult,
+                              extra=extra)
             guard.check()
             if step == 1:
                 _first_step(p, step, rec["loss"], mem)

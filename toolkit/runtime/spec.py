@@ -146,6 +146,9 @@ def _check_sequence_parallel(cfg: Config, mc: Any, ds: dict[str, Any], world: in
     heads = getattr(text, "num_attention_heads", None)
     found = problems(t.sequence_parallel, world, zero_stage(ds), heads, getattr(text, "num_key_value_heads", heads),
                      cfg.data.seq_len, cfg.model.attn_implementation, t.path, cfg.model.task, t.micro_batch_size)
+    if t.sequence_parallel > 1 and getattr(text, "num_experts_per_tok", None):
+        found.append("train.sequence_parallel with a Mixture-of-Experts model: not supported yet (the load-balancing "
+                     "loss would see each rank's slice)")
     from toolkit.runtime.sequence.tiling import decide
 
     tiled, why = decide(cfg.model.tiled_mlp, cfg.data.seq_len, t.sequence_parallel)

@@ -104,3 +104,27 @@ def describe(model: torch.nn.Module, ds: dict[str, Any]) -> str | None:
         line += (f"; warning: a leaf of {e.block_params:,} parameters is above half of stage3_max_live_parameters="
                  f"{int(max_live):,}: set it to at least {2 * e.block_params:,}")
     return line
+
+
+def take_aux_loss(model: torch.nn.Module, setting: str) -> float:
+    """moe.aux_loss_coef: the coefficient the toolkit adds the load-balancing loss with (0: none), taken over from
+    the model, whose own addition is switched off on this instance (its config, which an export writes, keeps the
+    value). The model adds `coef x aux` to a loss that the training paths then multiply by the world size for the
+    token mean and never divide by the accumulation steps (transformers#48690 on the Trainer), so its gradient
+    grew with both; `aux_term` adds it at the right scale instead."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = next((m for m in base.modules() if hasattr(m, "router_aux_loss_coef")), None)
+    if lm is None or experts_of(base) is None:
+        return 0.0
+    coef = float(lm.config.router_aux_loss_coef) if setting == "auto" else float(setting)
+    lm.router_aux_loss_coef = 0.0
+    return coef
+
+
+def aux_term(outputs: Any, coef: float, grad_accum: int) -> torch.Tensor | float:
+    """What a micro-step adds to its (already world-scaled) loss: coef x aux / accumulation steps. DeepSpeed then
+    averages over the ranks, so the step's gradient is coef x the mean of the micro-batches' aux losses."""
+    aux = getattr(outputs, "aux_loss", None)
+    if not coef or aux is None:
+        return 0.0
+    return coef * aux / grad_accum
