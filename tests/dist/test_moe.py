@@ -46,6 +46,15 @@ def _runs(tmp: Path) -> list[dict]:
                 runs.append({"name": f"{model}-{path}-{stage}",
                              "argv": ["--ds", str(ROOT / "ds_configs" / f"{stage}.json"), *COMMON, f"model.name={model}",
                                       f"train.path={path}", f"train.run_dir={tmp / f'{model}-{path}-{stage}'}"]})
+    # ZeRO-3 saves: an HF export that must reload to the engine's logits, and a resume on the same curve
+    for path in ("raw", "trainer"):
+        runs.append({"name": f"export-{path}", "argv": [
+            "--ds", str(ROOT / "ds_configs" / "zero3.json"), *COMMON, "model.name=tiny-qwen3-moe", f"train.path={path}",
+            "train.export=true", "train.save_probe=true", f"train.run_dir={tmp / f'export-{path}'}"]})
+    resume = ["--ds", str(ROOT / "ds_configs" / "zero3.json"), *COMMON, "model.name=tiny-qwen3-moe", "train.path=raw",
+              f"train.run_dir={tmp / 'resume'}"]
+    runs += [{"name": "resume", "argv": [*resume, "train.stop_after=2"]},
+             {"name": "resume", "argv": [*resume, "train.resume=latest"]}]
     runs += _aux_runs(tmp, world=2)
     sparse = _sparse_dir(tmp / "sparse-moe")
     for stage in STAGES:
@@ -141,5 +150,39 @@ def test_the_load_balancing_gradient_is_the_same_at_any_world_size_and_accumulat
         for x, y in zip(a, b, strict=True):
             assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-6), (two, one, a, b)
             assert x["loss"] == pytest.approx(y["loss"], rel=1e-6)
-    if path == "raw":  # the load-balancing loss alone, next to the loss it is part of
-        assert all(m["moe_aux_loss"] > 1.0 for m in _metrics(runs / "aux-raw-w2-ga1"))
+    if path == "raw":  # the load-balancing loss alone, and the experts' load per layer (the same tokens routed)
+        two, one = _metrics(runs / "aux-raw-w2-ga1"), _metrics(runs / "aux-raw-w1-ga2")
+        assert all(m["moe_aux_loss"] > 1.0 for m in two)
+        assert all(len(m["expert_load"]) == 2 and all(1 <= x <= 8 for x in m["expert_load"]) for m in two)
+        assert [m["expert_load"] for m in two] == [m["expert_load"] for m in one]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("path", ["raw", "trainer"])
+def test_a_zero3_moe_export_reloads_with_the_engines_logits(runs: Path, path: str) -> None:
+    """transformers writes the fused experts back as one tensor per expert (its default) and fuses them again on
+    load: the reloaded model's fp32 logits equal the engine's (probe.pt) within 1e-4."""
+    import sys
+
+    d = runs / f"export-{path}"
+    code = f"""
+import torch
+from transformers import AutoModelForCausalLM
+probe = torch.load({str(d / 'probe.pt')!r})
+model = AutoModelForCausalLM.from_pretrained({str(d / 'export')!r}).eval()
+with torch.no_grad():
+    logits = model(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
+diff = (logits - probe["logits"]).abs().max().item()
+print("max abs diff", diff)
+assert diff < 1e-4, diff
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_zero3_moe_checkpoint_resumes_on_the_same_curve(runs: Path) -> None:
+    d = runs / "resume"
+    assert _losses(d) == pytest.approx(_losses(runs / "tiny-qwen3-moe-raw-zero3"), rel=1e-5)
+    checked = [json.loads(x) for x in (d / "resumes.jsonl").read_text().splitlines()]
+    assert len(checked) == 1 and checked[0]["not_verified"] is None, checked

@@ -34,6 +34,7 @@ TRAIN_TAGS = {
     "step_time_s": "train/step_time_s",
     "mfu": "train/mfu",
     "padding_waste": "train/padding_waste",
+    "moe_aux_loss": "train/moe_aux_loss",
 }
 EVAL_TAGS = {"eval_loss": "eval/loss", "eval_ppl": "eval/perplexity"}
 # memory snapshot key -> tag. Null values (GPU fields on CPU) are left out, not written as NaN.
@@ -82,6 +83,8 @@ class TrainWriter:
     def write(self, rec: dict[str, Any]) -> None:
         _add(self._w, TRAIN_TAGS, rec, int(rec["step"]), None)
         _add(self._w, EVAL_TAGS, rec, int(rec["step"]), None)
+        for layer, value in enumerate(rec.get("expert_load") or []):  # MoE: busiest expert / mean, per layer
+            self._w.add_scalar(f"moe/expert_load_layer{layer}", float(value), global_step=int(rec["step"]))
 
     def close(self) -> None:
         self._w.close()

@@ -541,6 +541,8 @@ def _run_raw(p: RunSpec, model: Any, dataset: ListDataset, collator: Collator, o
     loss_mult = ulysses.loss_multiplier(sp, p.ds) if sp else world
     aux_coef = state["aux_coef"]
     aux_kwargs = {"output_router_logits": True} if aux_coef else {}
+    experts = moe.experts_of(model) if aux_coef else None
+    load = moe.ExpertLoad(experts.top_k) if experts else None
     params = [q for q in model.parameters() if q.requires_grad]
     universal = resume.prepare(p.reshard, t.collective_timeout_s)  # another rank count: convert first
     engine, _, _, scheduler = deepspeed.initialize(model=model, model_parameters=params, config=p.ds,
@@ -601,6 +603,8 @@ def _run_raw(p: RunSpec, model: Any, dataset: ListDataset, collator: Collator, o
                 acc += loss.detach()
                 if isinstance(aux, torch.Tensor):
                     aux_acc += aux.detach() / aux_coef
+                if load is not None:
+                    load.add(getattr(out, "router_logits", None))
             else:
                 loss = engine(**b).loss
                 engine.backward(loss)
@@ -615,6 +619,8 @@ def _run_raw(p: RunSpec, model: Any, dataset: ListDataset, collator: Collator, o
             extra = None
             if aux_coef:  # the load-balancing loss alone, the mean over micro-batches and ranks (a collective)
                 extra = {"moe_aux_loss": float(dist.all_reduce_tensor(aux_acc)) / world}
+                if load is not None:  # per MoE layer: the busiest expert's tokens / the mean, over the window
+                    extra["expert_load"] = load.take()
             rec = metrics.log(step, float(acc), scheduler.get_last_lr()[0],
                               None if grad_norm is None else float(grad_norm), loss_scale=1 / loss_mult,
                               extra=extra)

@@ -128,3 +128,34 @@ def aux_term(outputs: Any, coef: float, grad_accum: int) -> torch.Tensor | float
     if not coef or aux is None:
         return 0.0
     return coef * aux / grad_accum
+
+
+class ExpertLoad:
+    """Tokens the routers send to each expert of each layer, summed on the device over a log window (no host
+    sync per step); `take()` (a collective on log steps) gives per layer the busiest expert's tokens over the
+    mean: 1.0 is perfectly balanced, the expert count when one expert takes every token."""
+
+    def __init__(self, top_k: int) -> None:
+        self.top_k = top_k
+        self.counts: torch.Tensor | None = None
+
+    def add(self, router_logits: Any) -> None:
+        if not router_logits:
+            return
+        logits = torch.stack([r.detach().reshape(-1, r.shape[-1]) for r in router_logits])  # (layers, tokens, E)
+        picked = logits.topk(self.top_k, dim=-1).indices.flatten(1)  # (layers, tokens x k)
+        counts = torch.zeros(logits.shape[0], logits.shape[-1], device=logits.device).scatter_add_(
+            1, picked, torch.ones_like(picked, dtype=torch.float32))
+        self.counts = counts if self.counts is None else self.counts + counts
+
+    def take(self) -> list[float] | None:
+        """Every rank calls it on the same steps (an all-reduce when counts exist anywhere: they do on every rank
+        of a run with the load-balancing loss on, as each forward returns router logits)."""
+        if self.counts is None:
+            return None
+        from toolkit.launch import dist
+
+        counts = dist.all_reduce_tensor(self.counts)
+        self.counts = None
+        mean = counts.mean(dim=1).clamp(min=1e-9)
+        return [round(float(x), 3) for x in (counts.max(dim=1).values / mean)]

@@ -59,3 +59,14 @@ def test_moe_presets_plan_refusal_is_one_line(capsys) -> None:
 
     assert main(["plan", "--model", "qwen3-30b-a3b", "--gpus", "8", "--seq", "4096", "--global-batch", "8"]) == 1
     assert "no activation model for model type 'qwen3_moe'" in capsys.readouterr().err
+
+
+def test_expert_load_is_the_busiest_experts_tokens_over_the_mean() -> None:
+    load = moe.ExpertLoad(top_k=1)
+    assert load.take() is None  # nothing routed yet
+    balanced = torch.eye(4)  # 4 tokens, one to each of 4 experts
+    skewed = torch.tensor([[5.0, 0, 0, 0]] * 4)  # every token to expert 0
+    load.add((balanced, skewed))
+    assert load.take() == [1.0, 4.0] and load.counts is None
+    load.add((skewed.unsqueeze(0), skewed.unsqueeze(0)))  # (batch, seq, experts) reads the same
+    assert load.take() == [4.0, 4.0]
