@@ -49,6 +49,10 @@ def _cmd_gen_config(args: argparse.Namespace) -> int:
         raise dc.ConfigError("give --stage {0,1,2,3} or --all")
     cfg = dc.gen_config(args.stage, offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
                         **_gen_options(args))
+    if args.expert_parallel:  # DeepSpeed's AutoEP block; `toolkit check` applies its rules (and DeepSpeed's)
+        cfg["expert_parallel"] = {"enabled": True, "autoep_size": args.expert_parallel}
+        if args.ep_preset:
+            cfg["expert_parallel"]["preset_model"] = args.ep_preset
     if args.output:
         dc.write_config(cfg, Path(args.output), force=args.force)
         print(f"wrote {args.output}")
@@ -105,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"one of {', '.join(CONSUMERS)}. See `toolkit check --help`")
     g.add_argument("-o", "--output", help="file to write (a directory with --all); stdout if omitted")
     g.add_argument("--force", action="store_true", help="overwrite existing files")
+    g.add_argument("--expert-parallel", type=_positive_int, default=None, metavar="N",
+                   help="Mixture-of-Experts: DeepSpeed's AutoEP with autoep_size N (expert_parallel block)")
+    g.add_argument("--ep-preset", default=None, metavar="NAME",
+                   help="with --expert-parallel: AutoEP's preset_model (mixtral, qwen3_moe, deepseek_v3, ...)")
     g.add_argument("--all", action="store_true", help="write the standard preset set (default dir ds_configs/)")
     g.set_defaults(func=_cmd_gen_config)
 

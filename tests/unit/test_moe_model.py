@@ -70,3 +70,46 @@ def test_expert_load_is_the_busiest_experts_tokens_over_the_mean() -> None:
     assert load.take() == [1.0, 4.0] and load.counts is None
     load.add((skewed.unsqueeze(0), skewed.unsqueeze(0)))  # (batch, seq, experts) reads the same
     assert load.take() == [4.0, 4.0]
+
+
+def test_check_validates_expert_parallel_with_deepspeeds_rules(tmp_path) -> None:
+    from toolkit.config import ds_config as dc
+    from toolkit.config.checks import check_config
+
+    ds = dc.preset("zero3") | {"expert_parallel": {"enabled": True, "autoep_size": 3, "preset_model": "qwen3_moe"}}
+    found = check_config(ds, world_size=2)
+    assert any(f.key == "expert_parallel" and "DeepSpeed refuses it" in f.message and "must divide" in f.message
+               for f in found), found
+    ds["expert_parallel"]["autoep_size"] = 1
+    assert any(f.key == "expert_parallel.autoep_size" and f.level == "warning" for f in check_config(ds, world_size=2))
+
+
+def test_autoep_is_refused_where_deepspeed_cannot_run_it_with_this_transformers(monkeypatch) -> None:
+    """deepspeed 0.19.8's AutoEP calls `_CanRecordRegistry.get(key, default)`; a registry whose get takes no
+    default (transformers 5.24) makes deepspeed.initialize fail, so the check says it before launch."""
+    import transformers.utils.output_capturing as oc
+
+    from toolkit.config.checks.expert_parallel import autoep_blocked
+
+    class NoDefault(dict):
+        def get(self, model):  # type: ignore[override]
+            return super().get(model)
+
+    class WithDefault(dict):
+        pass
+
+    monkeypatch.setattr(oc, "_CanRecordRegistry", NoDefault)
+    assert "does not take (_CanRecordRegistry.get)" in autoep_blocked()
+    monkeypatch.setattr(oc, "_CanRecordRegistry", WithDefault)
+    assert autoep_blocked() is None
+
+
+def test_gen_config_writes_the_autoep_block(tmp_path, capsys) -> None:
+    import json
+
+    from toolkit.cli import main
+
+    out = tmp_path / "ep.json"
+    assert main(["gen-config", "--stage", "3", "--expert-parallel", "2", "--ep-preset", "qwen3_moe", "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["expert_parallel"] == {"enabled": True, "autoep_size": 2,
+                                                              "preset_model": "qwen3_moe"}

@@ -18,6 +18,7 @@ from toolkit.config.checks.base import Ctx, Finding, _err, _num
 from toolkit.config.checks.batch import _batch, rule_batch
 from toolkit.config.checks.consumer import rule_consumer_auto
 from toolkit.config.checks.deepspeed_parse import _ds_findings, _import_deepspeed, _unread_findings
+from toolkit.config.checks.expert_parallel import rule_expert_parallel
 from toolkit.config.checks.keys import rule_deprecated, rule_stage3_keys
 from toolkit.config.checks.leaf import rule_leaf_threshold
 from toolkit.config.checks.offload import rule_offload, rule_precision
@@ -33,6 +34,7 @@ RULES: tuple[Callable[[Ctx], list[Finding]], ...] = (
     rule_stage3_keys,
     rule_deprecated,
     rule_leaf_threshold,
+    rule_expert_parallel,
 )
 
 
