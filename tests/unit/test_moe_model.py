@@ -3,8 +3,10 @@ ZeRO-3 leaves. The training runs are tests/dist/test_moe.py's."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from toolkit.config.ds_config import ConfigError
 from toolkit.config.schema import load_config
 from toolkit.runtime import moe
 from toolkit.runtime.model import model_config
@@ -54,11 +56,23 @@ def test_deepspeeds_default_leaves_are_reported_with_the_live_budget() -> None:
         "ZeRO-2: no leaf modules needed")
 
 
-def test_moe_presets_plan_refusal_is_one_line(capsys) -> None:
-    from toolkit.cli import main
+def test_the_planner_counts_total_parameters_for_states_and_active_ones_for_speed() -> None:
+    from toolkit.plan import planner as pl
+    from toolkit.plan.shapes import load_shape
 
-    assert main(["plan", "--model", "qwen3-30b-a3b", "--gpus", "8", "--seq", "4096", "--global-batch", "8"]) == 1
-    assert "no activation model for model type 'qwen3_moe'" in capsys.readouterr().err
+    # published totals and active parameters: 30.5B / 3.3B, 46.7B / 12.9B, 6.9B / 1.3B
+    for name, total, active in (("qwen3-30b-a3b", 30.5, 3.35), ("mixtral-8x7b", 46.7, 12.9), ("olmoe-1b-7b", 6.9, 1.28)):
+        s = load_shape(name)
+        assert (round(s.total_params / 1e9, 1), round(s.active_params / 1e9, 2 if active < 4 else 1)) == (total, active)
+    s = load_shape("qwen3-30b-a3b")
+    w, c = pl.Workload(s, 4096, 8), pl.Choice(3, micro_batch=1, grad_accum=1, grad_ckpt=False)
+    p = pl.predict(w, c, pl.Hardware(8))
+    assert p.persistent["optimizer"] == pytest.approx(12 * s.total_params / 8 / pl.GIB, rel=0.01)  # every expert's
+    dense_mlp = pl.layer_activation_bytes(load_shape("llama-1b"), seq_len=4096, attn="sdpa", liger=True, lora=None)
+    moe_layer = pl.layer_activation_bytes(s, seq_len=4096, attn="sdpa", liger=True, lora=None)
+    assert moe_layer > 2 * 8 * (2 * 2048 + 3 * 768) > 0 and dense_mlp > 0  # top-8 x (2h + 3I) bf16, and the router's
+    with pytest.raises(ConfigError, match="float8"):
+        pl.predict(pl.Workload(s, 4096, 8, fp8="tensorwise"), c, pl.Hardware(8))
 
 
 def test_expert_load_is_the_busiest_experts_tokens_over_the_mean() -> None:

@@ -45,8 +45,12 @@ RATIOS = (1.0, 0.75, 0.5, 0.25)
 # GPT-2 (LayerNorm, Conv1D, tanh-GELU, dropout) and BERT (post-LayerNorm encoder, GELU, dropout; trained as a
 # sequence classifier). Others are refused with one line rather than guessed.
 LLAMA_LIKE = frozenset({"llama", "mistral", "qwen2"})
-ACTIVATION_MODELS = LLAMA_LIKE | {"gpt2", "bert"}
-LIGER_MODEL_TYPES = LLAMA_LIKE  # Liger has kernels for each (liger_kernel MODEL_TYPE_TO_APPLY_LIGER_FN)
+# Mixture-of-Experts decoders: Llama-like attention and norms, experts in place of the MLP (transformers 5.x
+# grouped_mm). Their terms are ../shared/notes/moe.md section 5's, not yet compared with GPU runs.
+MOE_TYPES = frozenset({"qwen3_moe", "qwen2_moe", "mixtral", "olmoe"})
+DECODERS = LLAMA_LIKE | MOE_TYPES
+ACTIVATION_MODELS = DECODERS | {"gpt2", "bert"}
+LIGER_MODEL_TYPES = DECODERS  # Liger has kernels for each (liger_kernel MODEL_TYPE_TO_APPLY_LIGER_FN)
 
 # -- constants from measurements ----------------------------------------------------------------
 # Memory the CUDA driver, NCCL and DeepSpeed's kernels hold outside PyTorch's allocator: NVML used
@@ -340,7 +344,7 @@ def layer_activation_bytes(shape: ModelShape, *, seq_len: int, attn: str, liger:
     Qwen2-0.5B layer under CPU autocast (peft 0.21): two (tokens, 896) bf16 tensors, one with the cast
     disabled (cast_input_dtype_enabled=False).
     """
-    if shape.model_type not in LLAMA_LIKE:
+    if shape.model_type not in DECODERS:
         return _layernorm_layer_bytes(shape, seq_len=seq_len, attn=attn, compiled=compiled)
     h, inter = shape.hidden_size, shape.intermediate_size
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
@@ -365,7 +369,12 @@ def layer_activation_bytes(shape: ModelShape, *, seq_len: int, attn: str, liger:
         # sdpa/flash keep their output themselves; an o_proj adapter under autocast keeps its own copy
         total += 2 * q + 2 * 2 * kv + 2 * q + 4 * shape.num_heads
         total += 2 * q if (autocast and lora is not None and "o_proj" in lora.targets) else 0
-    if not tiled_mlp:
+    if shape.num_experts:
+        # grouped_mm experts (transformers.integrations.moe): per token and routed expert, the sorted input and
+        # output (2h) and the gate/up/activation tensors (3 x intermediate), bf16; and the router's fp32
+        # probabilities over every expert, kept for the load-balancing loss (on by default: moe.aux_loss_coef)
+        total += 2 * shape.experts_per_token * (2 * h + 3 * shape.expert_intermediate) + 4 * shape.num_experts
+    elif not tiled_mlp:
         total += (2 if liger else 3) * 2 * inter + (2 * inter if saves_input("down_proj") else 0)
     if lora is not None:  # lora_A's output, saved by lora_B: r values per targeted linear
         total += sum(2 * lora.r for name, _, _ in shape.linears if name.rsplit(".", 1)[-1] in lora.targets
@@ -467,7 +476,7 @@ def _liger(w: Workload, stage: int) -> tuple[bool, bool]:
                supported=LIGER_MODEL_TYPES, fused_loss=w.fused_loss, compiled=compiled(w, stage))
     # compiled, inductor fuses RMSNorm, SwiGLU and RoPE where Liger's kernels would (the same peak within 1.4%:
     # llama-1b micro 16, 59.4 GiB compiled against 58.6 with Liger, run s20): the activations Liger's keep
-    layers = bool(c.kwargs.get("rms_norm")) or (compiled(w, stage) and w.shape.model_type in LLAMA_LIKE)
+    layers = bool(c.kwargs.get("rms_norm")) or (compiled(w, stage) and w.shape.model_type in DECODERS)
     return layers, bool(c.kwargs.get("fused_linear_cross_entropy"))
 
 
@@ -500,8 +509,11 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     if s.model_type not in ACTIVATION_MODELS:
         raise ConfigError(f"toolkit plan has no activation model for model type {s.model_type!r} "
                           f"(it knows {', '.join(sorted(ACTIVATION_MODELS))})")
-    if s.model_type not in LLAMA_LIKE and w.lora is not None:
-        raise ConfigError(f"toolkit plan models LoRA on {', '.join(sorted(LLAMA_LIKE))} layers, not {s.model_type!r}")
+    if s.model_type not in DECODERS and w.lora is not None:
+        raise ConfigError(f"toolkit plan models LoRA on {', '.join(sorted(DECODERS))} layers, not {s.model_type!r}")
+    if w.fp8 and s.num_experts:
+        raise ConfigError("toolkit plan models float8 (train.precision=fp8) on dense models: it converts nn.Linear, "
+                          "and a Mixture-of-Experts model's experts are not")
     if w.fp8 and s.model_type not in LLAMA_LIKE:
         raise ConfigError(f"float8 (train.precision=fp8) converts nn.Linear in causal LMs; {s.model_type!r} has "
                           "none to convert (GPT-2: Conv1D) or is not a causal LM (BERT)")
@@ -558,10 +570,10 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
         held = (4.0 if autocast else 2.0) * t_all / (1 if stage == 0 else n)
 
     # ---- activations ---------------------------------------------------------------------------------
-    tiled = w.tiled_mlp and s.model_type in LLAMA_LIKE
+    tiled = w.tiled_mlp and s.model_type in LLAMA_LIKE  # MoE blocks are not tiled (sequence/tiling.py)
     per_layer = layer_activation_bytes(s, seq_len=w.seq_len, attn=w.attn, liger=fused, lora=lora, autocast=autocast,
                                        compiled=comp, tiled_mlp=tiled)
-    if split_by_hooks(w, stage) and s.model_type in LLAMA_LIKE:
+    if split_by_hooks(w, stage) and s.model_type in DECODERS:
         # Under LoRA the layers are not ZeRO-3 leaves, DeepSpeed's hooks split a compiled layer into a graph per
         # module, and less fuses: llama-1b micro 16 peaked at 66.5 GiB compiled against 57.6 eager with Liger (run
         # s23, no leaves), between Liger's per-layer bytes and eager transformers' (the mean gives 67.0). As leaves
@@ -582,6 +594,8 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     # backward of the top layer's MLP: the gradient of the down projection's input, and in plain
     # transformers the two gradients the SiLU-mul product splits into (Liger computes them in place)
     mlp_bwd = (1 if fused else 3) * 2.0 * s.intermediate_size * tokens + 2 * 2.0 * h * tokens
+    if s.num_experts:  # the experts' intermediate gradients, per routed token
+        mlp_bwd = 3 * 2.0 * s.expert_intermediate * s.experts_per_token * tokens + 2 * 2.0 * h * tokens
     if tiled:  # one tile of micro x hidden tokens at a time, recomputed with its activations, then its gradients
         tile = min(tokens, c.micro_batch * h)
         mlp_bwd = ((2 if fused else 3) + 1 + (1 if fused else 3)) * 2.0 * s.intermediate_size * tile \
@@ -731,9 +745,11 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     s = w.shape
     tokens = c.micro_batch * w.seq_len // w.sequence_parallel  # per rank; its heads' attention spans the whole row
     attn = 12.0 * s.num_layers * s.hidden_size * w.attended  # packed documents: their own length (Workload.doc_len)
-    flops = 4.0 * p_all + 2.0 * t_all + attn  # toolkit/observe/metrics.py flops_per_token
+    # a token runs through its routed experts only: FLOPs by active parameters (Mixture-of-Experts)
+    p_run, t_run = s.active_params, min(t_all, s.active_params)
+    flops = 4.0 * p_run + 2.0 * t_run + attn  # toolkit/observe/metrics.py flops_per_token
     if c.grad_ckpt:
-        flops += 2.0 * p_all + attn / 3  # one more forward
+        flops += 2.0 * p_run + attn / 3  # one more forward
     if w.tiled_mlp and s.model_type in LLAMA_LIKE:
         flops += 6.0 * s.hidden_size * s.intermediate_size * s.num_layers  # each MLP forward once more
     mfu = MFU_MAX * tokens / (tokens + MFU_HALF_TOKENS)  # fitted on runs with Liger's kernels and fused loss

@@ -28,7 +28,7 @@ from typing import Any
 from toolkit.config.ds_config import ConfigError
 
 SHAPES_FILE = Path(__file__).with_name("model_shapes.json")
-SHAPE_VERSION = 2  # bump when ModelShape changes: cached and committed shapes are then read again
+SHAPE_VERSION = 3  # bump when ModelShape changes: cached and committed shapes are then read again
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,18 @@ class ModelShape:
     """One decoder layer's nn.Linear modules (and GPT-2's Conv1D): (name inside the layer, in_features, out_features)."""
     task: str = "causal_lm"
     """causal_lm (a vocabulary-sized head and loss) or seq_cls (BERT: a classifier on one token)."""
+    num_experts: int = 0
+    """Mixture-of-Experts: experts per layer (0: a dense model)."""
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    """One expert's intermediate size (Qwen-MoE's moe_intermediate_size; Mixtral's and OLMoE's intermediate_size)."""
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through: all but the experts it is not routed to (3 x hidden x intermediate
+        per expert: gate, up, down)."""
+        idle = self.num_experts - self.experts_per_token
+        return self.total_params - self.num_layers * idle * 3 * self.hidden_size * self.expert_intermediate
 
     @property
     def layer_numel(self) -> int:
@@ -134,6 +146,8 @@ def read_shape(mc: Any) -> ModelShape:
                     if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")
     hidden = int(_cfg(mc, "hidden_size", "n_embd"))
     heads = int(_cfg(mc, "num_attention_heads", "n_head"))
+    top_k = int(getattr(mc, "num_experts_per_tok", None) or 0)
+    experts = int(getattr(mc, "num_experts", None) or getattr(mc, "num_local_experts", None) or 0) if top_k else 0
     return ModelShape(
         model_type=str(mc.model_type),
         vocab_size=int(mc.vocab_size),
@@ -150,6 +164,10 @@ def read_shape(mc: Any) -> ModelShape:
         suffix_params=tuple(params[last + 1:]),
         linears=linears,
         task=task,
+        num_experts=experts,
+        experts_per_token=top_k,
+        expert_intermediate=int(getattr(mc, "moe_intermediate_size", None) or getattr(mc, "intermediate_size", 0))
+        if experts else 0,
     )
 
 
