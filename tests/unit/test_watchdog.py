@@ -44,9 +44,9 @@ def wd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Watchd
     yield from _watchdog(tmp_path, monkeypatch, 2)
 
 
-def _beat(store: TCPStore, n: int, pid: int = 999_999, host: str = "elsewhere") -> None:
+def _beat(store: TCPStore, n: int, pid: int = 999_999, host: str = "elsewhere", t: float | None = None) -> None:
     store.set(_PREFIX + "beat/1", json.dumps({"n": n, "pid": pid, "host": host, "start": 0.0, "step": 3,
-                                              "phase": "train", "bye": False}))
+                                              "phase": "train", "bye": False, "t": time.time() if t is None else t}))
 
 
 def test_a_peer_whose_beats_stop_is_lost_after_the_timeout(wd: tuple[Watchdog, TCPStore]) -> None:
@@ -194,7 +194,7 @@ def test_after_a_communication_error_a_running_rank_waits_for_the_heartbeat(wd3:
 
 def _beat3(store: TCPStore, n: int) -> None:
     store.set(_PREFIX + "beat/2", json.dumps({"n": n, "pid": 999_998, "host": "elsewhere", "start": 0.0, "step": 3,
-                                              "phase": "train", "bye": False}))
+                                              "phase": "train", "bye": False, "t": time.time()}))
 
 
 def test_a_peer_its_watchdog_ended_does_not_keep_the_others_from_ending(wd3: tuple[Watchdog, TCPStore]) -> None:
@@ -216,3 +216,16 @@ def test_a_peer_its_watchdog_ended_does_not_keep_the_others_from_ending(wd3: tup
         time.sleep(0.3)
         now = time.monotonic()
         assert dog._lost(now) == {} and dog._late(now) == [] and dog._failed(now) == dog.failed_verdict
+
+
+def test_a_dead_peers_last_beat_noticed_late_is_no_answer(wd: tuple[Watchdog, TCPStore]) -> None:
+    """Under load rank 0's thread can notice a peer's last beat seconds late and give it an age near 0 after another
+    rank's error began: only the beat's own time counts (a CI run left on such a beat before the verdict)."""
+    dog, store = wd
+    began = time.time()
+    _beat(store, 7, t=began - 0.5)  # written before the error, by a peer that died since
+    time.sleep(1.2)  # rank 0 (this watchdog's io thread) reads it now: age about 0 in the new view
+    assert dog._age(1) < 1.0 and not dog._answered_since(began)
+    _beat(store, 8)  # a live peer's next beat, written now: more than ANSWER_SKEW_S after the error
+    time.sleep(1.2)
+    assert dog._answered_since(began)

@@ -63,6 +63,9 @@ from toolkit.runtime.checkpoint import atomic_write
 
 EXIT_LOST = 75  # sysexits EX_TEMPFAIL: the job lost a rank or host, or hung; train.resume=latest continues it
 FAILED_GRACE_S = 10.0  # how long a rank may take to fail on its own after another rank failed
+# A peer's beat answers another rank's error when written this long after it, by the writer's clock: hosts of a job
+# keep their clocks within far less (NTP); a dead peer's last beat, written before the error, never does.
+ANSWER_SKEW_S = 1.0
 _PREFIX = "toolkit/watchdog/"
 
 
@@ -181,7 +184,7 @@ class Watchdog:
         every peer answered: the caller reports its own error."""
         self.exiting = True
         self._disarm()
-        began = time.monotonic()
+        began, began_wall = time.monotonic(), time.time()
         # where the main thread was when it failed: if a peer turns out lost, the dump that follows shows
         # this thread inside failing(), and the exception's own traceback would never be printed
         peer = _from_a_peer(exc)
@@ -202,7 +205,7 @@ class Watchdog:
                 self._act_lost(lost)
             if self.lost_verdict:  # another rank named them first
                 self._act_lost({int(r): why for r, why in self.lost_verdict["lost"].items()}, adopted=True)
-            if self._answered_since(began):
+            if self._answered_since(began_wall):
                 break
             time.sleep(0.2)
         self._leave("failed", f"{type(exc).__name__}: {exc}", peer=peer)
@@ -234,8 +237,10 @@ class Watchdog:
     def _beat(self) -> None:
         self.n += 1
         phase, step = self.where()
-        self.store.set(_PREFIX + f"beat/{self.rank}",
-                       json.dumps({**self.me, "n": self.n, "phase": phase, "step": step, "bye": False}))
+        # "t": when it was written, by this host's clock: what tells a peer's answer after an error from a beat
+        # it wrote before dying (see _answered_since)
+        self.store.set(_PREFIX + f"beat/{self.rank}", json.dumps({**self.me, "n": self.n, "phase": phase, "step": step,
+                                                                 "bye": False, "t": time.time()}))
 
     def _io(self) -> None:
         keys = [_PREFIX + f"beat/{r}" for r in range(self.world)]
@@ -409,19 +414,18 @@ class Watchdog:
                 late.append(r)
         return late
 
-    def _answered_since(self, began: float) -> bool:
-        """Every peer has beaten since `began`, or left a note. When a peer last beat is estimated from rank 0's
-        view (the age it gives, plus how old the view is) and must be more than a beat and a half after
-        `began`: rank 0 reads the beats once per interval, so a beat written just before `began` (by a peer
-        that has died since) can look newer by up to a beat."""
-        now = time.monotonic()
-        view_age = now - self.view_changed
+    def _answered_since(self, began_wall: float) -> bool:
+        """Every peer has beaten since `began_wall` (this host's clock), or left a note. A beat carries its writer's
+        wall time, and counts only when written more than ANSWER_SKEW_S after `began_wall`. Estimating it from rank
+        0's view instead (the age it gives a beat, from when rank 0 noticed it) failed under load: a rank 0 thread
+        held back for seconds noticed a dead peer's last beat late, gave it an age near 0 after another rank's error,
+        and that rank left before the dead host's verdict (1 CI run, issue 33)."""
         ranks = self._ranks()
         for r in range(self.world):
             if r == self.rank:
                 continue
-            since_beat = view_age + (0.0 if r == 0 and self.rank != 0 else self._age(r))
-            if since_beat > now - began - 1.5 * self.beat_s and not self._note(r, ranks.get(r, {})):
+            rec = ranks.get(r, {})
+            if float(rec.get("t") or 0.0) <= began_wall + ANSWER_SKEW_S and not self._note(r, rec):
                 return False
         return True
 
