@@ -34,8 +34,8 @@ TRAIN_TAGS = {
     "step_time_s": "train/step_time_s",
     "mfu": "train/mfu",
     "padding_waste": "train/padding_waste",
-    "moe_aux_loss": "train/moe_aux_loss",
 }
+MOE_TAGS = {"moe_aux_loss": "moe/aux_loss"}  # Mixture-of-Experts runs only
 EVAL_TAGS = {"eval_loss": "eval/loss", "eval_ppl": "eval/perplexity"}
 # memory snapshot key -> tag. Null values (GPU fields on CPU) are left out, not written as NaN.
 MEMORY_TAGS = {
@@ -83,6 +83,7 @@ class TrainWriter:
     def write(self, rec: dict[str, Any]) -> None:
         _add(self._w, TRAIN_TAGS, rec, int(rec["step"]), None)
         _add(self._w, EVAL_TAGS, rec, int(rec["step"]), None)
+        _add(self._w, MOE_TAGS, rec, int(rec["step"]), None)
         for layer, value in enumerate(rec.get("expert_load") or []):  # MoE: busiest expert / mean, per layer
             self._w.add_scalar(f"moe/expert_load_layer{layer}", float(value), global_step=int(rec["step"]))
 
