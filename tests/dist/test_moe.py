@@ -8,16 +8,13 @@ All runs share one launch (tests/dist/_multi_train.py).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
-from _net import free_port
+from _launch import ROOT, launch, reload_logits
 
 pytestmark = pytest.mark.dist
 
-ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["train.precision=fp32", "train.warmup_steps=1", "memory.every=0", "train.export=false",
           "train.max_steps=3", "train.micro_batch_size=2", "data.num_samples=24"]
 STAGES = ("zero0", "zero2", "zero3")
@@ -80,24 +77,11 @@ def _aux_runs(tmp: Path, world: int) -> list[dict]:
     return out
 
 
-def _launch(tmp: Path, runs: list[dict], gpus: int, name: str) -> None:
-    spec = tmp / f"{name}.json"
-    spec.write_text(json.dumps(runs))
-    env = os.environ | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", "TOOLKIT_CACHE": str(tmp / "cache")}
-    cmd = ["deepspeed", "--num_gpus", str(gpus), "--master_port", str(free_port()),
-           str(ROOT / "tests/dist/_multi_train.py"), str(spec)]
-    log = tmp / f"{name}.log"
-    with log.open("w") as f:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=600)
-    if proc.returncode != 0:
-        pytest.fail(f"launcher exited {proc.returncode}:\n{log.read_text()[-6000:]}")
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("moe")
-    _launch(tmp, _runs(tmp), 2, "launch")
-    _launch(tmp, _aux_runs(tmp, world=1), 1, "launch1")
+    launch(tmp, _runs(tmp), 2, "launch", timeout=600)
+    launch(tmp, _aux_runs(tmp, world=1), 1, "launch1", timeout=600)
     return tmp
 
 
@@ -162,22 +146,7 @@ def test_the_load_balancing_gradient_is_the_same_at_any_world_size_and_accumulat
 def test_a_zero3_moe_export_reloads_with_the_engines_logits(runs: Path, path: str) -> None:
     """transformers writes the fused experts back as one tensor per expert (its default) and fuses them again on
     load: the reloaded model's fp32 logits equal the engine's (probe.pt) within 1e-4."""
-    import sys
-
-    d = runs / f"export-{path}"
-    code = f"""
-import torch
-from transformers import AutoModelForCausalLM
-probe = torch.load({str(d / 'probe.pt')!r})
-model = AutoModelForCausalLM.from_pretrained({str(d / 'export')!r}).eval()
-with torch.no_grad():
-    logits = model(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
-diff = (logits - probe["logits"]).abs().max().item()
-print("max abs diff", diff)
-assert diff < 1e-4, diff
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stdout + out.stderr
+    reload_logits(runs / f"export-{path}")
 
 
 @pytest.mark.timeout(60)

@@ -10,17 +10,14 @@ All runs share one launch (tests/dist/_multi_train.py); the SP runs undo their p
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
-from _net import free_port
+from _launch import ROOT, launch
 from conftest import write_tokenizer
 
 pytestmark = pytest.mark.dist
 
-ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["train.path=raw", "train.precision=fp32", "train.warmup_steps=1", "memory.every=0", "train.export=false",
           "train.grad_accum=2"]
 SP1 = ["train.micro_batch_size=1"]  # 1 x 2 accumulation x 2 ranks = 4 sequences per step
@@ -83,22 +80,13 @@ def _runs(tmp: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("sp")
-    spec = tmp / "runs.json"
-    spec.write_text(json.dumps(_runs(tmp)))
-    env = os.environ | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", "TOOLKIT_CACHE": str(tmp / "cache")}
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), str(ROOT / "tests/dist/_multi_train.py"),
-           str(spec)]
-    log = tmp / "launch.log"
-    with log.open("w") as f:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=900)
-    if proc.returncode != 0:
-        pytest.fail(f"launcher exited {proc.returncode}:\n{log.read_text()[-6000:]}")
+    launch(tmp, _runs(tmp), timeout=900)
     return tmp
 
 
 @pytest.mark.timeout(900)  # the first test pays the shared launch (pytest-timeout counts fixture setup)
 def test_every_run_ends_as_it_should(runs: Path) -> None:
-    for run in json.loads((runs / "runs.json").read_text()):
+    for run in json.loads((runs / "launch.json").read_text()):
         status = runs / run["name"] / "status.json"
         if run.get("expect_rc", 0) == 0:
             assert json.loads(status.read_text())["status"] == "completed", run["name"]

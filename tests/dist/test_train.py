@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _net import free_port
+from _launch import launch, reload_logits
 from conftest import write_tokenizer
 
 from toolkit.config import ds_config as dc
@@ -137,19 +136,8 @@ def _runs(tmp: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("train")
-    spec = tmp / "runs.json"
-    spec.write_text(json.dumps(_runs(tmp)))
-    env = os.environ | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", "TOOLKIT_CACHE": str(tmp / "cache")}
-    port = free_port()
+    port = launch(tmp, _runs(tmp), timeout=1500)
     (tmp / "master_port").write_text(str(port))
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(port), str(ROOT / "tests/dist/_multi_train.py"),
-           str(spec)]
-    log = tmp / "launch.log"
-    with log.open("w") as f:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=1500)
-    if proc.returncode != 0:
-        tail = log.read_text()[-6000:]
-        pytest.fail(f"launcher exited {proc.returncode}:\n{tail}")
     return tmp
 
 
@@ -285,33 +273,6 @@ def test_nan_or_inf_stops_the_run_at_that_step_naming_it(runs: Path, path: str) 
         assert f"samples in that step: {order[16:20]}" in status["error"], (order[16:20], status)
 
 
-def _reload_logits(kind: str, run_dir: Path) -> None:
-    """In a fresh process: load the export (or base + adapter) and compare with the engine's logits."""
-    code = f"""
-import torch, sys
-sys.path.insert(0, {str(ROOT)!r})
-probe = torch.load({str(run_dir / 'probe.pt')!r})
-if {kind!r} == "export":
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained({str(run_dir / 'export')!r})
-else:
-    from peft import PeftModel
-    from toolkit.config.schema import load_config
-    from toolkit.runtime.model import build_model, model_config
-    cfg = load_config({str(run_dir / 'config.yaml')!r}, ["lora.enabled=false"])
-    base = build_model(cfg, model_config(cfg))  # the seeded random-init preset
-    model = PeftModel.from_pretrained(base, {str(run_dir / 'adapter')!r})
-model.eval()
-with torch.no_grad():
-    logits = model(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
-diff = (logits - probe["logits"]).abs().max().item()
-print("max abs diff", diff)
-assert diff < 1e-4, diff
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-
-
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("path", PATHS)
 def test_zero3_export_reloads_with_the_engines_logits(runs: Path, path: str) -> None:
@@ -321,7 +282,7 @@ def test_zero3_export_reloads_with_the_engines_logits(runs: Path, path: str) -> 
 
     with safe_open(str(d / "export" / "model.safetensors"), "pt") as f:
         assert all(f.get_slice(k).get_shape() and 0 not in f.get_slice(k).get_shape() for k in f.keys())  # noqa: SIM118 (safe_open is not iterable)
-    _reload_logits("export", d)
+    reload_logits(d, "export")
 
 
 @pytest.mark.timeout(400)
@@ -330,7 +291,7 @@ def test_lora_adapter_reloads_with_the_engines_logits(runs: Path, path: str) -> 
     d = runs / f"{path}-lora"
     assert (d / "adapter" / "adapter_config.json").is_file()
     assert not (d / "export").exists()
-    _reload_logits("adapter", d)
+    reload_logits(d, "adapter")
 
 
 @pytest.mark.timeout(60)
