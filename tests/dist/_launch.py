@@ -58,3 +58,15 @@ assert diff < 1e-4, diff
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def write_chat(path: Path) -> Path:
+    """96 chat rows (a user turn, an assistant answer); every 8th answer fills a 48-token row alone (cut to it),
+    so packed batches hold rows of one document (sdpa's causal kernel) beside packed ones."""
+    with path.open("w") as f:
+        for i in range(96):
+            answer = f"the {['cat', 'dog'][i % 2]} sat on the {['mat', 'log'][i % 3 % 2]}" * (1 if i % 8 else 8)
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": " ".join(["what did the", ["cat", "dog"][i % 2], "do"] + ["a"] * (i % 4))},
+                {"role": "assistant", "content": answer}]}) + "\n")
+    return path

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from _launch import ROOT, launch
+from _launch import ROOT, launch, write_chat
 from conftest import write_tokenizer
 
 pytestmark = pytest.mark.dist
@@ -34,13 +34,7 @@ def _runs(tmp: Path) -> list[dict]:
     tok = write_tokenizer(tmp / "tokenizer")
     # chat rows, packed: the toolkit's attention (the per-document reference on CPU) under Ulysses; every 8th
     # answer fills a row alone (sdpa's causal kernel for such rows)
-    chat = tmp / "chat.jsonl"
-    with chat.open("w") as f:
-        for i in range(96):
-            answer = f"the {['cat', 'dog'][i % 2]} sat on the {['mat', 'log'][i % 3 % 2]}" * (1 if i % 8 else 8)
-            f.write(json.dumps({"messages": [
-                {"role": "user", "content": " ".join(["what did the", ["cat", "dog"][i % 2], "do"] + ["a"] * (i % 4))},
-                {"role": "assistant", "content": answer}]}) + "\n")
+    chat = write_chat(tmp / "chat.jsonl")
     # long prompts, short answers, one per row: the first half of every row holds no target, so rank 0 of the
     # group trains on slices without a single labelled token
     late = tmp / "late_answers.jsonl"

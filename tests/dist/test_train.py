@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _launch import launch, reload_logits
+from _launch import launch, reload_logits, write_chat
 from conftest import write_tokenizer
 
 from toolkit.config import ds_config as dc
@@ -102,15 +102,7 @@ def _runs(tmp: Path) -> list[dict]:
     add("trainer-file-packed", "zero2", "train.path=trainer", f"data.source={data}", f"model.tokenizer={tok}",
         "data.packing=true", "data.seq_len=16", "train.micro_batch_size=2", "train.export=false")
     # chat rows (loss on the assistant turns), packed, with a held-out eval loss every 2 steps, at ZeRO-3
-    chat = tmp / "chat.jsonl"
-    with chat.open("w") as f:
-        for i in range(96):
-            # every 8th answer fills a 48-token row alone (cut to it): such rows take sdpa's causal kernel
-            answer = f"the {['cat', 'dog'][i % 2]} sat on the {['mat', 'log'][i % 3 % 2]}" * (1 if i % 8 else 8)
-            f.write(json.dumps({"messages": [
-                {"role": "user", "content": " ".join(["what did the", ["cat", "dog"][i % 2], "do"] + ["a"] * (i % 4))},
-                {"role": "assistant", "content": answer},
-            ]}) + "\n")
+    chat = write_chat(tmp / "chat.jsonl")
     for path in PATHS:
         for attn in ("sdpa", "varlen"):  # the block-diagonal mask, and the toolkit's attention (CPU reference)
             add(f"{path}-chat" + ("-varlen" if attn == "varlen" else ""), "zero3", f"train.path={path}",
