@@ -40,11 +40,19 @@ MODELS: dict[str, dict[str, Any]] = {
     "llama-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                      num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                      max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=True),
+    # Mixture-of-Experts: transformers' default experts path (grouped_mm); bench/speed.py runs it with --layers
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          decoder_sparse_step=1, max_position_embeddings=40960, rope_theta=1_000_000.0,
+                          rms_norm_eps=1e-6, tie_word_embeddings=False),
 }
 
 
-def model_config(name: str) -> PretrainedConfig:
+def model_config(name: str, layers: int = 0) -> PretrainedConfig:
     kw = dict(MODELS[name])
+    if layers:  # full width, fewer decoder layers (a large shape on one GPU)
+        kw["n_layer" if "n_layer" in kw else "num_hidden_layers"] = layers
     return CONFIG_MAPPING[kw.pop("model_type")](**kw, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
@@ -83,6 +91,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--out", required=True)
+    p.add_argument("--layers", type=int, default=0, help="decoder layers (default: the model's own)")
     p.add_argument("--liger", action="store_true", help="Liger kernels on the model (RMSNorm, SwiGLU, RoPE, fused loss)")
     p.add_argument("--local_rank", type=int, default=-1, help="appended by the launcher; LOCAL_RANK is used")
     return p.parse_args()
@@ -115,7 +124,7 @@ def write_result(args: argparse.Namespace, variant: str, device: torch.device, g
         "variant": variant, "model": args.model, "seq": args.seq, "stage": args.stage,
         "offload": args.offload, "gpus": dist.get_world_size(), "micro_batch": args.micro, "grad_accum": grad_accum,
         "tokens_per_step": args.global_batch * args.seq, "step_times_s": step_times, "losses": losses,
-        "n_params": n_params, "n_layers": config.num_hidden_layers, "hidden": config.hidden_size,
+        "n_params": n_params, "n_layers": getattr(config, "num_hidden_layers", None) or config.n_layer, "hidden": config.hidden_size,
         "peak_allocated_gib": None if cpu else stats[0].item(), "host_rss_gib": stats[1].item(),
     }
     with open(args.out, "w") as f:
@@ -128,7 +137,7 @@ def main() -> None:
 
     cfg = ds_config(args, grad_accum, bf16=not cpu)
     dschf = HfDeepSpeedConfig(cfg) if args.stage == 3 else None  # alive => from_config partitions (zero.Init)
-    config = model_config(args.model)
+    config = model_config(args.model, args.layers)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())

@@ -4,7 +4,9 @@
 # STAGE kernels: corpora made (bench/data_cache.py make: data100k, docs), attention kernels alone
 #                (bench/attention.py), tests/gpu/test_gpu_varlen.py, then the speed rows in the options;
 # STAGE test:    corpora made, tests/gpu/test_gpu_varlen.py, then the speed rows;
-# STAGE rows:    only the speed rows (the corpora made first where /tmp/dc lacks them).
+# STAGE rows:    only the speed rows (the corpora made first where /tmp/dc lacks them);
+# STAGE experts: one MoE layer's experts paths alone (bench/experts.py -> OUT/experts.json), then the speed rows
+#                (synthetic workloads only: no corpora made).
 # Each quoted group is one `bench/speed.py run` (its own workloads and variants), in order, until
 # ROWS_BUDGET_S seconds (default 520) are spent. Speed rows go to OUT/speed.json + OUT/speed.md (bench/speed.py table, this command, the GPU's name);
 # logs and per-row JSON to OUT/logs.tgz.
@@ -21,6 +23,12 @@ if [ "$stage" = kernels ] || [ "$stage" = test ]; then
   [ "$stage" = test ] || python bench/attention.py --out "$out/attention.json" > "$out/s/attention.log" 2>&1
   python -m pytest -q -x tests/gpu/test_gpu_varlen.py > "$out/s/gpu_test.log" 2>&1; echo "gpu test rc=$?" >> "$out/s/gpu_test.log"
   tail -3 "$out/s/gpu_test.log"
+  wait
+elif [ "$stage" = experts ]; then
+  python bench/prebuild_ops.py fused_adam > "$out/s/prebuild.log" 2>&1 &
+  timeout --kill-after=10 "${EXPERTS_BUDGET_S:-150}" python bench/experts.py --out "$out/experts.json" \
+    > "$out/s/experts.log" 2>&1; echo "experts rc=$?" >> "$out/s/experts.log"
+  tail -8 "$out/s/experts.log"
   wait
 elif [ ! -f "$work/docs.jsonl" ]; then  # a fresh machine: the corpora and FusedAdam first
   python bench/prebuild_ops.py fused_adam > "$out/s/prebuild.log" 2>&1 &

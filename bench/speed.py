@@ -44,7 +44,11 @@ WORKLOADS: dict[str, tuple[str, int, int]] = {
     "qwen2-0.5b-seq2048-data100k": ("qwen2-0.5b", 2048, 4),
     "llama-1b-seq8192": ("llama-1b", 8192, 1),
     "llama-1b-seq8192-docs": ("llama-1b", 8192, 1),
+    # Mixture-of-Experts: the Qwen3-30B-A3B shape at full width with 3 of its 48 layers (what fits one H100 with
+    # the bare loop's full logits); the bare loop runs transformers' default experts path (grouped_mm)
+    "qwen3-30b-a3b-l3-seq4096": ("qwen3-30b-a3b", 4096, 2),
 }
+LAYERS = {"qwen3-30b-a3b-l3-seq4096": 3}  # workload -> decoder layers (model.num_layers / bare --layers)
 # workload -> the file in --data-dir it trains on (tokenized with DIR/llama's 8k BPE tokenizer); others: synthetic.
 # data100k: 100k prompt/response rows of about 118 tokens; docs: 600 text documents of about 1k-20k tokens.
 SYNTHETIC_OF = {"llama-1b-seq2048-data100k": "llama-1b-seq2048", "qwen2-0.5b-seq2048-data100k": "qwen2-0.5b-seq2048",
@@ -62,6 +66,7 @@ STAGES: dict[str, list[tuple[int, str]]] = {
     "qwen2-0.5b-seq2048-data100k": [(2, "none"), (3, "none")],
     "llama-1b-seq8192": [(2, "none"), (3, "none")],
     "llama-1b-seq8192-docs": [(2, "none"), (3, "none")],
+    "qwen3-30b-a3b-l3-seq4096": [(2, "none"), (3, "none")],
 }
 # The toolkit's micro-batch per workload and stage (capped at the per-rank batch), as the rows in
 # bench/results/speed.md ran. The fused loss frees the 128k-152k-vocabulary logits, which is what makes
@@ -71,7 +76,8 @@ TOOLKIT_MICRO: dict[str, dict[int, int]] = {"gpt2-124m-seq1024": {2: 16, 3: 16},
                                             "llama-1b-seq2048": {2: 16, 3: 16}, "tiny-seq64": {2: 4, 3: 4},
                                             "llama-1b-seq2048-data100k": {2: 16, 3: 16},
                                             "qwen2-0.5b-seq2048-data100k": {2: 8, 3: 8},
-                                            "llama-1b-seq8192": {2: 4, 3: 4}, "llama-1b-seq8192-docs": {2: 4, 3: 4}}
+                                            "llama-1b-seq8192": {2: 4, 3: 4}, "llama-1b-seq8192-docs": {2: 4, 3: 4},
+                                            "qwen3-30b-a3b-l3-seq4096": {2: 2, 3: 2}}
 # bare-tuned: the bare loop with Liger's kernels at the micro-batch fastest for it, what a user tunes by hand.
 # llama-1b on one H200: micro 16 x 2 65.8k/66.0k, 8 x 4 62.8k tokens/s (../shared/anchors.md, 2026-11-23);
 # Qwen2-0.5B: 8 x 4 (97.4k, the same day). Capped at the per-rank batch like every micro-batch here.
@@ -98,8 +104,10 @@ TUNES: dict[str, tuple[list[str], dict[str, Any], int | None]] = {
     "deepcompile": (["train.compile=torch", "model.liger=false"], {"compile": {"deepcompile": True}}, None),
     "noliger": (["model.liger=false"], {}, None),  # eager without Liger: what DeepCompile is measured against
     "nopack": (["data.packing=false"], {}, None),  # real data one row per sequence, batches grouped by length
+    # Mixture-of-Experts: each experts path (model.experts), against the toolkit's default (auto)
+    **{f"experts-{path}": ([f"model.experts={path}"], {}, None) for path in ("grouped_mm", "liger", "eager")},
 }
-ANY_STAGE = {"compile", "fp8", "fp8-m32", "nopack"}  # the other levers are ZeRO-3's
+ANY_STAGE = {"compile", "fp8", "fp8-m32", "nopack", "experts-grouped_mm", "experts-liger", "experts-eager"}  # the other levers are ZeRO-3's
 
 
 def _ds_preset(stage: int, offload: str) -> str:
@@ -130,7 +138,8 @@ def _command(variant: str, workload: str, stage: int, offload: str, gpus: int, p
         script = "bench/hf_trainer.py" if variant == "hf" else "bench/bare_loop.py"
         return [*launch, script, "--model", model, "--seq", str(seq), "--micro", str(micro), "--global-batch",
                 str(GLOBAL_BATCH), "--stage", str(stage), "--offload", offload, "--warmup", str(warmup),
-                "--steps", str(steps), "--out", str(out), *(["--liger"] if tuned else [])], out
+                "--steps", str(steps), "--out", str(out), *(["--liger"] if tuned else []),
+                *(["--layers", str(LAYERS[workload])] if workload in LAYERS else [])], out
     micro = micro or min(TOOLKIT_MICRO[workload][stage], GLOBAL_BATCH // gpus)
     run_dir = out.with_suffix("")
     total = warmup + steps
@@ -138,7 +147,8 @@ def _command(variant: str, workload: str, stage: int, offload: str, gpus: int, p
             f"data.seq_len={seq}", f"data.num_samples={GLOBAL_BATCH * total}", f"train.micro_batch_size={micro}",
             f"train.grad_accum={GLOBAL_BATCH // (micro * gpus)}", f"train.max_steps={total}", f"train.path={variant}",
             "train.precision=bf16", "train.export=false", "train.lr=1e-4", "train.warmup_steps=1",
-            "train.log_every=1", f"train.run_dir={run_dir}", *_data_args(workload, data_dir), *extra], run_dir
+            "train.log_every=1", f"train.run_dir={run_dir}", *_data_args(workload, data_dir),
+            *([f"model.num_layers={LAYERS[workload]}"] if workload in LAYERS else []), *extra], run_dir
 
 
 def _toolkit_result(run_dir: Path, variant: str, warmup: int) -> dict[str, Any]:
@@ -186,13 +196,14 @@ def run(args: argparse.Namespace) -> int:
         print("error: give --gpus N or --include localhost:I,J", file=sys.stderr)
         return 2
     port = args.port
-    for workload in args.only.split(",") if args.only else DEFAULT_WORKLOADS:
-        for stage, offload in STAGES[workload]:
-            if args.stages and str(stage) + ("o" if offload != "none" else "") not in args.stages.split(","):
-                continue
-            # --repeat: the variants in turn, again and again (bare, raw, trainer, bare, ...), so a drift of the
-            # machine over the run lands on every variant alike and each variant's spread is on record
-            for rep, variant in itertools.product(range(1, args.repeat + 1), variants):
+    cases = [(workload, stage, offload) for workload in (args.only.split(",") if args.only else DEFAULT_WORKLOADS)
+             for stage, offload in STAGES[workload]
+             if not args.stages or str(stage) + ("o" if offload != "none" else "") in args.stages.split(",")]
+    # --repeat: every row of the run in turn, again and again (synthetic bare, raw, corpus raw, synthetic bare, ...),
+    # so a drift of the machine over the run lands on every row alike and each row's spread is on record
+    for rep in range(1, args.repeat + 1):
+        for workload, stage, offload in cases:
+            for variant in variants:
                 for tag, extra, micro, zero in _extras(variant, workload, stage, offload, args):
                     name = (f"{workload}-z{stage}{'-off' if offload != 'none' else ''}-{args.gpus}gpu-{variant}{tag}"
                             + (f"-rep{rep}" if args.repeat > 1 else ""))
@@ -260,22 +271,18 @@ def _summary(row: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------- table
 
 
-def _flops_per_token(model: str, seq: int) -> float:
-    """6N + 12·L·H·T, N counted on the meta device from the toolkit's preset."""
+def _flops_per_token(model: str, seq: int, layers: int = 0) -> float:
+    """6N + 12·L·(heads x head dim)·T, N the active parameters (a Mixture-of-Experts token runs top-k experts),
+    from the planner's read of the toolkit's preset (layers: that many decoder layers)."""
     sys.path.insert(0, str(ROOT))
-    import torch
-    from transformers import AutoModelForCausalLM
+    import dataclasses
 
-    from toolkit.config.schema import load_config
-    from toolkit.runtime.model import hidden_size, model_config
+    from toolkit.plan.shapes import load_shape
 
-    cfg = load_config(None, [f"model.name={model}", f"data.seq_len={seq}"])
-    mc = model_config(cfg)
-    with torch.device("meta"):
-        m = AutoModelForCausalLM.from_config(mc)
-    n = sum(p.numel() for p in m.parameters())  # tied weights are one Parameter: counted once
-    layers = getattr(mc, "num_hidden_layers", None) or mc.n_layer
-    return 6 * n + 12 * layers * hidden_size(mc) * seq
+    shape = load_shape(model)
+    if layers:
+        shape = dataclasses.replace(shape, num_layers=layers)
+    return 6 * shape.active_params + 12 * shape.num_layers * shape.num_heads * shape.head_dim * seq
 
 
 def table(args: argparse.Namespace) -> int:
@@ -293,20 +300,18 @@ def table(args: argparse.Namespace) -> int:
         row["gpu"] = args.gpu or "unknown"
         if times:
             step = statistics.median(times)
-            # real data: the toolkit's own count of real (non-pad) tokens; synthetic rows are all tokens
-            tps = (statistics.median(r["tokens_per_s_all"]) if r["workload"] in DATA else GLOBAL_BATCH * seq / step) / r["gpus"]
+            tps = _tokens_per_s_per_gpu(r, seq)
             waste = [w for w in r.get("padding_waste") or [] if w is not None]
             if waste:
                 row["padding_waste"] = round(statistics.mean(waste), 4)
             if r["workload"] not in flops:
-                flops[r["workload"]] = _flops_per_token(model, seq)
+                flops[r["workload"]] = _flops_per_token(model, seq, LAYERS.get(r["workload"], 0))
             row |= {"tokens_per_s_per_gpu": round(tps, 1), "mfu": round(tps * flops[r["workload"]] / PEAK_FLOPS, 4),
                     "step_time_s": round(step, 4)}
             if r.get("window_tokens_per_s"):
                 row["window_tokens_per_s"] = round(r["window_tokens_per_s"], 1)
             if len(reps) > 1:  # each run's own median: the spread between runs of the same variant
-                row["repeat_tokens_per_s_per_gpu"] = [round(GLOBAL_BATCH * seq / statistics.median(t) / r["gpus"], 1)
-                                                      for t in reps]
+                row["repeat_tokens_per_s_per_gpu"] = [round(_tokens_per_s_per_gpu(rep, seq), 1) for rep in reps]
         else:
             row |= {"tokens_per_s_per_gpu": None, "mfu": None, "step_time_s": None, "error": r.get("error")}
         out_rows.append(row)
@@ -319,9 +324,16 @@ def table(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pool_repeats(rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], list[list[float]]]]:
+def _tokens_per_s_per_gpu(r: dict[str, Any], seq: int) -> float:
+    """Real data: the toolkit's own count of real (non-pad) tokens; synthetic rows are all tokens."""
+    if r["workload"] in DATA:
+        return statistics.median(r["tokens_per_s_all"]) / r["gpus"]
+    return GLOBAL_BATCH * seq / statistics.median(r["step_times_s"]) / r["gpus"]
+
+
+def _pool_repeats(rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
     """Rows of one variant repeated in one run (run --repeat) become one row: its timed steps pooled,
-    peaks the max; also returned: each repeat's step times. Other rows pass through alone."""
+    peaks the max; also returned: each repeat's own row. Other rows pass through alone."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for i, r in enumerate(rows):
         # only files a --repeat run wrote (NAME-repN.json) pool, and only within one directory
@@ -332,15 +344,15 @@ def _pool_repeats(rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], list
     out = []
     for group in groups.values():
         good = [r for r in group if r.get("rc") == 0 and r.get("step_times_s")]  # a failed repeat's steps stay out
-        reps = [r["step_times_s"] for r in good]
         row = dict(group[0])
         if len(group) > 1:
-            row["step_times_s"] = [t for ts in reps for t in ts]
+            for k in ("step_times_s", "tokens_per_s_all", "padding_waste"):
+                row[k] = [x for r in good for x in r.get(k) or []]
             for k in ("peak_allocated_gib", "host_rss_gib"):
                 row[k] = max((r[k] for r in group if r.get(k) is not None), default=None)
             row["rc"] = next((r.get("rc") for r in group if r.get("rc") != 0), 0)
             row.pop("window_tokens_per_s", None)  # one window per run: --overhead compares within a run
-        out.append((row, reps))
+        out.append((row, good))
     return out
 
 

@@ -127,3 +127,66 @@ def test_gen_config_writes_the_autoep_block(tmp_path, capsys) -> None:
     assert main(["gen-config", "--stage", "3", "--expert-parallel", "2", "--ep-preset", "qwen3_moe", "-o", str(out)]) == 0
     assert json.loads(out.read_text())["expert_parallel"] == {"enabled": True, "autoep_size": 2,
                                                               "preset_model": "qwen3_moe"}
+
+
+# ----------------------------------------------------------------------------- model.experts (toolkit/plan/experts.py)
+
+def test_experts_path_auto_takes_liger_where_its_fused_moe_applies_and_grouped_mm_elsewhere() -> None:
+    from toolkit.plan import experts
+
+    on = experts.choose("auto", model_type="qwen3_moe", liger_layers=True)
+    assert (on.implementation, on.liger) == ("grouped_mm", experts.AUTO_PATH == "liger")
+    olmoe = experts.choose("auto", model_type="olmoe", liger_layers=True)  # Liger has no fused MoE for OLMoE
+    assert (olmoe.implementation, olmoe.liger) == ("grouped_mm", False) and "olmoe" in olmoe.reason
+    cpu = experts.choose("auto", model_type="mixtral", liger_layers=False, liger_why="no CUDA device")
+    assert not cpu.liger and "no CUDA device" in cpu.describe()
+    assert experts.choose("eager", model_type="qwen3_moe", liger_layers=True) == experts.ExpertsChoice(
+        "eager", False, "model.experts=eager")
+
+
+def test_experts_path_liger_where_it_cannot_run_is_one_line() -> None:
+    from toolkit.plan import experts
+
+    with pytest.raises(ConfigError, match=r"no CUDA device.*use one of grouped_mm, batched_mm, eager"):
+        experts.choose("liger", model_type="qwen3_moe", liger_layers=False, liger_why="no CUDA device")
+    with pytest.raises(ConfigError, match="no fused MoE for model type 'olmoe'"):
+        experts.choose("liger", model_type="olmoe", liger_layers=True)
+
+
+def test_liger_swiglu_follows_the_experts_path_only_for_families_whose_experts_it_replaces() -> None:
+    from toolkit.plan import experts
+    from toolkit.plan.liger import LigerChoice
+
+    layers = LigerChoice(kwargs={"rope": True, "rms_norm": True, "swiglu": True, "fused_linear_cross_entropy": True})
+    grouped = experts.choose("grouped_mm", model_type="qwen3_moe", liger_layers=True)
+    assert moe.with_experts(layers, grouped, "qwen3_moe").kwargs["swiglu"] is False
+    fused = experts.choose("liger", model_type="mixtral", liger_layers=True)
+    assert moe.with_experts(layers, fused, "mixtral").kwargs["swiglu"] is True
+    assert moe.with_experts(layers, grouped, "olmoe") is layers  # its swiglu patch (if any) is not the experts'
+
+
+def test_a_run_builds_the_experts_path_it_names_and_refuses_one_for_a_dense_model() -> None:
+    from toolkit.plan.liger import LigerChoice
+
+    cfg = load_config(None, ["model.name=tiny-qwen3-moe", "model.experts=eager"])
+    mc = model_config(cfg)
+    path = moe.choose_path(cfg, mc, LigerChoice(reason="no CUDA device"))
+    assert path is not None and (path.implementation, path.liger) == ("eager", False)
+    dense = load_config(None, ["model.name=tiny", "model.experts=eager"])
+    with pytest.raises(ConfigError, match="applies to Mixture-of-Experts models; llama has no experts"):
+        moe.choose_path(dense, model_config(dense), LigerChoice(reason="x"))
+    assert moe.choose_path(load_config(None, ["model.name=tiny"]), model_config(load_config(None, [])),
+                           LigerChoice(reason="x")) is None
+    with pytest.raises(ConfigError, match=r"model\.experts must be one of"):
+        load_config(None, ["model.experts=fast"])
+
+
+def test_num_layers_builds_a_preset_with_fewer_layers_and_is_refused_for_a_directory(tmp_path) -> None:
+    mc = model_config(load_config(None, ["model.name=qwen3-30b-a3b", "model.num_layers=3"]))
+    assert (mc.num_hidden_layers, mc.hidden_size, mc.num_experts) == (3, 2048, 128)
+    assert model_config(load_config(None, ["model.name=gpt2-124m", "model.num_layers=2"])).n_layer == 2
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ConfigError, match=r"model\.num_layers applies to presets"):
+        model_config(load_config(None, [f"model.name={tmp_path}", "model.num_layers=2"]))
+    with pytest.raises(ConfigError, match=r"model\.num_layers must be >= 0"):
+        load_config(None, ["model.num_layers=-1"])

@@ -153,3 +153,16 @@ def test_report_puts_the_plan_beside_each_rank(tmp_path: Path) -> None:
     _fake_run(tmp_path / "other", stage=3)
     assert "this run used ZeRO-3, the plan ZeRO-2" in plan_vs_measured(tmp_path / "other")
     assert plan_vs_measured(tmp_path / "nothing") is None
+
+
+def test_layers_plans_a_preset_with_fewer_layers_and_the_training_yaml_builds_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+
+    argv = ["plan", "--model", "qwen3-30b-a3b", "--gpus", "1", "--seq", "4096", "--global-batch", "32"]
+    assert main([*argv, "--layers", "3", "-o", str(tmp_path / "p")]) == 0
+    text = capsys.readouterr().out
+    assert "qwen3-30b-a3b (2.49B parameters" in text and "--layers 3" in (tmp_path / "p" / "plan.json").read_text()
+    assert yaml.safe_load((tmp_path / "p" / "train.yaml").read_text())["model"]["num_layers"] == 3
+    assert main([*argv, "--layers", "-2"]) == 1
+    assert "--layers must be at least 1" in capsys.readouterr().err

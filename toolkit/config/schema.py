@@ -11,6 +11,8 @@ from typing import Any, Union
 
 from toolkit.config.ds_config import ConfigError
 
+EXPERTS_PATHS = ("auto", "grouped_mm", "batched_mm", "eager", "liger")
+
 
 @dataclass
 class ModelConfig:
@@ -47,6 +49,13 @@ class ModelConfig:
     """Tiles per MLP call; 0: ceil(tokens / hidden size), DeepSpeed's and ALST's choice."""
     tokenizer: str | None = None
     """Local tokenizer directory for text data; defaults to the model directory."""
+    num_layers: int = 0
+    """Presets only: build the preset with this many decoder layers (full width, random init), to measure a large
+    shape's speed and memory on fewer GPUs; `toolkit plan --layers` plans the same. 0: the preset's own."""
+    experts: str = "auto"
+    """Mixture-of-Experts models: how a layer's experts run. grouped_mm, batched_mm or eager (transformers' experts
+    implementations), liger (Liger's fused MoE kernel, CUDA, the families Liger patches: Qwen3-MoE, Mixtral), or
+    auto: the fastest correct one measured (bench/results/moe.md); the run says which (toolkit/runtime/moe)."""
 
 
 @dataclass
@@ -303,6 +312,9 @@ class Config:
              f"model.liger_fused_loss must be auto, true or false, got {self.model.liger_fused_loss!r}"),
             (self.model.tiled_mlp in ("auto", "true", "false"),
              f"model.tiled_mlp must be auto, true or false, got {self.model.tiled_mlp!r}"),
+            (self.model.num_layers >= 0, f"model.num_layers must be >= 0 (0: the preset's own), got {self.model.num_layers}"),
+            (self.model.experts in EXPERTS_PATHS,
+             f"model.experts must be one of {', '.join(EXPERTS_PATHS)}, got {self.model.experts!r}"),
             (self.model.rope_factor >= 1, f"model.rope_factor must be >= 1, got {self.model.rope_factor}"),
             (self.model.tiled_mlp_shards >= 0, "model.tiled_mlp_shards must be >= 0 (0: tokens / hidden size)"),
             (t.sequence_parallel >= 1, f"train.sequence_parallel must be >= 1, got {t.sequence_parallel}"),

@@ -60,6 +60,8 @@ def train_overrides(args: Any, p: pl.Prediction, out_dir: Path | None) -> dict[s
         o["model.task"] = args.task
     if args.rope_factor != 1:
         o["model.rope_factor"] = args.rope_factor
+    if args.layers:
+        o["model.num_layers"] = args.layers
     if args.sequence_parallel > 1:
         o["train.sequence_parallel"] = args.sequence_parallel
         o["train.path"] = "raw"  # (sequence parallelism runs on the raw path)
@@ -97,6 +99,10 @@ def _workload(args: Any) -> tuple[pl.Workload, pl.Hardware]:
         raise ConfigError(f"toolkit plan has no activation model for model type {kind!r} "
                           f"(it knows {', '.join(sorted(pl.ACTIVATION_MODELS))})")
     shape = load_shape(args.model)
+    if args.layers:  # every decoder layer has the same parameters: fewer layers, the same list
+        if args.layers < 0:
+            raise ConfigError(f"--layers must be at least 1, got {args.layers}")
+        shape = dataclasses.replace(shape, num_layers=args.layers)
     if args.rope_factor < 1:
         raise ConfigError(f"--rope-factor must be at least 1, got {args.rope_factor}")
     if args.rope_factor != 1 and shape.max_positions is not None:  # rope scaling moves no memory or FLOPs
@@ -280,6 +286,8 @@ def command(args: Any) -> str:
              "--global-batch", str(args.global_batch), "--gpu-mem", f"{args.gpu_mem:g}"]
     if args.nodes != 1:
         parts += ["--nodes", str(args.nodes)]
+    if args.layers:
+        parts += ["--layers", str(args.layers)]
     if args.host_mem is not None:
         parts += ["--host-mem", f"{args.host_mem:g}"]
     if args.lora:
@@ -375,6 +383,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", required=True, help="a preset (toolkit/runtime/model.py) or a local HF model directory")
     p.add_argument("--gpus", type=int, required=True, help="GPUs per node")
     p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--layers", type=int, default=0,
+                   help="plan the model with this many decoder layers (model.num_layers: a preset at full width, "
+                        "fewer layers); default: its own")
     p.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU (default 80; an H200 has 139)")
     p.add_argument("--host-mem", type=float, default=None, help="host RAM per node, GiB (default: not checked)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence")

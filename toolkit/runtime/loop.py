@@ -32,6 +32,7 @@ from toolkit.observe.metrics import (
     peak_flops_per_gpu,
 )
 from toolkit.observe.profiling import StepProfiler
+from toolkit.plan.experts import ExpertsChoice
 from toolkit.plan.speedups import leaves_blocked
 from toolkit.runtime import attention, autotune, fp8, integrity, kernels, moe, resume, watchdog
 from toolkit.runtime import compile as compiling
@@ -88,6 +89,14 @@ def run(p: RunSpec) -> int:
                                         "yet; train.compile=torch compiles")
     linear_note = compiling.plain_linear(p.ds) if compiled and zero_stage(p.ds) == 3 else None
     liger = kernels.choice_for(cfg, p.model_config.model_type, zero_stage(p.ds), compiled)
+    try:
+        experts_path = moe.choose_path(cfg, p.model_config, liger)
+    except ConfigError as e:  # every rank decides alike, before anything started: one line, rc 1
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    if experts_path is not None:
+        liger = moe.with_experts(liger, experts_path, p.model_config.model_type)
     attn = attention.for_run(cfg)
     refused = _claim_run_dir(p)
     if refused is None:  # heartbeats from here on: a rank that dies, stops or hangs ends the job everywhere
@@ -115,7 +124,8 @@ def run(p: RunSpec) -> int:
                                                "liger": liger.kwargs, "liger_note": liger.describe(),
                                                "packing": packing(cfg)[0], "attention": attn.implementation,
                                                "attention_note": attn.note, "tiled_mlp": tiled,
-                                               "compile": compiled, "compile_note": compile_why, "fp8": p.fp8})
+                                               "compile": compiled, "compile_note": compile_why, "fp8": p.fp8,
+                                               "experts_note": experts_path.describe() if experts_path else None})
         write_status(p.run_dir, "running")
         note = breakdown.copy_plan(cfg.train.plan, p.run_dir)
         if note:
@@ -130,7 +140,7 @@ def run(p: RunSpec) -> int:
     try:
         with console.rank_log(p.run_dir, rank):  # the traceback goes to logs/rank{N}.log
             try:
-                rc = _run(p, liger, attn, (compiled, compile_why))
+                rc = _run(p, liger, attn, (compiled, compile_why), experts_path)
             finally:
                 ulysses.stop()  # sequence parallelism's process-wide state, for a next run in this process
     except CheckpointError as e:  # a save that could not happen: the same one line on every rank
@@ -161,7 +171,8 @@ def _claim_run_dir(p: RunSpec) -> str | None:
     return error
 
 
-def _run(p: RunSpec, liger: Any, attn: attention.AttentionPlan, compiled: tuple[bool, str]) -> int:
+def _run(p: RunSpec, liger: Any, attn: attention.AttentionPlan, compiled: tuple[bool, str],
+         experts_path: ExpertsChoice | None = None) -> int:
     cfg = p.cfg
     rank = dist.rank()
     # Python/NumPy/torch RNGs: dropout and PEFT's LoRA init draw from them. The HF Trainer seeds on
@@ -178,14 +189,18 @@ def _run(p: RunSpec, liger: Any, attn: attention.AttentionPlan, compiled: tuple[
 
     autotune.inject_fault_for_tests(cfg.train.micro_batch_size)
     keep_alive = _deepspeed_config_alive(p)  # must exist before the model under ZeRO-3
+    if experts_path is not None:  # read by the experts modules at every forward
+        p.model_config._experts_implementation = experts_path.implementation
     model = build_model(cfg, p.model_config, frozen_bf16=p.adapter_autocast, attn=attn.implementation)
     kernels.apply(model, liger)
     if zero_stage(p.ds) == 3:
         moe.set_leaves(model)  # blocks with one module per expert: leaves, or ZeRO-3 hangs when ranks route apart
-    experts = moe.describe(model, p.ds)
+    experts = moe.describe(model, p.ds, liger=bool(experts_path and experts_path.liger))
     aux_coef = moe.take_aux_loss(model, cfg.moe.aux_loss_coef)
     if experts and rank == 0:
         print(f"{experts}; load-balancing loss x {aux_coef:g} (moe.aux_loss_coef={cfg.moe.aux_loss_coef})", flush=True)
+        if experts_path is not None:
+            print(experts_path.describe(), flush=True)
     if tiling.decide(cfg.model.tiled_mlp, cfg.data.seq_len, cfg.train.sequence_parallel)[0]:
         layers = compiling.decoder_layers(model)
         tiled = tiling.tile_mlps(layers, cfg.model.tiled_mlp_shards)

@@ -28,8 +28,13 @@ def model_config(cfg: Config) -> Any:
     name = cfg.model.name
     if is_preset(name):
         spec = dict(PRESETS[name])
+        if cfg.model.num_layers:  # before the config is built: Qwen3-MoE derives per-layer lists from the count
+            spec["n_layer" if "n_layer" in spec else "num_hidden_layers"] = cfg.model.num_layers
         mc = CONFIG_MAPPING[spec.pop("model_type")](**spec, **SPECIAL_IDS)
     else:
+        if cfg.model.num_layers:
+            raise ConfigError(f"model.num_layers applies to presets; {name} is a directory: its config.json's "
+                              "layer count is what its weights hold")
         path = Path(name)
         if not path.is_dir():
             raise ConfigError(f"model.name: {name!r} is neither a preset ({', '.join(PRESETS)}) "

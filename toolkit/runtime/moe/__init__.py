@@ -12,10 +12,15 @@ default leaves (Mixtral, Qwen2-MoE, Qwen3-MoE blocks, `zero_optimization.leaf_mo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+
+from toolkit.config.ds_config import ConfigError
+from toolkit.plan import experts
+from toolkit.plan.experts import ExpertsChoice
+from toolkit.plan.liger import LigerChoice
 
 
 @dataclass(frozen=True)
@@ -82,16 +87,41 @@ def leaves_at_init(model: torch.nn.Module, ds: dict[str, Any]) -> list[torch.nn.
             or f"{type(m).__module__}.{type(m).__qualname__}" in classes]
 
 
-def describe(model: torch.nn.Module, ds: dict[str, Any]) -> str | None:
+def is_moe(model_config: Any) -> bool:
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    return bool(getattr(text, "num_experts", 0) or getattr(text, "num_local_experts", 0)
+                or getattr(text, "n_routed_experts", 0))
+
+
+def choose_path(cfg: Any, model_config: Any, liger: LigerChoice) -> ExpertsChoice | None:
+    """model.experts for this run (None for a dense model); ConfigError for a path that cannot run here."""
+    if not is_moe(model_config):
+        if cfg.model.experts != "auto":
+            raise ConfigError(f"model.experts={cfg.model.experts} applies to Mixture-of-Experts models; "
+                              f"{model_config.model_type} has no experts")
+        return None
+    return experts.choose(cfg.model.experts, model_type=str(model_config.model_type),
+                          liger_layers=bool(liger.kwargs.get("swiglu")), liger_why=liger.reason)
+
+
+def with_experts(liger: LigerChoice, path: ExpertsChoice, model_type: str) -> LigerChoice:
+    """Liger's swiglu patch replaces these families' experts and nothing else: it follows the experts path."""
+    if model_type not in experts.LIGER_EXPERTS or "swiglu" not in liger.kwargs:
+        return liger
+    return replace(liger, kwargs={**liger.kwargs, "swiglu": path.liger})
+
+
+def describe(model: torch.nn.Module, ds: dict[str, Any], liger: bool = False) -> str | None:
     """The run's line about experts: how many, top-k, the backend, and at ZeRO-3 the leaves and their size against
-    stage3_max_live_parameters (a leaf is gathered whole: above half the budget, prefetching stalls)."""
+    stage3_max_live_parameters (a leaf is gathered whole: above half the budget, prefetching stalls).
+    liger: Liger's fused MoE runs the experts (its backend, whatever transformers' setting says)."""
     e = experts_of(model)
     if e is None:
         return None
     zero = ds.get("zero_optimization", {})
     stage = int(zero.get("stage", 0))
     line = (f"experts: {e.count} per layer in {e.layers} layers ({e.block}), top-{e.top_k}, "
-            f"backend {e.backend}, {e.block_params / 1e6:,.2f}M parameters per block")
+            f"backend {'liger fused MoE' if liger else e.backend}, {e.block_params / 1e6:,.2f}M parameters per block")
     if stage != 3:
         return line + f"; ZeRO-{stage}: no leaf modules needed"
     leaves = leaves_at_init(model, ds)

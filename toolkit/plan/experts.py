@@ -1,0 +1,53 @@
+"""How a Mixture-of-Experts model's experts run (`model.experts`): a pure decision, shared by the run and tests.
+
+transformers 5.x runs a layer's experts as one module with 3-D weights through one of its experts implementations
+(`grouped_mm` by default, `batched_mm`, `eager`: a loop over the experts hit); Liger's swiglu patch replaces that
+module's forward with its fused MoE kernel (`LigerExperts`) for the families below. auto takes the fastest correct
+path measured on one H100 (bench/results/moe.md: the experts alone and the whole training step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from toolkit.config.ds_config import ConfigError
+
+# Liger 0.8.5 (monkey_patch.py): families whose experts module its swiglu patch replaces with LigerExperts
+LIGER_EXPERTS = frozenset({"qwen3_moe", "mixtral", "qwen3_next", "qwen3_vl_moe", "qwen3_5_moe", "deepseek_v2",
+                           "deepseek_v3", "hunyuan_v1_moe", "glm4v_moe"})
+TRANSFORMERS_PATHS = ("grouped_mm", "batched_mm", "eager")
+AUTO_PATH = "liger"
+"""What auto runs where Liger's fused MoE applies (else grouped_mm, transformers' default)."""
+
+
+@dataclass(frozen=True)
+class ExpertsChoice:
+    implementation: str
+    """transformers' experts_implementation the model is built with (under Liger: what Liger's forward replaces)."""
+    liger: bool
+    """Liger's fused MoE runs the experts (its swiglu patch applied to them)."""
+    reason: str
+
+    def describe(self) -> str:
+        return f"experts path: {'liger fused MoE' if self.liger else self.implementation} ({self.reason})"
+
+
+def choose(setting: str, *, model_type: str, liger_layers: bool, liger_why: str = "") -> ExpertsChoice:
+    """setting: model.experts. liger_layers: Liger's layer kernels (swiglu among them) are applied to this run
+    (CUDA, liger-kernel installed, the family supported, no train.compile); liger_why: why not, when not."""
+    fused = liger_layers and model_type in LIGER_EXPERTS
+    if setting == "liger":
+        if not fused:
+            why = (liger_why if not liger_layers else
+                   f"Liger 0.8 has no fused MoE for model type {model_type!r} ({', '.join(sorted(LIGER_EXPERTS))})")
+            raise ConfigError(f"model.experts=liger: Liger's fused MoE cannot run here: {why}; "
+                              f"use one of {', '.join(TRANSFORMERS_PATHS)}")
+        return ExpertsChoice("grouped_mm", True, "model.experts=liger")
+    if setting in TRANSFORMERS_PATHS:
+        return ExpertsChoice(setting, False, f"model.experts={setting}")
+    if fused and AUTO_PATH == "liger":
+        return ExpertsChoice("grouped_mm", True, "model.experts=auto: the fastest correct path measured "
+                                                 "(bench/results/moe.md)")
+    why = (f"Liger's fused MoE does not apply: {liger_why or f'no fused MoE for {model_type!r}'}" if not fused
+           else "the fastest correct path measured (bench/results/moe.md)")
+    return ExpertsChoice("grouped_mm", False, f"model.experts=auto: {why}")
