@@ -295,3 +295,17 @@ assert not heavy, heavy
 """
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_report_of_a_moe_run_has_the_aux_loss_and_each_layers_expert_load(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    run = make_run(tmp_path)
+    lines = [json.dumps({"step": s, "loss": 3.0, "tokens_per_s": 100.0, "moe_aux_loss": aux, "expert_load": load})
+             for s, aux, load in ((1, 2.1, [1.5, 1.2]), (2, 2.05, [2.4, 1.1]), (3, 2.0, [1.3, 1.0]))]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert report(run) == 0
+    md = (run / "report.md").read_text()
+    assert "## Mixture-of-Experts" in md and "first 2.1000, final 2.0000, median excl. first 2.0250" in md
+    assert "| 0     |  1.50 |  1.30 | 2.40 (step 2) |" in md and "| 1     |  1.20 |  1.00 | 1.20 (step 1) |" in md
+    dense = make_run(tmp_path, name="dense")
+    assert report(dense) == 0 and "Mixture-of-Experts" not in (dense / "report.md").read_text()

@@ -155,6 +155,31 @@ def throughput_summary(data: RunData) -> tuple[str, list[str]]:
     return md_table(["metric", "value"], rows, left=2), notes
 
 
+def experts_summary(data: RunData) -> str | None:
+    """Mixture-of-Experts runs: the load-balancing loss and each MoE layer's expert load (the busiest expert's
+    tokens over the mean: 1.0 is balanced, top-k x experts / top-k is all tokens on one expert's share), first
+    and last logged step and the run's worst; None for a run that logged neither."""
+    rows = [r for r in data.metrics if "moe_aux_loss" in r]
+    if not rows:
+        return None
+    aux = [r["moe_aux_loss"] for r in rows if r["moe_aux_loss"] is not None]
+    lines = [f"load-balancing loss (moe_aux_loss): first {_fmt(aux[0] if aux else None, 4)}, "
+             f"final {_fmt(aux[-1] if aux else None, 4)}, median excl. first "
+             f"{_fmt(median_after_first([r['moe_aux_loss'] for r in rows]), 4)}"]
+    loads = [(r["step"], r["expert_load"]) for r in rows if r.get("expert_load")]
+    if not loads:
+        return "\n".join([*lines, "expert load: not logged"])
+    table = []
+    for layer in range(len(loads[0][1])):
+        seq = [(step, load[layer]) for step, load in loads if layer < len(load) and load[layer] is not None]
+        if seq:
+            worst = max(seq, key=lambda x: x[1])
+            table.append([str(layer), _fmt(seq[0][1], 2), _fmt(seq[-1][1], 2), f"{_fmt(worst[1], 2)} (step {worst[0]})"])
+    lines.append(f"expert load per MoE layer (busiest expert's tokens / mean; 1.0 = balanced), "
+                 f"steps {loads[0][0]}..{loads[-1][0]}:")
+    return "\n".join([*lines, md_table(["layer", "first", "final", "max"], table, left=1)])
+
+
 # -- entry point -------------------------------------------------------------------------------
 
 
@@ -189,6 +214,9 @@ def build_report(data: RunData, run_name: str, png: str | None,
     sections += extra or []
     thr, thr_notes = throughput_summary(data)
     sections.append(("Throughput", "\n".join(filter(None, [thr, *thr_notes]))))
+    experts = experts_summary(data)
+    if experts:
+        sections.append(("Mixture-of-Experts", experts))
     skipped = [f"- {s}" for s in data.skipped] + [f"- {s} (line kept)" for s in data.partial]
     summary = f"{len(data.skipped)} line(s) skipped, {len(data.partial)} kept with missing fields"
     sections.append(("Skipped", "\n".join([summary, *skipped]) if skipped else "nothing skipped"))

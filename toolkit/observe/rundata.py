@@ -123,6 +123,10 @@ def load_run(run_dir: Path) -> RunData:
                 data.evals.append({"step": int(obj["step"]), **{k: _num(obj.get(k)) for k in EVAL_KEYS}})
                 continue
             row = {"step": int(obj["step"]), **{k: _num(obj.get(k)) for k in METRIC_KEYS}}
+            if "moe_aux_loss" in obj:  # Mixture-of-Experts runs (raw path): the load-balancing loss, per-layer load
+                row["moe_aux_loss"] = _num(obj.get("moe_aux_loss"))
+                load = obj.get("expert_load")
+                row["expert_load"] = [_num(x) for x in load] if isinstance(load, list) else None
             data.metrics.append(row)
         data.metrics.sort(key=lambda r: r["step"])
         data.evals.sort(key=lambda r: r["step"])
