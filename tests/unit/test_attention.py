@@ -62,19 +62,26 @@ def test_document_boundaries_make_the_padding_one_more_segment() -> None:
     assert moved["max_length_q"] == 5 and moved["input_ids"].shape == (2, 7)
 
 
-def test_rows_of_one_document_are_named_for_the_causal_kernel() -> None:
+def test_rows_of_one_document_come_first_and_are_counted_for_the_causal_kernel() -> None:
     assert row_split([[3, 4], [5]], width=8) == {}  # 5 of 8 is not a whole row: varlen skips its padding
-    split = row_split([[3, 4], [8], [7], [2, 2]], width=8)
-    assert split["whole_rows"].tolist() == [1, 2] and split["packed_rows"].tolist() == [0, 3]
+    split = row_split([[8], [7], [3, 4], [2, 2]], width=8)
+    assert split["whole_rows"] == 2 and isinstance(split["whole_rows"], int)  # a host value: no device sync
     assert split["packed_cu_seq_lens"].tolist() == [0, 3, 7, 8, 10, 12, 16] and split["packed_max_length"] == 4
-    assert set(row_split([[8], [7]], width=8)) == {"whole_rows"}  # every row whole: no varlen part
-    rows = [{"input_ids": [5] * 8, "labels": [5] * 8, "seq_lens": [8]}, {"input_ids": [5] * 6, "labels": [5] * 6,
-                                                                      "seq_lens": [2, 4]}]
-    assert "whole_rows" not in Collator(pad_id=0, boundaries=True)(rows)  # only for the toolkit's attention
-    assert Collator(pad_id=0, boundaries=True, whole_rows=True)(rows)["whole_rows"].tolist() == [0]
+    assert row_split([[8], [7]], width=8) == {"whole_rows": 2}  # every row whole: no varlen part
+    with pytest.raises(ValueError, match="must come first"):
+        row_split([[3, 4], [8]], width=8)
+    rows = [{"input_ids": [5] * 6, "labels": [5] * 6, "seq_lens": [2, 4]},
+            {"input_ids": [6] * 8, "labels": [6] * 8, "seq_lens": [8]},
+            {"input_ids": [7] * 5, "labels": [7] * 5, "seq_lens": [5]}]
+    plain = Collator(pad_id=0, boundaries=True)(rows)
+    assert "whole_rows" not in plain and plain["input_ids"][:, 0].tolist() == [5, 6, 7]  # only for the toolkit's attention
+    batch = Collator(pad_id=0, boundaries=True, whole_rows=True)(rows)
+    assert batch["whole_rows"] == 1 and batch["input_ids"][:, 0].tolist() == [6, 5, 7]  # the whole row first, the rest in order
+    assert batch["labels"][:, 0].tolist() == [6, 5, 7] and batch["position_ids"][1].tolist()[:6] == [0, 1, 0, 1, 2, 3]
+    assert batch["cu_seq_lens_q"].tolist() == [0, 8, 10, 14, 16, 21, 24]  # the boundaries follow the new order
 
 
-@pytest.mark.parametrize("lens", [[[16], [5, 11], [15], [3, 3, 10]], [[16], [14]]], ids=["mixed", "all-whole"])
+@pytest.mark.parametrize("lens", [[[16], [15], [5, 11], [3, 3, 10]], [[16], [14]]], ids=["mixed", "all-whole"])
 def test_whole_rows_through_the_causal_kernel_equal_documents_alone(lens: list[list[int]]) -> None:
     """Rows split between sdpa's causal kernel and the varlen kernel (the CPU reference here) give every
     document's output and gradients as the per-document reference over the whole batch does."""

@@ -179,9 +179,9 @@ class Collator:
     and max_length_q/k (a Python int, so no forward waits for the device to find it)."""
     whole_rows: bool = False
     """With boundaries, for the toolkit's own attention: rows that hold one document filling at least 7/8 of
-    the row are named in `whole_rows` (they run through sdpa's causal kernel, cuDNN's on Hopper, about 1.5x
-    flash's varlen kernel per token at 8k), the others in `packed_rows` with their own `packed_cu_seq_lens`
-    and `packed_max_length` (see `row_split`)."""
+    the row come first and `whole_rows` counts them (they run through sdpa's causal kernel, cuDNN's on Hopper,
+    about 1.5x flash's varlen kernel per token at 8k); the others follow with their own `packed_cu_seq_lens`
+    and `packed_max_length` (see `row_split`). Rows of a batch are independent, so their order is free."""
     multiple_of: int = 1
     """Batches are padded to a multiple of this many positions (train.sequence_parallel: each rank's slice)."""
     drop_full_mask: bool = False
@@ -223,6 +223,8 @@ class Collator:
         sample gets position 0 at every token, so each pad is a sequence of its own (TokenCounter tells it
         apart: real samples have at least 2 tokens)."""
         width = self._width(batch)
+        if self.boundaries and self.whole_rows:  # rows of one document first: the attention slices, not gathers
+            batch = sorted(batch, key=lambda b: not is_whole(b["seq_lens"], width))
         ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
         labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
         pos = torch.zeros((len(batch), width), dtype=torch.long)
@@ -254,20 +256,28 @@ def document_boundaries(seq_lens: list[list[int]], width: int) -> dict[str, Any]
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
+def is_whole(seq_lens: list[int], width: int) -> bool:
+    """A row of one document filling at least 7/8 of it (the padding after it needs no mask under causal
+    attention, as no token of the document sees it)."""
+    return len(seq_lens) == 1 and 8 * seq_lens[0] >= 7 * width
+
+
 def row_split(seq_lens: list[list[int]], width: int) -> dict[str, Any]:
-    """Which rows of a packed batch are one document (at least 7/8 of the row; the padding after it needs no
-    mask under causal attention, as no token of the document sees it): `whole_rows`, int64 row indices, and
-    the rest, `packed_rows`, with the boundaries of their documents alone. Empty when no row is whole; only
-    `whole_rows` when every row is."""
-    whole = [i for i, lens in enumerate(seq_lens) if len(lens) == 1 and 8 * lens[0] >= 7 * width]
+    """For a packed batch whose rows of one document come first (the Collator orders them so): `whole_rows`,
+    how many rows lead that are one document each (a Python int: the attention slices the batch there without
+    asking the device), and for the rows after them their documents' own boundaries (`packed_cu_seq_lens`,
+    `packed_max_length`). Empty when no row is whole; only `whole_rows` when every row is."""
+    whole = 0
+    while whole < len(seq_lens) and is_whole(seq_lens[whole], width):
+        whole += 1
+    if any(is_whole(lens, width) for lens in seq_lens[whole:]):
+        raise ValueError("row_split: rows of one document must come first (Collator(whole_rows=True) orders them)")
     if not whole:
         return {}
-    out: dict[str, Any] = {"whole_rows": torch.tensor(whole, dtype=torch.long)}
-    rest = [i for i in range(len(seq_lens)) if i not in set(whole)]
-    if rest:
-        b = document_boundaries([seq_lens[i] for i in rest], width)
-        out |= {"packed_rows": torch.tensor(rest, dtype=torch.long), "packed_cu_seq_lens": b["cu_seq_lens_q"],
-                "packed_max_length": b["max_length_q"]}
+    out: dict[str, Any] = {"whole_rows": whole}
+    if whole < len(seq_lens):
+        b = document_boundaries(seq_lens[whole:], width)
+        out |= {"packed_cu_seq_lens": b["cu_seq_lens_q"], "packed_max_length": b["max_length_q"]}
     return out
 
 

@@ -53,22 +53,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     whole, window = kwargs.get("whole_rows"), kwargs.get("sliding_window")
     if whole is None or window is not None:  # (sdpa's causal kernel has no window)
         return _varlen(query, key, value, cu, int(kwargs["max_length_q"]), scaling, window), None
-    if whole.numel() == query.shape[0]:  # every row one document: the whole batch is causal attention
+    if whole == query.shape[0]:  # every row one document: the whole batch is causal attention
         return _causal(module, query, key, value, scaling), None
-    # Some rows whole, some packed: each group through its kernel, the rows put back in place. The index
-    # tensors' lengths are known on the host, so nothing here waits for the device.
-    rest = kwargs["packed_rows"]
-    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-    out.index_copy_(0, whole, _causal(module, *_rows(whole, query, key, value), scaling))
-    out.index_copy_(0, rest, _varlen(*_rows(rest, query, key, value), kwargs["packed_cu_seq_lens"],
-                                     int(kwargs["packed_max_length"]), scaling, None))
-    return out, None
-
-
-def _rows(index: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
-    """These rows of (batch, heads, seq, dim) tensors, gathered in (batch, seq, heads, dim) order: the layout the
-    projections wrote (and Liger's rope keeps), so the varlen path's flattening needs no second copy."""
-    return [t.transpose(1, 2).index_select(0, index).transpose(1, 2) for t in tensors]
+    # The first `whole` rows are one document each (the collator put them first), the rest packed: each group
+    # through its kernel on a slice of the batch (a view: no gather), the two outputs joined.
+    causal = _causal(module, query[:whole], key[:whole], value[:whole], scaling)
+    packed = _varlen(query[whole:], key[whole:], value[whole:], kwargs["packed_cu_seq_lens"],
+                     int(kwargs["packed_max_length"]), scaling, None)
+    return torch.cat([causal, packed]), None
 
 
 def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, longest: int,

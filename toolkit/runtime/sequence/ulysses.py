@@ -54,7 +54,7 @@ class SequenceParallel:
         if "position_ids" not in out:
             out["position_ids"] = torch.arange(s).expand(b, s)
         if "cu_seq_lens_q" not in out:
-            out |= document_boundaries([[s]] * b, s) | {"whole_rows": torch.arange(b)}
+            out |= document_boundaries([[s]] * b, s) | {"whole_rows": b}
         out["shift_labels"] = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
         width = s // self.size
         lo = self.rank * width
