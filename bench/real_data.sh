@@ -5,6 +5,7 @@
 #                (bench/attention.py), tests/gpu/test_gpu_varlen.py, then the speed rows in the options;
 # STAGE test:    corpora made, tests/gpu/test_gpu_varlen.py, then the speed rows;
 # STAGE rows:    only the speed rows (the corpora made first where /tmp/dc lacks them);
+# STAGE synthetic: only the speed rows, of synthetic workloads (no corpora made);
 # STAGE experts: one MoE layer's experts paths alone (bench/experts.py -> OUT/experts.json), then the speed rows
 #                (synthetic workloads only: no corpora made).
 # Each quoted group is one `bench/speed.py run` (its own workloads and variants), in order, until
@@ -24,6 +25,8 @@ if [ "$stage" = kernels ] || [ "$stage" = test ]; then
   python -m pytest -q -x tests/gpu/test_gpu_varlen.py > "$out/s/gpu_test.log" 2>&1; echo "gpu test rc=$?" >> "$out/s/gpu_test.log"
   tail -3 "$out/s/gpu_test.log"
   wait
+elif [ "$stage" = synthetic ]; then  # synthetic rows only: FusedAdam built first, no corpora
+  python bench/prebuild_ops.py fused_adam > "$out/s/prebuild.log" 2>&1
 elif [ "$stage" = experts ]; then
   python bench/prebuild_ops.py fused_adam > "$out/s/prebuild.log" 2>&1 &
   timeout --kill-after=10 "${EXPERTS_BUDGET_S:-150}" python bench/experts.py --out "$out/experts.json" \

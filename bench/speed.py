@@ -106,8 +106,13 @@ TUNES: dict[str, tuple[list[str], dict[str, Any], int | None]] = {
     "nopack": (["data.packing=false"], {}, None),  # real data one row per sequence, batches grouped by length
     # Mixture-of-Experts: each experts path (model.experts), against the toolkit's default (auto)
     **{f"experts-{path}": ([f"model.experts={path}"], {}, None) for path in ("grouped_mm", "liger", "eager")},
+    "m8": ([], {}, 8),  # the planner's micro-batch for the reduced-layer MoE shape (its full logits never exist)
+    # MoE without the load-balancing loss, on the bare loop's experts path (the bare loop trains no aux loss):
+    # against experts-grouped_mm, what the loss and the expert-load metric cost
+    "grouped_mm-noaux": (["moe.aux_loss_coef=0", "model.experts=grouped_mm"], {}, None),
 }
-ANY_STAGE = {"compile", "fp8", "fp8-m32", "nopack", "experts-grouped_mm", "experts-liger", "experts-eager"}  # the other levers are ZeRO-3's
+ANY_STAGE = {"compile", "fp8", "fp8-m32", "nopack", "experts-grouped_mm", "experts-liger", "experts-eager", "m8",
+             "grouped_mm-noaux", "noliger"}  # the other levers are ZeRO-3's
 
 
 def _ds_preset(stage: int, offload: str) -> str:

@@ -54,13 +54,27 @@ def flops_per_token(
 
 
 def count_params(model: Any) -> tuple[int, int]:
-    """(all, trainable) parameters. Under ZeRO-3 each rank holds a shard; ``ds_numel`` is the full size."""
-    total = trainable = 0
+    """(all, trainable) parameters a token runs through, for FLOPs. Under ZeRO-3 each rank holds a shard;
+    ``ds_numel`` is the full size. Mixture-of-Experts: a token runs top-k of a layer's experts, so an experts
+    module counts top-k / experts of its parameters (MFU on active parameters, as MoE papers report it)."""
+    import torch
+
+    cfg = getattr(model, "config", None)
+    text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+    count = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    top_k = getattr(text, "num_experts_per_tok", None)
+    share: dict[int, float] = {}
+    if count and top_k:
+        for m in model.modules():
+            experts = getattr(m, "experts", None)
+            if isinstance(experts, torch.nn.Module):
+                share |= {id(p): top_k / count for p in experts.parameters()}
+    total = trainable = 0.0
     for p in model.parameters():
-        n = int(getattr(p, "ds_numel", p.numel()))
+        n = int(getattr(p, "ds_numel", p.numel())) * share.get(id(p), 1.0)
         total += n
         trainable += n if p.requires_grad else 0
-    return total, trainable
+    return round(total), round(trainable)
 
 
 class TokenCounter:
