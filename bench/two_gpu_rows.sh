@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Issue 34's rows on one 2-GPU host (device kind nvidia-h100-x2), from the repo root, in one device command:
+#   bash bench/two_gpu_rows.sh OUT
+# 1. Sequence parallelism: llama-3.2-1b at 16,384 tokens, bf16, ZeRO-2, 20 steps, one sequence per step:
+#    train.sequence_parallel=2 on both GPUs against the same job on GPU 0 alone -> OUT/sp.json (per-step losses,
+#    mean |difference|, peaks, tokens/s), run dirs' metrics in OUT/sp{1,2}.metrics.jsonl.
+# 2. Real data: llama-1b seq 2048 on the 100k-row corpus against synthetic rows, ZeRO-2 and ZeRO-3, on 2 GPUs, and
+#    the corpus on GPU 0 alone (scaling 1 -> 2) -> OUT/speed.json, OUT/speed.md, OUT/scaling.md.
+set -uo pipefail
+out=$1
+work=/tmp/dc
+mkdir -p "$out/s"
+export PYTHONUNBUFFERED=1
+if [ "${TORCH_CUDA_ARCH_LIST:-}" != "${TORCH_CUDA_ARCH_LIST%a}" ]; then
+  export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST%a}  # the bare loop is not run here; one cached FusedAdam
+fi
+python bench/prebuild_ops.py fused_adam > "$out/s/prebuild.log" 2>&1 &
+python bench/data_cache.py make --work "$work" --files data100k > "$out/s/make.log" 2>&1
+wait
+
+C=(train.path=raw model.name=llama-3.2-1b data.seq_len=16384 data.num_samples=40 train.micro_batch_size=1
+   train.grad_accum=1 train.max_steps=20 train.precision=bf16 train.export=false train.warmup_steps=2 train.lr=1e-4
+   train.log_every=1)
+timeout --kill-after=10 170 deepspeed --include localhost:0 --master_port 29610 toolkit/train.py \
+  --ds ds_configs/zero2.json "${C[@]}" train.run_dir="$out/s/sp1" > "$out/s/sp1.log" 2>&1; echo "sp1 rc=$?"
+timeout --kill-after=10 170 deepspeed --num_gpus 2 --master_port 29611 toolkit/train.py \
+  --ds ds_configs/zero2.json "${C[@]}" train.sequence_parallel=2 train.run_dir="$out/s/sp2" > "$out/s/sp2.log" 2>&1
+echo "sp2 rc=$?"
+cp "$out/s/sp1/metrics.jsonl" "$out/sp1.metrics.jsonl" 2>/dev/null
+cp "$out/s/sp2/metrics.jsonl" "$out/sp2.metrics.jsonl" 2>/dev/null
+python - "$out" <<'EOF'
+import json, statistics, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+def read(n):
+    p = out / "s" / f"sp{n}"
+    m = [json.loads(x) for x in (p / "metrics.jsonl").read_text().splitlines()] if (p / "metrics.jsonl").exists() else []
+    peaks = [json.loads(x).get("peak_allocated_gib") or 0 for f in sorted((p / "memory").glob("rank*.jsonl"))
+             for x in f.read_text().splitlines()] if (p / "memory").exists() else []
+    return m, max(peaks, default=None)
+(m1, p1), (m2, p2) = read(1), read(2)
+d = [abs(a["loss"] - b["loss"]) for a, b in zip(m1, m2)]
+doc = {"seq": 16384, "steps": len(d), "mean_abs_loss_diff": statistics.mean(d) if d else None,
+       "max_abs_loss_diff": max(d, default=None), "peak_gib": {"sp1": p1, "sp2": p2},
+       "tokens_per_s_job": {k: statistics.median(r["tokens_per_s"] for r in m[2:]) if len(m) > 2 else None
+                            for k, m in (("sp1", m1), ("sp2", m2))},
+       "losses": {"sp1": [r["loss"] for r in m1], "sp2": [r["loss"] for r in m2]}}
+(out / "sp.json").write_text(json.dumps(doc, indent=1))
+print({k: v for k, v in doc.items() if k != "losses"})
+EOF
+
+R="--data-dir $work --only llama-1b-seq2048,llama-1b-seq2048-data100k --stages 2,3 --variants raw --warmup 2 --steps 3 --timeout 120"
+# shellcheck disable=SC2086  # R is several options
+python bench/speed.py run --gpus 2 --out "$out/s/rows" --port 29700 $R 2>&1 | tee -a "$out/s/run.log"
+# shellcheck disable=SC2086
+python bench/speed.py run --include localhost:0 --out "$out/s/rows" --port 29750 ${R/llama-1b-seq2048,/} 2>&1 | tee -a "$out/s/run.log"
+python bench/speed.py table "$out"/s/rows/*.json --json "$out/speed.json" --command "bash bench/two_gpu_rows.sh OUT" \
+  --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $(nvidia-smi -L | wc -l)" > "$out/speed.md"
+cat "$out/speed.md"
+python bench/speed.py scaling "$out/speed.json" | tee "$out/scaling.md"
+tar czf "$out/logs.tgz" --exclude='*.pt' --exclude='checkpoints' -C "$out" s 2>/dev/null
+rm -rf "$out/s"
