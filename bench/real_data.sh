@@ -20,7 +20,7 @@ mkdir -p "$out/s"
 export PYTHONUNBUFFERED=1
 if [ "$stage" = kernels ] || [ "$stage" = test ]; then
   python bench/prebuild_ops.py fused_adam > "$out/s/prebuild.log" 2>&1 &
-  python bench/data_cache.py make --work "$work" --files data100k,docs > "$out/s/make.log" 2>&1 &
+  python bench/data_cache.py make --work "$work" --files "${MAKE_FILES:-data100k,docs}" > "$out/s/make.log" 2>&1 &
   [ "$stage" = test ] || python bench/attention.py --out "$out/attention.json" > "$out/s/attention.log" 2>&1
   python -m pytest -q -x tests/gpu/test_gpu_varlen.py > "$out/s/gpu_test.log" 2>&1; echo "gpu test rc=$?" >> "$out/s/gpu_test.log"
   tail -3 "$out/s/gpu_test.log"

@@ -54,8 +54,9 @@ class ModelConfig:
     shape's speed and memory on fewer GPUs; `toolkit plan --layers` plans the same. 0: the preset's own."""
     experts: str = "auto"
     """Mixture-of-Experts models: how a layer's experts run. grouped_mm, batched_mm or eager (transformers' experts
-    implementations), liger (Liger's fused MoE kernel, CUDA, the families Liger patches: Qwen3-MoE, Mixtral), or
-    auto: the fastest correct one measured (bench/results/moe.md); the run says which (toolkit/runtime/moe)."""
+    implementations), liger (Liger's fused MoE kernel, CUDA, the families Liger patches: Qwen3-MoE, Mixtral: 5.7%
+    faster once tuned, but autotuned for minutes at each new batch shape), or auto: grouped_mm (measured:
+    bench/results/moe.md); the run says which (toolkit/plan/experts.py)."""
 
 
 @dataclass

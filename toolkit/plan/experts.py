@@ -16,8 +16,14 @@ from toolkit.config.ds_config import ConfigError
 LIGER_EXPERTS = frozenset({"qwen3_moe", "mixtral", "qwen3_next", "qwen3_vl_moe", "qwen3_5_moe", "deepseek_v2",
                            "deepseek_v3", "hunyuan_v1_moe", "glm4v_moe"})
 TRANSFORMERS_PATHS = ("grouped_mm", "batched_mm", "eager")
-AUTO_PATH = "liger"
-"""What auto runs where Liger's fused MoE applies (else grouped_mm, transformers' default)."""
+AUTO_PATH = "grouped_mm"
+"""What auto runs where Liger's fused MoE applies (elsewhere grouped_mm, transformers' default). Measured on one
+H100 (bench/results/moe.md, the Qwen3-30B-A3B shape): Liger's kernel trains 5.7% faster than grouped_mm once
+tuned, but Triton autotunes it for every new token count, 70 s at micro 2 x 4096 and over 140 s at micro 8 before
+the first step, and train.compile (on for runs of 200+ steps) turns Liger's layer kernels off anyway; eager is 25x
+slower than grouped_mm per experts call."""
+LIGER_WHY_NOT = ("Liger's fused MoE autotunes for minutes at every new batch shape (model.experts=liger runs it: "
+                 "5.7% faster once tuned, bench/results/moe.md)")
 
 
 @dataclass(frozen=True)
@@ -49,5 +55,5 @@ def choose(setting: str, *, model_type: str, liger_layers: bool, liger_why: str 
         return ExpertsChoice("grouped_mm", True, "model.experts=auto: the fastest correct path measured "
                                                  "(bench/results/moe.md)")
     why = (f"Liger's fused MoE does not apply: {liger_why or f'no fused MoE for {model_type!r}'}" if not fused
-           else "the fastest correct path measured (bench/results/moe.md)")
+           else f"transformers' default; {LIGER_WHY_NOT}")
     return ExpertsChoice("grouped_mm", False, f"model.experts=auto: {why}")
