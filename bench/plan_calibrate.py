@@ -74,6 +74,10 @@ class Config:
     zero_sizes: str = "speed"
     fused_loss: str = "auto"
     extra: tuple[str, ...] = field(default_factory=tuple)
+    tiled: bool = False
+    """model.tiled_mlp=true (else false)."""
+    rope: float = 1.0
+    """model.rope_factor: the model's positions x this (long sequences)."""
 
     def choice(self) -> pl.Choice:
         return pl.Choice(self.stage, self.offload, self.ratio, self.micro, self.accum, self.ckpt, self.zero_sizes)
@@ -102,6 +106,13 @@ CONFIGS: tuple[Config, ...] = (
     Config("l-z2-s512-m4-4gpu", L, 512, 4, 1, 2, gpus=4, liger=False, zero_sizes="memory"),
     Config("l-z3-s512-m4-4gpu", L, 512, 4, 1, 3, gpus=4, liger=False, zero_sizes="memory"),
 )
+# Long sequences (issue 35), one sequence per step, run with --only (not in the default set): llama-3.2-1b (131,072
+# positions, x8 by rope scaling), checkpointing on, tiled MLPs from 64K as the run's auto would, ZeRO-2.
+LONG: tuple[Config, ...] = tuple(
+    Config(f"ls-1b-z2-{n // 1024}k", "llama-3.2-1b", n, 1, 1, 2, ckpt=True, tiled=n >= 65536, rope=8.0)
+    for n in (32768, 65536, 131072, 262144)) + (
+    # 512K: above one H100 at ZeRO-2 by the planner; ZeRO-3 with optimizer and parameters on the CPU is its choice
+    Config("ls-1b-z3all-512k", "llama-3.2-1b", 524288, 1, 1, 3, "all", ckpt=True, tiled=True, rope=8.0),)
 SMOKE: tuple[Config, ...] = (
     Config("tiny-z2", "tiny", 64, 2, 2, 2, gpus=2),
     Config("tiny-z3all", "tiny", 64, 2, 1, 3, "all", gpus=2),
@@ -110,7 +121,7 @@ SMOKE: tuple[Config, ...] = (
 
 def predict(c: Config, gpu_mem_gib: float, cpu: bool) -> pl.Prediction:
     w = pl.Workload(load_shape(c.model), c.seq, c.micro * c.accum * c.gpus, pl.Lora() if c.lora else None, c.liger,
-                    fused_loss=c.fused_loss)
+                    fused_loss=c.fused_loss, tiled_mlp=c.tiled)
     return pl.predict(w, c.choice(), pl.Hardware(c.gpus, 1, gpu_mem_gib, cpu_ranks=cpu))
 
 
@@ -132,7 +143,8 @@ def _overrides(c: Config, steps: int, run_dir: Path, plan_file: Path, smoke: boo
          "train.warmup_steps=1", "memory.every=1", "metrics.tensorboard=false", f"train.zero_sizes={c.zero_sizes}",
          f"model.gradient_checkpointing={str(c.ckpt).lower()}", f"model.liger={str(c.liger).lower()}",
          f"lora.enabled={str(c.lora).lower()}", f"model.liger_fused_loss={c.fused_loss}",
-         f"train.run_dir={run_dir}", f"train.plan={plan_file}", *c.extra]
+         f"train.run_dir={run_dir}", f"train.plan={plan_file}", f"model.tiled_mlp={str(c.tiled).lower()}",
+         f"model.rope_factor={c.rope:g}", *c.extra]
     if not smoke:
         o.append("train.precision=bf16")
     return o
@@ -236,7 +248,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     configs = SMOKE if smoke else CONFIGS
     if a.only:
         wanted = a.only.split(",")
-        configs = tuple(c for c in configs if c.name in wanted)
+        configs = tuple(c for c in (SMOKE if smoke else CONFIGS + LONG) if c.name in wanted)
     gpus = 2 if smoke else (a.gpus or _gpu_count())
     if not smoke and gpus == 0:
         print("error: no GPU found (nvidia-smi); use --smoke for the CPU test of this script", file=sys.stderr)
