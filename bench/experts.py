@@ -109,6 +109,8 @@ def main() -> int:
     x, idx, w = _inputs(torch.float32)
     ref = _run(ref_m, ref_m, x, idx, w, torch.ones(TOKENS, HIDDEN, device="cuda") / TOKENS)
     del ref_m
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()  # each path's peak its own, not the fp32 reference's
     import transformers
 
     # active FLOPs of the experts: top-k x 3 matmuls of hidden x intermediate per token, forward + backward = 3x

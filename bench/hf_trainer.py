@@ -78,7 +78,7 @@ def main() -> None:
             logging_steps=1, report_to=[], save_strategy="no", dataloader_drop_last=True, disable_tqdm=True,
             use_cpu=cpu,
         )
-        config = model_config(args.model)
+        config = model_config(args.model, args.layers)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())

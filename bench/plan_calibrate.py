@@ -108,11 +108,12 @@ CONFIGS: tuple[Config, ...] = (
 )
 # Long sequences (issue 35), one sequence per step, run with --only (not in the default set): llama-3.2-1b (131,072
 # positions, x8 by rope scaling), checkpointing on, tiled MLPs from 64K as the run's auto would, ZeRO-2.
-LONG: tuple[Config, ...] = tuple(
-    Config(f"ls-1b-z2-{n // 1024}k", "llama-3.2-1b", n, 1, 1, 2, ckpt=True, tiled=n >= 65536, rope=8.0)
-    for n in (32768, 65536, 131072, 262144)) + (
+LONG: tuple[Config, ...] = (
+    *(Config(f"ls-1b-z2-{n // 1024}k", "llama-3.2-1b", n, 1, 1, 2, ckpt=True, tiled=n >= 65536, rope=8.0)
+      for n in (32768, 65536, 131072, 262144)),
     # 512K: above one H100 at ZeRO-2 by the planner; ZeRO-3 with optimizer and parameters on the CPU is its choice
-    Config("ls-1b-z3all-512k", "llama-3.2-1b", 524288, 1, 1, 3, "all", ckpt=True, tiled=True, rope=8.0),)
+    Config("ls-1b-z3all-512k", "llama-3.2-1b", 524288, 1, 1, 3, "all", ckpt=True, tiled=True, rope=8.0),
+)
 SMOKE: tuple[Config, ...] = (
     Config("tiny-z2", "tiny", 64, 2, 2, 2, gpus=2),
     Config("tiny-z3all", "tiny", 64, 2, 1, 3, "all", gpus=2),

@@ -141,7 +141,7 @@ def _command(variant: str, workload: str, stage: int, offload: str, gpus: int, p
         if workload in DATA:
             raise SystemExit(f"error: {variant} trains on random tokens; {workload} is for the toolkit's rows")
         tuned = variant == "bare-tuned"
-        micro = micro or min(BARE_TUNED_MICRO[workload] if tuned else bare_micro, GLOBAL_BATCH // gpus)
+        micro = micro or min(BARE_TUNED_MICRO.get(workload, bare_micro) if tuned else bare_micro, GLOBAL_BATCH // gpus)
         script = "bench/hf_trainer.py" if variant == "hf" else "bench/bare_loop.py"
         return [*launch, script, "--model", model, "--seq", str(seq), "--micro", str(micro), "--global-batch",
                 str(GLOBAL_BATCH), "--stage", str(stage), "--offload", offload, "--warmup", str(warmup),

@@ -134,10 +134,11 @@ def test_gen_config_writes_the_autoep_block(tmp_path, capsys) -> None:
 def test_experts_path_auto_takes_liger_where_its_fused_moe_applies_and_grouped_mm_elsewhere() -> None:
     from toolkit.plan import experts
 
-    on = experts.choose("auto", model_type="qwen3_moe", liger_layers=True)
-    assert (on.implementation, on.liger) == ("grouped_mm", experts.AUTO_PATH == "liger")
+    on = experts.choose("auto", model_type="qwen3_moe", liger_layers=True)  # auto names no implementation:
+    assert (on.implementation, on.liger) == (None, experts.AUTO_PATH == "liger")  # the model's default (grouped_mm)
+    assert "experts path: transformers' default (model.experts=auto: " in on.describe()
     olmoe = experts.choose("auto", model_type="olmoe", liger_layers=True)  # Liger has no fused MoE for OLMoE
-    assert (olmoe.implementation, olmoe.liger) == ("grouped_mm", False) and "olmoe" in olmoe.reason
+    assert (olmoe.implementation, olmoe.liger) == (None, False) and "olmoe" in olmoe.reason
     cpu = experts.choose("auto", model_type="mixtral", liger_layers=False, liger_why="no CUDA device")
     assert not cpu.liger and "no CUDA device" in cpu.describe()
     assert experts.choose("eager", model_type="qwen3_moe", liger_layers=True) == experts.ExpertsChoice(
@@ -160,9 +161,27 @@ def test_liger_swiglu_follows_the_experts_path_only_for_families_whose_experts_i
     layers = LigerChoice(kwargs={"rope": True, "rms_norm": True, "swiglu": True, "fused_linear_cross_entropy": True})
     grouped = experts.choose("grouped_mm", model_type="qwen3_moe", liger_layers=True)
     assert moe.with_experts(layers, grouped, "qwen3_moe").kwargs["swiglu"] is False
+    assert "swiglu follows model.experts" in moe.with_experts(layers, grouped, "qwen3_moe").describe()
     fused = experts.choose("liger", model_type="mixtral", liger_layers=True)
-    assert moe.with_experts(layers, fused, "mixtral").kwargs["swiglu"] is True
+    assert moe.with_experts(layers, fused, "mixtral") is layers  # swiglu on already: nothing to say
     assert moe.with_experts(layers, grouped, "olmoe") is layers  # its swiglu patch (if any) is not the experts'
+
+
+def test_a_family_that_cannot_switch_its_experts_builds_on_auto_and_refuses_a_named_path() -> None:
+    """JetMoe's experts take no implementation by name: transformers raises if one is set, so auto leaves it unset
+    and a named one is one line before the build."""
+    from transformers import AutoModelForCausalLM, JetMoeConfig
+
+    from toolkit.plan.liger import LigerChoice
+
+    mc = JetMoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_key_value_heads=2, kv_channels=8,
+                      intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+    auto = load_config(None, ["model.experts=auto"])
+    path = moe.choose_path(auto, mc, LigerChoice(reason="no CUDA device"))
+    assert path is not None and path.implementation is None
+    AutoModelForCausalLM.from_config(mc)  # nothing set: builds
+    with pytest.raises(ConfigError, match="jetmoe models run one experts implementation only"):
+        moe.choose_path(load_config(None, ["model.experts=grouped_mm"]), mc, LigerChoice(reason="x"))
 
 
 def test_a_run_builds_the_experts_path_it_names_and_refuses_one_for_a_dense_model() -> None:
@@ -190,3 +209,21 @@ def test_num_layers_builds_a_preset_with_fewer_layers_and_is_refused_for_a_direc
         model_config(load_config(None, [f"model.name={tmp_path}", "model.num_layers=2"]))
     with pytest.raises(ConfigError, match=r"model\.num_layers must be >= 0"):
         load_config(None, ["model.num_layers=-1"])
+
+
+def test_mfu_counts_active_parameters_and_the_attention_width() -> None:
+    """MFU of an MoE run: a token runs top-k of each layer's experts; Qwen3-MoE's attention is 32 heads of 128 over
+    a hidden size of 2048. The same figures as the planner's and bench/speed.py's."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.observe.metrics import attention_width, count_params
+    from toolkit.plan.shapes import load_shape
+
+    mc = model_config(load_config(None, ["model.name=qwen3-30b-a3b", "model.num_layers=3"]))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(mc)
+    assert count_params(model) == (793_000_704, 793_000_704)
+    import dataclasses
+
+    assert dataclasses.replace(load_shape("qwen3-30b-a3b"), num_layers=3).active_params == 793_000_704  # the planner's
+    assert attention_width(mc) == 4096 and attention_width(model_config(load_config(None, ["model.name=llama-1b"]))) == 2048

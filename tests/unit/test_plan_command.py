@@ -166,3 +166,8 @@ def test_layers_plans_a_preset_with_fewer_layers_and_the_training_yaml_builds_it
     assert yaml.safe_load((tmp_path / "p" / "train.yaml").read_text())["model"]["num_layers"] == 3
     assert main([*argv, "--layers", "-2"]) == 1
     assert "--layers must be at least 1" in capsys.readouterr().err
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 2}')
+    assert main(["plan", "--model", str(tmp_path / "dir"), "--gpus", "1", "--seq", "64", "--global-batch", "1",
+                 "--layers", "1"]) == 1  # the run would refuse model.num_layers for a directory: so does the plan
+    assert "--layers applies to presets" in capsys.readouterr().err

@@ -47,10 +47,19 @@ def flops_per_token(
     total_params: int, trainable_params: int, num_layers: int, hidden: int, seq_len: int
 ) -> float:
     """Training FLOPs per token: 2N forward + 2N activation gradients + 2N_trainable weight gradients,
-    plus 12·L·H·T for attention (PaLM, appendix B). Without frozen weights this is the usual 6N + 12LHT
+    plus 12·L·H·T for attention (PaLM, appendix B; `hidden` is H, the attention width: `attention_width`). Without frozen weights this is the usual 6N + 12LHT
     (bench/speed.py's formula); with LoRA, frozen weights get no weight gradient, so 6N would overstate MFU.
     """
     return 4.0 * total_params + 2.0 * trainable_params + 12.0 * num_layers * hidden * seq_len
+
+
+def attention_width(config: Any) -> int | None:
+    """The query width attention runs at (heads x head dim: the 12·L·H·T term's H). Most models' hidden size;
+    not Qwen3-MoE's (32 heads of 128 over a hidden size of 2048)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd", None)
+    heads, dim = getattr(text, "num_attention_heads", None), getattr(text, "head_dim", None)
+    return int(heads * dim) if heads and dim else (int(hidden) if hidden else None)
 
 
 def count_params(model: Any) -> tuple[int, int]:

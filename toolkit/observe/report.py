@@ -157,7 +157,7 @@ def throughput_summary(data: RunData) -> tuple[str, list[str]]:
 
 def experts_summary(data: RunData) -> str | None:
     """Mixture-of-Experts runs: the load-balancing loss and each MoE layer's expert load (the busiest expert's
-    tokens over the mean: 1.0 is balanced, top-k x experts / top-k is all tokens on one expert's share), first
+    tokens over the mean: 1.0 is balanced, experts / top-k when one expert gets every token), first
     and last logged step and the run's worst; None for a run that logged neither."""
     rows = [r for r in data.metrics if "moe_aux_loss" in r]
     if not rows:

@@ -102,6 +102,11 @@ def _workload(args: Any) -> tuple[pl.Workload, pl.Hardware]:
     if args.layers:  # every decoder layer has the same parameters: fewer layers, the same list
         if args.layers < 0:
             raise ConfigError(f"--layers must be at least 1, got {args.layers}")
+        from toolkit.config.models import PRESETS
+
+        if args.model not in PRESETS:  # as model.num_layers: a directory's weights fix its layer count
+            raise ConfigError(f"--layers applies to presets; {args.model} is a directory: its config.json's layer "
+                              "count is what its weights hold")
         shape = dataclasses.replace(shape, num_layers=args.layers)
     if args.rope_factor < 1:
         raise ConfigError(f"--rope-factor must be at least 1, got {args.rope_factor}")

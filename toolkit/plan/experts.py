@@ -28,14 +28,16 @@ LIGER_WHY_NOT = ("Liger's fused MoE autotunes for minutes at every new batch sha
 
 @dataclass(frozen=True)
 class ExpertsChoice:
-    implementation: str
-    """transformers' experts_implementation the model is built with (under Liger: what Liger's forward replaces)."""
+    implementation: str | None
+    """transformers' experts_implementation to build with; None: the model's own default, left unset (grouped_mm
+    where the model can switch implementations; some families cannot, and naming one makes transformers raise)."""
     liger: bool
     """Liger's fused MoE runs the experts (its swiglu patch applied to them)."""
     reason: str
 
     def describe(self) -> str:
-        return f"experts path: {'liger fused MoE' if self.liger else self.implementation} ({self.reason})"
+        path = "liger fused MoE" if self.liger else self.implementation or "transformers' default"
+        return f"experts path: {path} ({self.reason})"
 
 
 def choose(setting: str, *, model_type: str, liger_layers: bool, liger_why: str = "") -> ExpertsChoice:
@@ -48,12 +50,11 @@ def choose(setting: str, *, model_type: str, liger_layers: bool, liger_why: str 
                    f"Liger 0.8 has no fused MoE for model type {model_type!r} ({', '.join(sorted(LIGER_EXPERTS))})")
             raise ConfigError(f"model.experts=liger: Liger's fused MoE cannot run here: {why}; "
                               f"use one of {', '.join(TRANSFORMERS_PATHS)}")
-        return ExpertsChoice("grouped_mm", True, "model.experts=liger")
+        return ExpertsChoice(None, True, "model.experts=liger")
     if setting in TRANSFORMERS_PATHS:
         return ExpertsChoice(setting, False, f"model.experts={setting}")
     if fused and AUTO_PATH == "liger":
-        return ExpertsChoice("grouped_mm", True, "model.experts=auto: the fastest correct path measured "
-                                                 "(bench/results/moe.md)")
+        return ExpertsChoice(None, True, "model.experts=auto: the fastest correct path measured (bench/results/moe.md)")
     why = (f"Liger's fused MoE does not apply: {liger_why or f'no fused MoE for {model_type!r}'}" if not fused
            else f"transformers' default; {LIGER_WHY_NOT}")
-    return ExpertsChoice("grouped_mm", False, f"model.experts=auto: {why}")
+    return ExpertsChoice(None, False, f"model.experts=auto: {why}")

@@ -28,7 +28,13 @@ from transformers import TrainerCallback
 from toolkit.config.ds_config import ConfigError
 from toolkit.launch import dist
 from toolkit.observe.memory import MemoryCallback, MemoryMonitor
-from toolkit.observe.metrics import closing_summary, count_params, flops_per_token, peak_flops_per_gpu
+from toolkit.observe.metrics import (
+    attention_width,
+    closing_summary,
+    count_params,
+    flops_per_token,
+    peak_flops_per_gpu,
+)
 from toolkit.runtime.checkpoint import RUN_ENTRIES, holds_a_run, versions
 from toolkit.runtime.guards import NonFiniteError
 
@@ -175,7 +181,7 @@ class ToolkitCallback(TrainerCallback):
     def _mfu(self, args: Any, tokens_per_s: float | None, seq_len: float) -> float | None:
         """As toolkit/train.py computes it, with the mean tokens per sample as the sequence length."""
         config = getattr(self._model, "config", None)
-        layers, hidden = getattr(config, "num_hidden_layers", None), getattr(config, "hidden_size", None)
+        layers, hidden = getattr(config, "num_hidden_layers", None), attention_width(config) if config else None
         import torch
 
         if tokens_per_s is None or not layers or not hidden or args.device.type != "cuda":

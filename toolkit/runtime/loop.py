@@ -26,6 +26,7 @@ from toolkit.observe.memory import MemoryCallback, MemoryMonitor
 from toolkit.observe.metrics import (
     MetricsLogger,
     TokenCounter,
+    attention_width,
     closing_summary,
     count_params,
     flops_per_token,
@@ -189,7 +190,7 @@ def _run(p: RunSpec, liger: Any, attn: attention.AttentionPlan, compiled: tuple[
 
     autotune.inject_fault_for_tests(cfg.train.micro_batch_size)
     keep_alive = _deepspeed_config_alive(p)  # must exist before the model under ZeRO-3
-    if experts_path is not None:  # read by the experts modules at every forward
+    if experts_path is not None and experts_path.implementation:  # read by the experts modules at every forward
         p.model_config._experts_implementation = experts_path.implementation
     model = build_model(cfg, p.model_config, frozen_bf16=p.adapter_autocast, attn=attn.implementation)
     kernels.apply(model, liger)
@@ -285,7 +286,7 @@ def _fp8_and_compile(p: RunSpec, model: Any, compiled: bool, why: str) -> None:
             and dist.rank() == 0:
         total, trainable = count_params(model)
         mc = p.model_config
-        fpt = flops_per_token(total, trainable, len(layers), hidden_size(mc), p.cfg.data.seq_len)
+        fpt = flops_per_token(total, trainable, len(layers), attention_width(mc), p.cfg.data.seq_len)
         lines.append(fp8.hint(layers, fpt, hidden_size(mc), dist.local_rank()) or "")
     if not (compiled or p.fp8):
         if dist.rank() == 0 and any(lines):
@@ -325,7 +326,7 @@ def _metrics_logger(p: RunSpec, model: Any) -> MetricsLogger:
     total, trainable = count_params(model)
     mc = p.model_config
     layers = int(getattr(mc, "num_hidden_layers", None) or mc.n_layer)
-    fpt = flops_per_token(total, trainable, layers, hidden_size(mc), p.cfg.data.seq_len)
+    fpt = flops_per_token(total, trainable, layers, attention_width(mc), p.cfg.data.seq_len)
     name = None if dist.on_cpu() else torch.cuda.get_device_name(dist.local_rank())
     peak = peak_flops_per_gpu(name, p.precision, p.cfg.metrics.peak_tflops)
     return MetricsLogger(p.run_dir, p.total_steps, TokenCounter(), flops_per_token=fpt,

@@ -100,15 +100,31 @@ def choose_path(cfg: Any, model_config: Any, liger: LigerChoice) -> ExpertsChoic
             raise ConfigError(f"model.experts={cfg.model.experts} applies to Mixture-of-Experts models; "
                               f"{model_config.model_type} has no experts")
         return None
-    return experts.choose(cfg.model.experts, model_type=str(model_config.model_type),
+    path = experts.choose(cfg.model.experts, model_type=str(model_config.model_type),
                           liger_layers=bool(liger.kwargs.get("swiglu")), liger_why=liger.reason)
+    if path.implementation is not None and not _can_switch(model_config):
+        raise ConfigError(f"model.experts={path.implementation}: {model_config.model_type} models run one experts "
+                          "implementation only (transformers cannot switch it); use model.experts=auto")
+    return path
+
+
+def _can_switch(model_config: Any) -> bool:
+    """Whether the model's class takes an experts implementation by name (transformers raises otherwise)."""
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping.get(type(model_config), None)
+    check = getattr(cls, "_can_set_experts_implementation", None)
+    return True if check is None else bool(check())  # remote code: not known here, transformers decides
 
 
 def with_experts(liger: LigerChoice, path: ExpertsChoice, model_type: str) -> LigerChoice:
-    """Liger's swiglu patch replaces these families' experts and nothing else: it follows the experts path."""
-    if model_type not in experts.LIGER_EXPERTS or "swiglu" not in liger.kwargs:
+    """Liger's swiglu patch replaces these families' experts (for Qwen3-Next also its dense and shared-expert MLPs'
+    SwiGLU): it follows the experts path, and the run's Liger line says why it is off."""
+    if model_type not in experts.LIGER_EXPERTS or "swiglu" not in liger.kwargs or liger.kwargs["swiglu"] == path.liger:
         return liger
-    return replace(liger, kwargs={**liger.kwargs, "swiglu": path.liger})
+    why = "swiglu follows model.experts, whose experts path is not Liger's"
+    return replace(liger, kwargs={**liger.kwargs, "swiglu": path.liger},
+                   reason=f"{liger.reason}; {why}" if liger.reason else why)
 
 
 def describe(model: torch.nn.Module, ds: dict[str, Any], liger: bool = False) -> str | None:
