@@ -135,7 +135,7 @@ def test_experts_path_auto_takes_liger_where_its_fused_moe_applies_and_grouped_m
     from toolkit.plan import experts
 
     on = experts.choose("auto", model_type="qwen3_moe", liger_layers=True)  # auto names no implementation:
-    assert (on.implementation, on.liger) == (None, experts.AUTO_PATH == "liger")  # the model's default (grouped_mm)
+    assert (on.implementation, on.liger) == (None, False)  # the model's default (grouped_mm); Liger's is opt-in
     assert "experts path: transformers' default (model.experts=auto: " in on.describe()
     olmoe = experts.choose("auto", model_type="olmoe", liger_layers=True)  # Liger has no fused MoE for OLMoE
     assert (olmoe.implementation, olmoe.liger) == (None, False) and "olmoe" in olmoe.reason

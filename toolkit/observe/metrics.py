@@ -47,8 +47,9 @@ def flops_per_token(
     total_params: int, trainable_params: int, num_layers: int, hidden: int, seq_len: int
 ) -> float:
     """Training FLOPs per token: 2N forward + 2N activation gradients + 2N_trainable weight gradients,
-    plus 12·L·H·T for attention (PaLM, appendix B; `hidden` is H, the attention width: `attention_width`). Without frozen weights this is the usual 6N + 12LHT
-    (bench/speed.py's formula); with LoRA, frozen weights get no weight gradient, so 6N would overstate MFU.
+    plus 12·L·H·T for attention (PaLM, appendix B; `hidden` is H, the attention width: `attention_width`).
+    Without frozen weights this is the usual 6N + 12LHT (bench/speed.py's formula); with LoRA, frozen weights get
+    no weight gradient, so 6N would overstate MFU.
     """
     return 4.0 * total_params + 2.0 * trainable_params + 12.0 * num_layers * hidden * seq_len
 

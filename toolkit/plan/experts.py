@@ -2,8 +2,12 @@
 
 transformers 5.x runs a layer's experts as one module with 3-D weights through one of its experts implementations
 (`grouped_mm` by default, `batched_mm`, `eager`: a loop over the experts hit); Liger's swiglu patch replaces that
-module's forward with its fused MoE kernel (`LigerExperts`) for the families below. auto takes the fastest correct
-path measured on one H100 (bench/results/moe.md: the experts alone and the whole training step).
+module's forward with its fused MoE kernel (`LigerExperts`) for the families below. auto leaves the model's own
+implementation (grouped_mm where it can switch). Measured on one H100 (bench/results/moe.md, the Qwen3-30B-A3B
+shape): Liger's kernel trains 5.7% faster than grouped_mm once tuned, but Triton autotunes it for every new token
+count before the first step (71 s at micro 2 x 4096, over 170 s at micro 8), and train.compile (on for runs of 200+
+steps) turns Liger's layer kernels off anyway; eager is 25x slower than grouped_mm per experts call. So Liger's is
+opt-in (model.experts=liger).
 """
 
 from __future__ import annotations
@@ -16,12 +20,6 @@ from toolkit.config.ds_config import ConfigError
 LIGER_EXPERTS = frozenset({"qwen3_moe", "mixtral", "qwen3_next", "qwen3_vl_moe", "qwen3_5_moe", "deepseek_v2",
                            "deepseek_v3", "hunyuan_v1_moe", "glm4v_moe"})
 TRANSFORMERS_PATHS = ("grouped_mm", "batched_mm", "eager")
-AUTO_PATH = "grouped_mm"
-"""What auto runs where Liger's fused MoE applies (elsewhere grouped_mm, transformers' default). Measured on one
-H100 (bench/results/moe.md, the Qwen3-30B-A3B shape): Liger's kernel trains 5.7% faster than grouped_mm once
-tuned, but Triton autotunes it for every new token count, 70 s at micro 2 x 4096 and over 140 s at micro 8 before
-the first step, and train.compile (on for runs of 200+ steps) turns Liger's layer kernels off anyway; eager is 25x
-slower than grouped_mm per experts call."""
 LIGER_WHY_NOT = ("Liger's fused MoE autotunes for minutes at every new batch shape (model.experts=liger runs it: "
                  "5.7% faster once tuned, bench/results/moe.md)")
 
@@ -53,8 +51,6 @@ def choose(setting: str, *, model_type: str, liger_layers: bool, liger_why: str 
         return ExpertsChoice(None, True, "model.experts=liger")
     if setting in TRANSFORMERS_PATHS:
         return ExpertsChoice(setting, False, f"model.experts={setting}")
-    if fused and AUTO_PATH == "liger":
-        return ExpertsChoice(None, True, "model.experts=auto: the fastest correct path measured (bench/results/moe.md)")
     why = (f"Liger's fused MoE does not apply: {liger_why or f'no fused MoE for {model_type!r}'}" if not fused
            else f"transformers' default; {LIGER_WHY_NOT}")
     return ExpertsChoice(None, False, f"model.experts=auto: {why}")
