@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Issue 34's rows on one 2-GPU host (device kind nvidia-h100-x2), from the repo root, in one device command:
-#   bash bench/two_gpu_rows.sh OUT
+# Issue 34's rows on one 2-GPU host (device kind nvidia-h100-x2), from the repo root, one device command per part:
+#   bash bench/two_gpu_rows.sh OUT [PARTS]      PARTS: comma-separated of sp, data, moe (default sp,data)
 # 1. Sequence parallelism: llama-3.2-1b at 16,384 tokens, bf16, ZeRO-2, 20 steps, one sequence per step:
 #    train.sequence_parallel=2 on both GPUs against the same job on GPU 0 alone -> OUT/sp.json (per-step losses,
 #    mean |difference|, peaks, tokens/s), run dirs' metrics in OUT/sp{1,2}.metrics.jsonl.
 # 2. Real data: llama-1b seq 2048 on the 100k-row corpus against synthetic rows, ZeRO-2 and ZeRO-3, on 2 GPUs, and
 #    the corpus on GPU 0 alone (scaling 1 -> 2) -> OUT/speed.json, OUT/speed.md, OUT/scaling.md.
+# 3. Mixture-of-Experts: the reduced-layer Qwen3-30B-A3B shape (3 of 48 layers) at ZeRO-3 on both GPUs, the toolkit
+#    at the planner's micro 8 against the bare DeepSpeed loop -> OUT/moe.json, OUT/moe.md.
 set -uo pipefail
 out=$1
+parts=",${2:-sp,data},"
 work=/tmp/dc
 mkdir -p "$out/s"
 export PYTHONUNBUFFERED=1
@@ -15,8 +18,10 @@ if [ "${TORCH_CUDA_ARCH_LIST:-}" != "${TORCH_CUDA_ARCH_LIST%a}" ]; then
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST%a}  # the bare loop is not run here; one cached FusedAdam
 fi
 python bench/prebuild_ops.py fused_adam > "$out/s/prebuild.log" 2>&1 &
-python bench/data_cache.py make --work "$work" --files data100k > "$out/s/make.log" 2>&1
+[[ $parts == *,data,* ]] && python bench/data_cache.py make --work "$work" --files data100k > "$out/s/make.log" 2>&1
 wait
+
+if [[ $parts == *,sp,* ]]; then
 
 C=(train.path=raw model.name=llama-3.2-1b data.seq_len=16384 data.num_samples=40 train.micro_batch_size=1
    train.grad_accum=1 train.max_steps=20 train.precision=bf16 train.export=false train.warmup_steps=2 train.lr=1e-4
@@ -48,7 +53,9 @@ doc = {"seq": 16384, "steps": len(d), "mean_abs_loss_diff": statistics.mean(d) i
 (out / "sp.json").write_text(json.dumps(doc, indent=1))
 print({k: v for k, v in doc.items() if k != "losses"})
 EOF
+fi
 
+if [[ $parts == *,data,* ]]; then
 R="--data-dir $work --only llama-1b-seq2048,llama-1b-seq2048-data100k --stages 2,3 --variants raw --warmup 2 --steps 3 --timeout 120"
 # shellcheck disable=SC2086  # R is several options
 python bench/speed.py run --gpus 2 --out "$out/s/rows" --port 29700 $R 2>&1 | tee -a "$out/s/run.log"
@@ -58,5 +65,14 @@ python bench/speed.py table "$out"/s/rows/*.json --json "$out/speed.json" --comm
   --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $(nvidia-smi -L | wc -l)" > "$out/speed.md"
 cat "$out/speed.md"
 python bench/speed.py scaling "$out/speed.json" | tee "$out/scaling.md"
+fi
+
+if [[ $parts == *,moe,* ]]; then
+  python bench/speed.py run --gpus 2 --out "$out/s/moe" --port 29800 --only qwen3-30b-a3b-l3-seq4096 --stages 3 \
+    --variants bare,raw --tune m8 --tune-only --warmup 2 --steps 3 --timeout 170 2>&1 | tee -a "$out/s/run.log"
+  python bench/speed.py table "$out"/s/moe/*.json --json "$out/moe.json" --command "bash bench/two_gpu_rows.sh OUT moe" \
+    --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $(nvidia-smi -L | wc -l)" > "$out/moe.md"
+  cat "$out/moe.md"
+fi
 tar czf "$out/logs.tgz" --exclude='*.pt' --exclude='checkpoints' -C "$out" s 2>/dev/null
 rm -rf "$out/s"
