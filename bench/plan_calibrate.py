@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import dataclasses
 import datetime
 import json
 import os
@@ -78,6 +79,10 @@ class Config:
     """model.tiled_mlp=true (else false)."""
     rope: float = 1.0
     """model.rope_factor: the model's positions x this (long sequences)."""
+    layers: int = 0
+    """model.num_layers: a preset at full width with this many decoder layers (0: its own)."""
+    act_offload: str = "false"
+    """model.activation_offload (false for the rows measured before it existed)."""
 
     def choice(self) -> pl.Choice:
         return pl.Choice(self.stage, self.offload, self.ratio, self.micro, self.accum, self.ckpt, self.zero_sizes)
@@ -113,6 +118,13 @@ LONG: tuple[Config, ...] = (
       for n in (32768, 65536, 131072, 262144)),
     # 512K: above one H100 at ZeRO-2 by the planner; ZeRO-3 with optimizer and parameters on the CPU is its choice
     Config("ls-1b-z3all-512k", "llama-3.2-1b", 524288, 1, 1, 3, "all", ckpt=True, tiled=True, rope=8.0),
+    # checkpointed inputs offloaded (model.activation_offload): against the same run without it, 256K at ZeRO-2
+    Config("ls-1b-z2-256k-pinned", "llama-3.2-1b", 262144, 1, 1, 2, ckpt=True, tiled=True, rope=8.0,
+           act_offload="pinned"),
+    # the Llama-3-8B shape with LoRA at 384K in 8 of its 32 layers (a whole step of 32 layers outlasts a device
+    # command): each layer's working set and input as in the full model; inputs pageable, as the full model's would be
+    *(Config(f"ls-8b-lora-l8-384k-{a}", "llama-3.1-8b", 393216, 1, 1, 2, ckpt=True, tiled=True, rope=8.0, lora=True,
+             layers=8, act_offload=a) for a in ("pageable", "false")),
 )
 SMOKE: tuple[Config, ...] = (
     Config("tiny-z2", "tiny", 64, 2, 2, 2, gpus=2),
@@ -121,8 +133,11 @@ SMOKE: tuple[Config, ...] = (
 
 
 def predict(c: Config, gpu_mem_gib: float, cpu: bool) -> pl.Prediction:
-    w = pl.Workload(load_shape(c.model), c.seq, c.micro * c.accum * c.gpus, pl.Lora() if c.lora else None, c.liger,
-                    fused_loss=c.fused_loss, tiled_mlp=c.tiled)
+    shape = load_shape(c.model)
+    if c.layers:
+        shape = dataclasses.replace(shape, num_layers=c.layers)
+    w = pl.Workload(shape, c.seq, c.micro * c.accum * c.gpus, pl.Lora() if c.lora else None, c.liger,
+                    fused_loss=c.fused_loss, tiled_mlp=c.tiled, activation_offload=c.act_offload)
     return pl.predict(w, c.choice(), pl.Hardware(c.gpus, 1, gpu_mem_gib, cpu_ranks=cpu))
 
 
@@ -145,7 +160,9 @@ def _overrides(c: Config, steps: int, run_dir: Path, plan_file: Path, smoke: boo
          f"model.gradient_checkpointing={str(c.ckpt).lower()}", f"model.liger={str(c.liger).lower()}",
          f"lora.enabled={str(c.lora).lower()}", f"model.liger_fused_loss={c.fused_loss}",
          f"train.run_dir={run_dir}", f"train.plan={plan_file}", f"model.tiled_mlp={str(c.tiled).lower()}",
-         f"model.rope_factor={c.rope:g}", *c.extra]
+         f"model.rope_factor={c.rope:g}", f"model.activation_offload={c.act_offload}", *c.extra]
+    if c.layers:
+        o.append(f"model.num_layers={c.layers}")
     if not smoke:
         o.append("train.precision=bf16")
     return o
@@ -168,6 +185,7 @@ def measure(run_dir: Path) -> dict[str, Any]:
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     later = [m["tokens_per_s"] for m in metrics[1:] if m.get("tokens_per_s")]
     return {"per_rank": ranks, "losses": [m["loss"] for m in metrics],
+            "step_times_s": [m.get("step_time_s") for m in metrics],
             "tokens_per_s_per_gpu": statistics.median(later) / max(1, len(ranks)) if later else None}
 
 

@@ -75,3 +75,30 @@ def test_plan_cli_sequence_parallel_and_max_seq(capsys: pytest.CaptureFixture[st
     assert "--max-seq" in data["command"] and "--sequence-parallel 2" in data["command"]
     assert main(["plan", "--model", "llama-3.2-1b", "--gpus", "1", "--global-batch", "1"]) == 1
     assert "needs --seq" in capsys.readouterr().err
+
+
+def test_offloaded_inputs_leave_two_on_the_gpu_and_go_to_host_buffers() -> None:
+    c = pl.Choice(2, micro_batch=1, grad_accum=1, grad_ckpt=True)
+    hw = pl.Hardware(1, host_mem_gib=128)
+    kept = pl.predict(_w(524288, tiled_mlp=True, activation_offload="false"), c, hw)
+    off = pl.predict(_w(524288, tiled_mlp=True), c, hw)  # auto: 32 GiB of inputs, 40% of 80 GiB
+    assert (kept.activation_offload, off.activation_offload) == ("", "pinned")
+    one = 2 * 2048 * 524288 / 2**30  # a layer input of llama-3.2-1b at 512K: 2 GiB
+    assert kept.gpu["activations"] - off.gpu["activations"] == pytest.approx((16 - 2) * one)
+    assert off.host["checkpointed layer inputs (pinned)"] == pytest.approx(16 * one)
+    # a quarter of the GPU: at 256K the 16 GiB of inputs stay (auto), unless asked
+    assert pl.predict(_w(262144, tiled_mlp=True), c, hw).activation_offload == ""
+    assert pl.predict(_w(262144, tiled_mlp=True, activation_offload="pageable"), c, hw).activation_offload == "pageable"
+    # no checkpointing, nothing to offload
+    assert pl.predict(_w(524288), pl.Choice(2, micro_batch=1, grad_accum=1), hw).activation_offload == ""
+
+
+def test_llama_8b_lora_reaches_past_384k_on_one_h100_with_its_inputs_in_pageable_memory() -> None:
+    shape = replace(load_shape("llama-3.1-8b"), max_positions=131072 * 8)
+    w = pl.Workload(shape, 1024, 1, pl.Lora())
+    hw = pl.Hardware(1, gpu_mem_gib=80, host_mem_gib=128)
+    before = search(replace(w, activation_offload="false"), hw, "auto")[0]
+    after = search(w, hw, "auto")[0]
+    assert before.seq_len < 256 * 1024 and after.seq_len >= 384 * 1024
+    assert after.prediction.activation_offload == "pageable"  # 32 x 4 GiB pinned would lock the whole host
+    assert after.prediction.host_node_gib <= 128

@@ -12,6 +12,7 @@ from typing import Any, Union
 from toolkit.config.ds_config import ConfigError
 
 EXPERTS_PATHS = ("auto", "grouped_mm", "batched_mm", "eager", "liger")
+ACTIVATION_OFFLOAD = ("auto", "true", "pinned", "pageable", "false")
 
 
 @dataclass
@@ -47,6 +48,13 @@ class ModelConfig:
     MLP's activations dominate a layer's memory; the run says which (toolkit/runtime/sequence/tiling.py)."""
     tiled_mlp_shards: int = 0
     """Tiles per MLP call; 0: ceil(tokens / hidden size), DeepSpeed's and ALST's choice."""
+    activation_offload: str = "auto"
+    """auto, true, pinned, pageable or false: the layer inputs gradient checkpointing keeps go to CPU memory during
+    forward and come back for their layer's backward (DeepSpeed's offload context, CUDA only; needs
+    model.gradient_checkpointing). auto: on when they would take at least a quarter of the GPU (layers x hidden x
+    tokens per rank, bf16). true: on. Host buffers: pinned (copies overlap compute; PyTorch rounds each to a power of
+    two) when they fit in half the host's memory, else pageable (exact sizes, each copy waits); pinned or pageable
+    turn it on with that kind. The run says which (toolkit/runtime/sequence/offload.py)."""
     tokenizer: str | None = None
     """Local tokenizer directory for text data; defaults to the model directory."""
     num_layers: int = 0
@@ -303,6 +311,7 @@ class Config:
         # YAML reads on/off/true/false as booleans, which the str field then holds as "True"/"False"
         self.model.liger_fused_loss = str(self.model.liger_fused_loss).lower()
         self.model.tiled_mlp = str(self.model.tiled_mlp).lower()
+        self.model.activation_offload = str(self.model.activation_offload).lower()
         self.moe.aux_loss_coef = str(self.moe.aux_loss_coef).lower()
         c = str(t.compile).lower()  # off/on arrive as booleans too: off -> off, true -> torch
         t.compile = {"false": "off", "true": "torch"}.get(c, c)
@@ -313,6 +322,12 @@ class Config:
              f"model.liger_fused_loss must be auto, true or false, got {self.model.liger_fused_loss!r}"),
             (self.model.tiled_mlp in ("auto", "true", "false"),
              f"model.tiled_mlp must be auto, true or false, got {self.model.tiled_mlp!r}"),
+            (self.model.activation_offload in ACTIVATION_OFFLOAD,
+             f"model.activation_offload must be one of {', '.join(ACTIVATION_OFFLOAD)}, "
+             f"got {self.model.activation_offload!r}"),
+            (self.model.activation_offload in ("auto", "false") or self.model.gradient_checkpointing,
+             f"model.activation_offload={self.model.activation_offload} offloads the layer inputs gradient "
+             "checkpointing keeps: set model.gradient_checkpointing=true"),
             (self.model.num_layers >= 0, f"model.num_layers must be >= 0 (0: the preset's own), got {self.model.num_layers}"),
             (self.model.experts in EXPERTS_PATHS,
              f"model.experts must be one of {', '.join(EXPERTS_PATHS)}, got {self.model.experts!r}"),

@@ -67,6 +67,8 @@ def train_overrides(args: Any, p: pl.Prediction, out_dir: Path | None) -> dict[s
         o["train.path"] = "raw"  # (sequence parallelism runs on the raw path)
     if args.tiled_mlp != "auto":
         o["model.tiled_mlp"] = args.tiled_mlp
+    if args.activation_offload != "auto":
+        o["model.activation_offload"] = args.activation_offload
     if args.lora:
         o["lora.r"] = args.lora_r
         o["lora.target_modules"] = list(_targets(args))
@@ -123,7 +125,7 @@ def _workload(args: Any) -> tuple[pl.Workload, pl.Hardware]:
     tiled = tiled_mlp_on(args.tiled_mlp, args.seq, args.sequence_parallel)[0]
     w = pl.Workload(shape, args.seq, args.global_batch, lora, not args.no_liger, args.attn, args.fused_loss,
                     args.compile, args.fp8_recipe if args.precision == "fp8" else None, args.doc_len,
-                    args.sequence_parallel, tiled)
+                    args.sequence_parallel, tiled, args.activation_offload)
     hw = pl.Hardware(args.gpus, args.nodes, args.gpu_mem, args.host_mem)
     return w, hw
 
@@ -180,6 +182,15 @@ def _describe(c: pl.Choice) -> str:
     return f"ZeRO-{c.stage}, {off}, micro {c.micro_batch} x accum {c.grad_accum}{ck}{sizes}"
 
 
+def _ckpt(p: pl.Prediction) -> str:
+    """The table's checkpointing column: no, yes, or yes with the kept inputs in host buffers."""
+    return ("yes, inputs on CPU" if p.activation_offload else "yes") if p.choice.grad_ckpt else "no"
+
+
+def _offload_note(p: pl.Prediction) -> str:
+    return f", checkpointed inputs on the CPU ({p.activation_offload})" if p.activation_offload else ""
+
+
 def _fmt_offload(c: pl.Choice) -> str:
     if c.offload == "none":
         return "none"
@@ -215,7 +226,7 @@ def render(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predictio
         c = p.choice
         liger = ("fused" if p.fused_loss else "kernels") if p.liger else "off"
         rows.append([str(i) + ("*" if p is chosen else ""), str(c.stage) + (" (mem)" if c.zero_sizes == "memory" else ""),
-                     _fmt_offload(c), f"{c.micro_batch} x {c.grad_accum}", "yes" if c.grad_ckpt else "no", liger,
+                     _fmt_offload(c), f"{c.micro_batch} x {c.grad_accum}", _ckpt(p), liger,
                      f"{p.peak_allocated_gib:.1f}", f"{p.gpu_need_gib:.1f}", f"{p.host_node_gib:.1f}",
                      f"{p.tokens_per_s_per_gpu:,.0f}", "yes" if p.fits else "no"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -224,7 +235,7 @@ def render(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predictio
     lines.append(f"{len(fitting)} of {len(ranked)} choices fit (GiB per rank; fastest first, predicted; * = chosen; "
                  "(mem): train.zero_sizes=memory)")
     lines.append("")
-    lines.append(f"chosen: {_describe(chosen.choice)}; predicted {chosen.tokens_per_s_per_gpu:,.0f} tokens/s per GPU")
+    lines.append(f"chosen: {_describe(chosen.choice)}{_offload_note(chosen)}; predicted {chosen.tokens_per_s_per_gpu:,.0f} tokens/s per GPU")
     gpu = ", ".join(f"{k} {v:.2f}" for k, v in chosen.gpu.items() if v >= 0.005)
     lines.append(f"  GPU at its peak ({chosen.phase}): {gpu} = {chosen.peak_allocated_gib:.2f} GiB allocated")
     host_parts = ", ".join(f"{k} {v:.2f}" for k, v in chosen.host.items())
@@ -266,7 +277,8 @@ def plan_json(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predic
                    "lora": None if w.lora is None else {"r": w.lora.r, "targets": list(w.lora.targets)},
                    "liger": w.liger, "fused_loss": w.fused_loss, "attn": w.attn, "compile": w.compile,
                    "fp8": w.fp8, "task": w.shape.task, "doc_len": w.doc_len,
-                   "sequence_parallel": w.sequence_parallel, "tiled_mlp": w.tiled_mlp},
+                   "sequence_parallel": w.sequence_parallel, "tiled_mlp": w.tiled_mlp,
+                   "activation_offload": w.activation_offload},
         "constants": {"cuda_context_gib": pl.CUDA_CONTEXT_GIB, "alloc_margin": pl.ALLOC_MARGIN,
                       "host_baseline_gib": pl.HOST_BASELINE_GIB},
     }
@@ -300,6 +312,7 @@ def command(args: Any) -> str:
     flags = (("--grad-ckpt", args.grad_ckpt), ("--no-liger", args.no_liger))
     parts += [f for f, on in flags if on]
     for flag, value, default in (("--sequence-parallel", args.sequence_parallel, 1), ("--tiled-mlp", args.tiled_mlp, "auto"),
+                                 ("--activation-offload", args.activation_offload, "auto"),
                                  ("--rope-factor", f"{args.rope_factor:g}", "1"), ("--fused-loss", args.fused_loss, "auto"), ("--attn", args.attn, "sdpa"),
                                  ("--compile", args.compile, "auto"), ("--precision", args.precision, "bf16"),
                                  ("--fp8-recipe", args.fp8_recipe, "tensorwise"), ("--task", args.task, "causal_lm"),
@@ -373,8 +386,8 @@ def _run_max_seq(args: Any) -> int:
               + (", LoRA" if w.lora else ", full fine-tune") + f"), {hw.gpus_per_node} GPU(s) x {hw.nodes} node(s), "
               f"{hw.gpu_mem_gib:g} GiB per GPU, global batch {w.global_batch}"
               + (f", sequence parallelism over {w.sequence_parallel}" if w.sequence_parallel > 1 else "")
-              + f", model.tiled_mlp={args.tiled_mlp}\n")
-        print(max_seq.render(rows, args.top, _describe))
+              + f", model.tiled_mlp={args.tiled_mlp}, model.activation_offload={args.activation_offload}\n")
+        print(max_seq.render(rows, args.top, lambda p: _describe(p.choice) + _offload_note(p)))
     return 0 if rows else 1
 
 
@@ -409,6 +422,9 @@ def add_parser(sub: Any) -> None:
                    help="train.sequence_parallel: each row over N ranks (activations / N; global batch counts groups)")
     p.add_argument("--tiled-mlp", choices=("auto", "true", "false"), default="auto",
                    help="model.tiled_mlp (auto: on from 65,536 tokens of a row per rank)")
+    p.add_argument("--activation-offload", choices=("auto", "true", "pinned", "pageable", "false"), default="auto",
+                   help="model.activation_offload: checkpointed layer inputs in host memory (auto: where they would "
+                        "take a quarter of the GPU; pinned buffers where they fit half of --host-mem)")
     p.add_argument("--rope-factor", type=float, default=1.0,
                    help="model.rope_factor: the model's positions x this factor (rope scaling), to plan past them")
     p.add_argument("--doc-len", type=float, default=None,

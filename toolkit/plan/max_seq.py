@@ -68,7 +68,7 @@ def render(rows: list[Longest], top: int, describe: Any) -> str:
     for i, r in enumerate(rows[:top], 1):
         p = r.prediction
         lines.append(f"{i:<3} {r.seq_len:>9,}  {p.gpu_need_gib:>8.1f}  {p.host_node_gib:>9.1f}  "
-                     f"{p.tokens_per_s_per_gpu:>12,.0f}  {describe(p.choice)}"
+                     f"{p.tokens_per_s_per_gpu:>12,.0f}  {describe(p)}"
                      + (" (the model's positions: --rope-factor to go further)" if r.capped else ""))
     lines.append(f"{len(rows)} choices fit at the shortest step; GiB per rank at each choice's longest length, "
                  "predicted")
@@ -79,4 +79,5 @@ def to_json(rows: list[Longest]) -> list[dict[str, Any]]:
     return [{"seq_len": r.seq_len, "capped_by_positions": r.capped,
              "choice": r.prediction.to_json()["choice"], "gpu_need_gib": r.prediction.gpu_need_gib,
              "host_node_gib": r.prediction.host_node_gib,
-             "tokens_per_s_per_gpu": r.prediction.tokens_per_s_per_gpu} for r in rows]
+             "tokens_per_s_per_gpu": r.prediction.tokens_per_s_per_gpu,
+             "activation_offload": r.prediction.activation_offload} for r in rows]

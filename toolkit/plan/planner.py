@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 from toolkit.config.ds_config import SPEED_SIZES, ConfigError
 from toolkit.plan.shapes import ModelShape
+from toolkit.plan.speedups import activation_offload_on, offload_pinned, pinned_bytes
 
 GIB = float(1 << 30)
 Offload = Literal["none", "optimizer", "all"]
@@ -116,6 +117,12 @@ FP8_GAIN = ((896, 1.077), (2048, 1.287), (4096, 1.417))
 CPU_ADAM_PARAMS_PER_S = 1.0e9
 # Host<->GPU copies for offload: not measured here; PCIe Gen5 x16 moves about 25 GB/s one way in practice.
 PCIE_BYTES_PER_S = 25e9
+# Offloaded checkpointed inputs (model.activation_offload): the layer inputs left on the GPU at once, the newest (kept
+# for the first backward) and the one before (its copy out in flight; no forward stash, toolkit/runtime/sequence/
+# offload.py); pageable host buffers copy at about this rate and the host waits for each copy (not measured here: a
+# third of PCIE_BYTES_PER_S, to be checked).
+OFFLOAD_INPUTS_ON_GPU = 2
+PAGEABLE_BYTES_PER_S = 8e9
 
 
 # -- inputs ------------------------------------------------------------------------------------------
@@ -177,6 +184,9 @@ class Workload:
     tiled_mlp: bool = False
     """model.tiled_mlp resolved: each MLP keeps only its input and runs one tile of micro x hidden tokens at a time,
     once more in backward."""
+    activation_offload: str = "auto"
+    """model.activation_offload (auto, true, pinned, pageable, false), resolved per choice as the run does (toolkit/plan/speedups.py):
+    with checkpointing, the layer inputs it keeps wait in host buffers instead of on the GPU."""
 
     @property
     def attended(self) -> float:
@@ -256,6 +266,8 @@ class Prediction:
     fits_host: bool
     step_time_s: float
     tokens_per_s_per_gpu: float
+    activation_offload: str = ""
+    """Where checkpointed layer inputs wait: "" on the GPU, "pinned" or "pageable" host buffers."""
 
     @property
     def fits(self) -> bool:
@@ -289,7 +301,7 @@ def _pow2(n_bytes: float) -> float:
     """PyTorch's caching host allocator rounds every pinned allocation up to a power of two
     (CachingHostAllocator: PowerOf2Ceil); cudaHostAlloc locks all of it, so RSS pays the rounding.
     Checked against issue 11's Llama-2-7B full offload: 121 GiB measured, 121.3 predicted."""
-    return float(1 << math.ceil(math.log2(n_bytes))) if n_bytes >= 1 else 0.0
+    return pinned_bytes(n_bytes)
 
 
 def _sub_groups(shape: ModelShape, world: int, sub_group: int) -> list[int]:
@@ -584,9 +596,13 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
         per_layer -= fp8_saved_bytes(s, w.fp8)
     head_saves_input = full and not flce and s.task == "causal_lm"
     final = _final_norm_bytes(s, liger=fused, full=full, head_saves_input=head_saves_input) * tokens
+    offloaded = _activation_offload(w, c, hw, tokens)
     if c.grad_ckpt:
-        # non-reentrant checkpointing keeps each layer's input; backward recomputes one layer at a time
-        saved = s.num_layers * 2.0 * h * tokens + final
+        # non-reentrant checkpointing keeps each layer's input; backward recomputes one layer at a time. Offloaded
+        # (toolkit/runtime/sequence/offload.py), the newest input stays and the one before may still be copying out;
+        # in backward each comes back for its own layer only.
+        kept = min(s.num_layers, OFFLOAD_INPUTS_ON_GPU) if offloaded else s.num_layers
+        saved = kept * 2.0 * h * tokens + final
         recompute = per_layer * tokens
     else:
         saved = s.num_layers * per_layer * tokens + final
@@ -660,6 +676,10 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     host, build_bytes = _host_bytes(s, c, hw, stage=stage, t_all=t_all, autocast=autocast,
                                     offload_opt=offload_opt, offload_param=offload_param, groups=groups,
                                     n_gpu_groups=len(gpu_groups), sizes=sizes)
+    if offloaded:
+        one = 2.0 * h * tokens
+        host[f"checkpointed layer inputs ({offloaded})"] = s.num_layers * (pinned_bytes(one) if offloaded == "pinned"
+                                                                           else one)
     host_rank = sum(host.values()) / GIB
     host_build = build_bytes / GIB
     host_node = max(host_rank, host_build) * hw.gpus_per_node
@@ -668,13 +688,28 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     step_s = _step_time_s(w, c, hw, p_all=p_all, t_all=t_all, fused_loss=flce, offload_opt=offload_opt,
                           offload_param=offload_param, cpu_params=sum(groups) - sum(gpu_groups) if stage == 3
                           else (t_all / n if offload_opt else 0.0))
+    if offloaded == "pageable":  # each copy out and back waits for the GPU: not hidden behind compute
+        step_s += c.grad_accum * 2 * s.num_layers * 2.0 * h * tokens / PAGEABLE_BYTES_PER_S
     tps = c.micro_batch * c.grad_accum * w.seq_len / w.sequence_parallel / step_s  # a group shares each row
     return Prediction(
         choice=c, liger=liger, fused_loss=flce, compiled=comp, phase=phase, gpu=gpu,
         persistent={"params": params / GIB, "grads": grads / GIB, "optimizer": optimizer / GIB},
         peak_allocated_gib=peak_gib, gpu_need_gib=need, host={k: v / GIB for k, v in host.items()},
         host_rank_gib=host_rank, host_build_rank_gib=host_build, host_node_gib=host_node, fits_gpu=fits_gpu, fits_host=fits_host,
-        step_time_s=step_s, tokens_per_s_per_gpu=tps)
+        step_time_s=step_s, tokens_per_s_per_gpu=tps, activation_offload=offloaded)
+
+
+def _activation_offload(w: Workload, c: Choice, hw: Hardware, tokens: int) -> str:
+    """"" (inputs on the GPU), "pinned" or "pageable": model.activation_offload resolved as the run resolves it."""
+    s = w.shape
+    on = activation_offload_on(w.activation_offload, grad_ckpt=c.grad_ckpt, cuda=not hw.cpu_ranks,
+                               layers=s.num_layers, hidden=s.hidden_size, tokens=tokens, gpu_bytes=hw.gpu_mem_gib * GIB)[0]
+    if not on:
+        return ""
+    pinned = offload_pinned(layers=s.num_layers, layer_bytes=2.0 * s.hidden_size * tokens,
+                            ranks_per_node=hw.gpus_per_node, setting=w.activation_offload,
+                            host_bytes=hw.host_mem_gib * GIB if hw.host_mem_gib is not None else None)[0]
+    return "pinned" if pinned else "pageable"
 
 
 def _host_bytes(s: ModelShape, c: Choice, hw: Hardware, *, stage: int, t_all: int, autocast: bool,

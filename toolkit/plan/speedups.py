@@ -1,9 +1,11 @@
-"""The compile, float8 and MLP-tiling decisions, pure: which runs compile, which Linear modules float8 converts, and
-which GPUs can run it. Shared by the runtime (toolkit/runtime/compile.py, fp8.py) and `toolkit plan`;
-testable without a GPU. The measurements behind each constant are in bench/results/fp8_compile.md.
+"""The compile, float8, MLP-tiling and activation-offload decisions, pure: which runs compile, which Linear modules
+float8 converts, and which GPUs can run it. Shared by the runtime (toolkit/runtime/compile.py, fp8.py, sequence/) and
+`toolkit plan`; testable without a GPU. The measurements behind each constant are in bench/results/fp8_compile.md.
 """
 
 from __future__ import annotations
+
+import math
 
 # float8 tensor cores: Ada (SM 8.9) and Hopper (9.0) and later. Below that torchao can only emulate
 # float8 (eager, slower than bf16), so the run is refused instead.
@@ -100,3 +102,55 @@ def tiled_mlp_on(setting: str, seq_len: int, sequence_parallel: int) -> tuple[bo
         return True, (f"model.tiled_mlp=auto: {per_rank:,} tokens of a row per rank (>= {TILED_MLP_AUTO_MIN_TOKENS:,}): "
                       "the MLP's activations would dominate")
     return False, f"model.tiled_mlp=auto: {per_rank:,} tokens of a row per rank (< {TILED_MLP_AUTO_MIN_TOKENS:,})"
+
+
+# model.activation_offload=auto: on when the layer inputs gradient checkpointing keeps on a rank (layers x hidden x
+# tokens, bf16) would take at least this share of its GPU. ../shared/notes/long_context.md section 6: from about
+# 256K tokens (an 8B Llama: 256 KiB a token) they are the largest term of the peak; offloaded, each comes back for
+# its layer's backward only. The copies run on a side stream, hidden behind a layer's compute at such lengths.
+ACTIVATION_OFFLOAD_AUTO_SHARE = 0.25
+# Pinned (page-locked) host buffers when every rank's fits in this share of the host's memory: PyTorch's pinned
+# allocator rounds each buffer up to a power of two (a 3 GiB layer input locks 4 GiB), and locked memory cannot be
+# swapped or shared with the page cache. Above it, pageable buffers: exact sizes, each copy waits for the GPU.
+PINNED_HOST_SHARE = 0.5
+
+
+def pinned_bytes(n_bytes: float) -> float:
+    """What one pinned host buffer of n_bytes locks: PyTorch's CachingHostAllocator rounds to a power of two."""
+    return float(1 << math.ceil(math.log2(n_bytes))) if n_bytes >= 1 else 0.0
+
+
+def activation_offload_on(setting: str, *, grad_ckpt: bool, cuda: bool, layers: int, hidden: int, tokens: int,
+                          gpu_bytes: float) -> tuple[bool, str]:
+    """(offload or not, why) for model.activation_offload = auto | true | pinned | pageable | false
+    (toolkit/runtime/sequence/offload.py). tokens: one micro-batch's tokens on a rank (micro x seq_len / sequence
+    parallel)."""
+    if setting == "false":
+        return False, "model.activation_offload=false"
+    if not grad_ckpt:  # `toolkit check` and the run refuse `true` without checkpointing
+        return False, "model.activation_offload: no checkpointed inputs (model.gradient_checkpointing=false)"
+    if not cuda:
+        return False, f"model.activation_offload={setting}: no effect on CPU ranks (nothing to move off a GPU)"
+    kept = layers * 2.0 * hidden * tokens
+    share = kept / gpu_bytes if gpu_bytes else 0.0
+    what = f"checkpointed layer inputs {kept / 2**30:.1f} GiB per rank, {share:.0%} of the GPU"
+    if setting != "auto":
+        return True, f"model.activation_offload={setting}: {what}"
+    if share >= ACTIVATION_OFFLOAD_AUTO_SHARE:
+        return True, f"model.activation_offload=auto: {what} (>= {ACTIVATION_OFFLOAD_AUTO_SHARE:.0%})"
+    return False, f"model.activation_offload=auto: {what} (< {ACTIVATION_OFFLOAD_AUTO_SHARE:.0%})"
+
+
+def offload_pinned(*, layers: int, layer_bytes: float, ranks_per_node: int, host_bytes: float | None,
+                   setting: str = "auto") -> tuple[bool, str]:
+    """(pinned host buffers or pageable, why) for offloaded layer inputs of layer_bytes each (DeepSpeed's pool keeps
+    a buffer per layer input, reused every step). host_bytes None: not known, pinned. setting: model.activation_offload
+    (pinned and pageable decide it)."""
+    locked = ranks_per_node * layers * pinned_bytes(layer_bytes)
+    if setting == "pageable":
+        return False, f"pageable host buffers, {ranks_per_node * layers * layer_bytes / 2**30:.0f} GiB per node"
+    if setting == "pinned" or host_bytes is None or locked <= PINNED_HOST_SHARE * host_bytes:
+        return True, f"pinned host buffers, {locked / 2**30:.0f} GiB per node"
+    return False, (f"pageable host buffers, {ranks_per_node * layers * layer_bytes / 2**30:.0f} GiB per node (pinned "
+                   f"would lock {locked / 2**30:.0f} GiB, over {PINNED_HOST_SHARE:.0%} of the host's "
+                   f"{host_bytes / 2**30:.0f}): each copy waits for the GPU")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -74,7 +75,7 @@ from toolkit.runtime.model import (
     is_preset,
 )
 from toolkit.runtime.preempt import Preemption
-from toolkit.runtime.sequence import tiling, ulysses
+from toolkit.runtime.sequence import offload, tiling, ulysses
 
 if TYPE_CHECKING:
     from toolkit.runtime.spec import RunSpec
@@ -99,6 +100,7 @@ def run(p: RunSpec) -> int:
     if experts_path is not None:
         liger = moe.with_experts(liger, experts_path, p.model_config.model_type)
     attn = attention.for_run(cfg)
+    offloading = _offload_plan(p)
     refused = _claim_run_dir(p)
     if refused is None:  # heartbeats from here on: a rank that dies, stops or hangs ends the job everywhere
         watchdog.start(p.run_dir, cfg.train.heartbeat_timeout_s, cfg.train.collective_timeout_s)
@@ -116,6 +118,8 @@ def run(p: RunSpec) -> int:
         print(f"{packing(cfg)[1]}; {attn.note}", flush=True)
         if tiled or cfg.model.tiled_mlp != "auto":
             print(f"MLP tiled over the sequence: {'on' if tiled else 'off'} ({tiled_why})", flush=True)
+        if offloading.on or cfg.model.activation_offload != "auto":
+            print(offloading.describe(), flush=True)
         if not compiled:
             print(f"torch.compile: off ({compile_why})", flush=True)
         if linear_note:
@@ -125,6 +129,7 @@ def run(p: RunSpec) -> int:
                                                "liger": liger.kwargs, "liger_note": liger.describe(),
                                                "packing": packing(cfg)[0], "attention": attn.implementation,
                                                "attention_note": attn.note, "tiled_mlp": tiled,
+                                               "activation_offload": offloading.describe(),
                                                "compile": compiled, "compile_note": compile_why, "fp8": p.fp8,
                                                "experts_note": experts_path.describe() if experts_path else None})
         write_status(p.run_dir, "running")
@@ -141,7 +146,7 @@ def run(p: RunSpec) -> int:
     try:
         with console.rank_log(p.run_dir, rank):  # the traceback goes to logs/rank{N}.log
             try:
-                rc = _run(p, liger, attn, (compiled, compile_why), experts_path)
+                rc = _run(p, liger, attn, (compiled, compile_why), experts_path, offloading)
             finally:
                 ulysses.stop()  # sequence parallelism's process-wide state, for a next run in this process
     except CheckpointError as e:  # a save that could not happen: the same one line on every rank
@@ -172,8 +177,19 @@ def _claim_run_dir(p: RunSpec) -> str | None:
     return error
 
 
+def _offload_plan(p: RunSpec) -> offload.Plan:
+    """model.activation_offload for this run: one micro-batch's tokens on a rank against its GPU and host."""
+    cfg = p.cfg
+    mc = p.model_config.get_text_config() if hasattr(p.model_config, "get_text_config") else p.model_config
+    micro = cfg.train.micro_batch_size if isinstance(cfg.train.micro_batch_size, int) else 1
+    return offload.decide(cfg.model.activation_offload, grad_ckpt=cfg.model.gradient_checkpointing,
+                          layers=int(getattr(mc, "num_hidden_layers", 0) or 0), hidden=hidden_size(mc),
+                          tokens=micro * cfg.data.seq_len // cfg.train.sequence_parallel,
+                          ranks_per_node=int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1))
+
+
 def _run(p: RunSpec, liger: Any, attn: attention.AttentionPlan, compiled: tuple[bool, str],
-         experts_path: ExpertsChoice | None = None) -> int:
+         experts_path: ExpertsChoice | None = None, offloading: offload.Plan | None = None) -> int:
     cfg = p.cfg
     rank = dist.rank()
     # Python/NumPy/torch RNGs: dropout and PEFT's LoRA init draw from them. The HF Trainer seeds on
@@ -225,7 +241,7 @@ def _run(p: RunSpec, liger: Any, attn: attention.AttentionPlan, compiled: tuple[
     order = EpochOrder(len(rows), cfg.train.seed, cfg.data.shuffle, lengths=lengths,
                        group=cfg.train.micro_batch_size * p.data_world)
     state = {"phase": "engine_ready", "step": 0, "preempt": Preemption(), "preempted": False, "sp": sp,
-             "aux_coef": aux_coef,
+             "aux_coef": aux_coef, "offload": offloading or offload.Plan(False, "not decided"),
              # the loss on this batch is recorded at every save and checked after every resume (whole on
              # every rank under sequence parallelism: no boundaries, so the attention is not sharded)
              "fixed_batch": resume.fixed_batch(rows, Collator(pad_id=pad_id, task=cfg.model.task,
@@ -408,6 +424,7 @@ def _run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collat
     global_batch = t.micro_batch_size * t.grad_accum * p.world_size
     universal: str | None = None
     aux_coef = state["aux_coef"]
+    offloading = state["offload"]
 
     class ToolkitTrainer(Trainer):
         def _get_train_sampler(self, train_dataset: Any = None) -> EpochOrder:
@@ -415,7 +432,8 @@ def _run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collat
 
         def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Any:
             counter.add(inputs)  # on the device, no sync: collation runs in loader workers
-            return super().training_step(model, inputs, num_items_in_batch)
+            with offload.context(offloading):  # the Trainer's step is one micro-batch's forward and backward
+                return super().training_step(model, inputs, num_items_in_batch)
 
         def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                          num_items_in_batch: Any = None) -> Any:
@@ -556,6 +574,7 @@ def _run_raw(p: RunSpec, model: Any, dataset: ListDataset, collator: Collator, o
     data_rank, data_world = (sp.dp_rank, sp.dp_world) if sp else (rank, world)
     loss_mult = ulysses.loss_multiplier(sp, p.ds) if sp else world
     aux_coef = state["aux_coef"]
+    offloading = state["offload"]
     aux_kwargs = {"output_router_logits": True} if aux_coef else {}
     experts = moe.experts_of(model) if aux_coef else None
     load = moe.ExpertLoad(experts.top_k) if experts else None
@@ -612,18 +631,20 @@ def _run_raw(p: RunSpec, model: Any, dataset: ListDataset, collator: Collator, o
                 # normalization the HF Trainer uses (model returns sum/n_items; DeepSpeed then
                 # averages over ranks, hence x world; no extra 1/grad_accum). Under sequence parallelism
                 # see ulysses.loss_multiplier.
-                out = engine(**b, num_items_in_batch=n_items, **aux_kwargs)
-                aux = moe.aux_term(out, aux_coef, t.grad_accum)
-                loss = out.loss * loss_mult + aux
-                engine.backward(loss, scale_wrt_gas=False)
+                with offload.context(offloading):  # forward and backward of one micro-batch
+                    out = engine(**b, num_items_in_batch=n_items, **aux_kwargs)
+                    aux = moe.aux_term(out, aux_coef, t.grad_accum)
+                    loss = out.loss * loss_mult + aux
+                    engine.backward(loss, scale_wrt_gas=False)
                 acc += loss.detach()
                 if isinstance(aux, torch.Tensor):
                     aux_acc += aux.detach() / aux_coef
                 if load is not None:
                     load.add(getattr(out, "router_logits", None))
             else:
-                loss = engine(**b).loss
-                engine.backward(loss)
+                with offload.context(offloading):
+                    loss = engine(**b).loss
+                    engine.backward(loss)
                 acc += loss.detach() / t.grad_accum
             engine.step()
         step += 1

@@ -1,0 +1,103 @@
+"""Checkpointed layer inputs on the CPU (`model.activation_offload`), through DeepSpeed's offload context.
+
+Gradient checkpointing keeps one (tokens x hidden) tensor per decoder layer between forward and backward: 256 KiB
+a token for an 8B Llama, the largest term of the peak from about 256K tokens (../shared/notes/long_context.md
+section 6). DeepSpeed 0.19.6+ (`CheckpointHiddenStatesOffload`) marks each HF `GradientCheckpointingLayer`'s
+input, copies it to host buffers on a side stream during forward (the newest stays on the GPU: the first backward
+needs it at once) and copies it back when backward recomputes that layer. Forward and backward run inside one
+context, per micro-batch.
+
+Written here, what DeepSpeed 0.19.8 gets wrong for this use: its unpack hook caches each restored input in a dict
+until the context exits (for a second backward through the same graph), so by the end of backward every layer's
+input is back on the GPU and the peak only moves from the top layer's backward to the bottom one's. One backward
+per forward here: a restored input is used by its layer's recompute and then freed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from toolkit.plan.speedups import activation_offload_on, offload_pinned
+
+
+@dataclass(frozen=True)
+class Plan:
+    on: bool
+    why: str
+    pinned: bool = True
+    pinned_why: str = ""
+
+    def describe(self) -> str:
+        state = "on" if self.on else "off"
+        return f"checkpointed layer inputs on the CPU: {state} ({self.why}" + (f"; {self.pinned_why})" if self.on else ")")
+
+
+def decide(setting: str, *, grad_ckpt: bool, layers: int, hidden: int, tokens: int, ranks_per_node: int) -> Plan:
+    """The run's choice: `activation_offload_on` against this GPU's memory, then pinned or pageable buffers
+    against this host's memory (toolkit/plan/speedups.py, which `toolkit plan` also uses)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    gpu = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if cuda else 0
+    on, why = activation_offload_on(setting, grad_ckpt=grad_ckpt, cuda=cuda, layers=layers, hidden=hidden,
+                                    tokens=tokens, gpu_bytes=gpu)
+    if not on:
+        return Plan(False, why)
+    pinned, pinned_why = offload_pinned(layers=layers, layer_bytes=2.0 * hidden * tokens,
+                                        ranks_per_node=ranks_per_node, host_bytes=host_memory_bytes(), setting=setting)
+    return Plan(True, why, pinned, pinned_why)
+
+
+def host_memory_bytes() -> float | None:
+    """This host's memory, or the container's limit where one is set (cgroup v2, then v1); None if unknown."""
+    limits = []
+    for f in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        with contextlib.suppress(OSError):
+            text = Path(f).read_text().strip()
+            if text.isdigit():
+                limits.append(float(text))
+    with contextlib.suppress(OSError, ValueError):
+        limits.append(float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")))
+    return min(limits) if limits else None
+
+
+def context(plan: Plan) -> Any:
+    """A fresh context per micro-batch (forward and backward inside it); a no-op when the plan is off. The host
+    buffers are reused across micro-batches through one pool per process."""
+    if not plan.on:
+        return contextlib.nullcontext()
+    return _offloader(plan.pinned)
+
+
+_POOL: dict[bool, Any] = {}
+
+
+def _offloader(pinned: bool) -> Any:
+    ctx = _POOL.get(pinned)
+    if ctx is None:
+        # no forward stash: DeepSpeed's default keeps the two newest offloaded inputs on the GPU as well (to skip their
+        # copies back at the start of backward), which at 384K tokens of an 8B model is 6 GiB of the peak
+        ctx = _POOL[pinned] = _offload_class()(use_pin_memory=pinned, max_fwd_stash_count=0,
+                                               max_cpu_buffer_pool_count=1024)
+    return ctx
+
+
+def _offload_class() -> type:
+    from deepspeed.runtime.activation_checkpointing.offload_activations import (
+        CheckpointHiddenStatesOffload,
+        _OffloadedTensorRef,
+    )
+
+    class ReleasingOffload(CheckpointHiddenStatesOffload):
+        """DeepSpeed's context whose restored inputs are not cached until exit (the module docstring says why)."""
+
+        def _unpack_tensor(self, maybe_ref: Any) -> Any:
+            if isinstance(maybe_ref, _OffloadedTensorRef):
+                return self._restore_tensor(maybe_ref.tensor_id, cache=False)
+            return maybe_ref
+
+    return ReleasingOffload
