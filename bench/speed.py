@@ -105,6 +105,9 @@ TUNES: dict[str, tuple[list[str], dict[str, Any], int | None]] = {
     # and the fused loss's .item() are not known to work under it: eager HF modules.
     "deepcompile": (["train.compile=torch", "model.liger=false"], {"compile": {"deepcompile": True}}, None),
     "noliger": (["model.liger=false"], {}, None),  # eager without Liger: what DeepCompile is measured against
+    "noflce": (["model.liger_fused_loss=false"], {}, None),  # Liger's norm/rope/swiglu, the loss through full logits
+    # MoE at the bare loop's own micro-batch (2): the toolkit's default, without Liger, without its fused loss
+    "m2": ([], {}, 2), "m2-noliger": (["model.liger=false"], {}, 2), "m2-noflce": (["model.liger_fused_loss=false"], {}, 2),
     "nopack": (["data.packing=false"], {}, None),  # real data one row per sequence, batches grouped by length
     # Mixture-of-Experts: each experts path (model.experts), against the toolkit's default (auto)
     **{f"experts-{path}": ([f"model.experts={path}"], {}, None) for path in ("grouped_mm", "liger", "eager")},
@@ -114,7 +117,7 @@ TUNES: dict[str, tuple[list[str], dict[str, Any], int | None]] = {
     "grouped_mm-noaux": (["moe.aux_loss_coef=0", "model.experts=grouped_mm"], {}, None),
 }
 ANY_STAGE = {"compile", "fp8", "fp8-m32", "nopack", "experts-grouped_mm", "experts-liger", "experts-eager", "m8",
-             "grouped_mm-noaux", "noliger"}  # the other levers are ZeRO-3's
+             "grouped_mm-noaux", "noliger", "noflce", "m2", "m2-noliger", "m2-noflce"}  # the other levers are ZeRO-3's
 
 
 def _ds_preset(stage: int, offload: str) -> str:
