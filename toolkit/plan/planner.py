@@ -117,6 +117,13 @@ FP8_GAIN = ((896, 1.077), (2048, 1.287), (4096, 1.417))
 CPU_ADAM_PARAMS_PER_S = 1.0e9
 # Host<->GPU copies for offload: not measured here; PCIe Gen5 x16 moves about 25 GB/s one way in practice.
 PCIE_BYTES_PER_S = 25e9
+# A Mixture-of-Experts block's backward (grouped_mm experts, transformers 5.x) holds about this many hidden-sized
+# bf16 tensors per routed token at its peak (the permuted gradients, the gate/up/activation gradients, the
+# gradient of the permuted input). Fitted to one measured peak, the reduced-layer Qwen3-30B-A3B shape at micro 8 x
+# seq 4096 on one H100, ZeRO-2 (58.5 GiB, run s39; 3 x intermediate per routed token predicted 53.9); the same
+# term gives 58.8 there and the ZeRO-3 rows 57.8 against 55.9 (one H100, s39) and 42.2 against 42.0 (two H200s, s41):
+# bench/results/moe.md.
+MOE_BWD_HIDDENS = 6
 # Offloaded checkpointed inputs (model.activation_offload): the layer inputs left on the GPU at once, the newest (kept
 # for the first backward) and the one before (its copy out in flight; no forward stash, toolkit/runtime/sequence/
 # offload.py); pageable host buffers copy at about this rate and the host waits for each copy (not measured here: a
@@ -610,8 +617,8 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     # backward of the top layer's MLP: the gradient of the down projection's input, and in plain
     # transformers the two gradients the SiLU-mul product splits into (Liger computes them in place)
     mlp_bwd = (1 if fused else 3) * 2.0 * s.intermediate_size * tokens + 2 * 2.0 * h * tokens
-    if s.num_experts:  # the experts' intermediate gradients, per routed token
-        mlp_bwd = 3 * 2.0 * s.expert_intermediate * s.experts_per_token * tokens + 2 * 2.0 * h * tokens
+    if s.num_experts:  # the experts' gradients and temporaries, per routed token (fitted: MOE_BWD_HIDDENS)
+        mlp_bwd = MOE_BWD_HIDDENS * 2.0 * h * s.experts_per_token * tokens + 2 * 2.0 * h * tokens
     if tiled:  # one tile of micro x hidden tokens at a time, recomputed with its activations, then its gradients
         tile = min(tokens, c.micro_batch * h)
         mlp_bwd = ((2 if fused else 3) + 1 + (1 if fused else 3)) * 2.0 * s.intermediate_size * tile \
@@ -637,6 +644,10 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     # 9.29 GiB besides parameters and states at its peak where 2-byte buckets predicted 7.31.
     buckets = 2 * (4.0 if autocast else 2.0) * sizes.reduce_bucket if stage in (1, 2) else 0.0
     gathered = _gathered_bytes(s, n, sizes, offload_param) if stage == 3 else 0.0
+    if stage == 3 and n > 1 and s.num_experts:
+        # a Mixture-of-Experts block is one ZeRO-3 leaf: its whole bf16 gradient exists before its reduce-scatter
+        # (3 x hidden x expert intermediate per expert; Qwen3-30B-A3B: 1.13 GiB a layer)
+        gathered += 2.0 * s.num_experts * 3 * h * s.expert_intermediate
 
     # ---- optimizer step transients (activations gone) -------------------------------------------------
     if stage == 0:
