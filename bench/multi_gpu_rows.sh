@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# Issue 34's rows on one 2-GPU host (device kind nvidia-h100-x2), from the repo root, one device command per part:
-#   bash bench/two_gpu_rows.sh OUT [PARTS]      PARTS: comma-separated of sp, data, moe (default sp,data)
+# Issue 34's rows on one multi-GPU host (N = every GPU nvidia-smi lists), from the repo root, one device command:
+#   bash bench/multi_gpu_rows.sh OUT [PARTS]    PARTS: comma-separated of sp, data, moe (default sp,data)
+# (Runs s40 and s41 ran it as bench/two_gpu_rows.sh, on 2 GPUs, at commit 9497ac3.)
 # 1. Sequence parallelism: llama-3.2-1b at 16,384 tokens, bf16, ZeRO-2, 20 steps, one sequence per step:
-#    train.sequence_parallel=2 on both GPUs against the same job on GPU 0 alone -> OUT/sp.json (per-step losses,
-#    mean |difference|, peaks, tokens/s), run dirs' metrics in OUT/sp{1,2}.metrics.jsonl.
-# 2. Real data: llama-1b seq 2048 on the 100k-row corpus against synthetic rows, ZeRO-2 and ZeRO-3, on 2 GPUs, and
-#    the corpus on GPU 0 alone (scaling 1 -> 2) -> OUT/speed.json, OUT/speed.md, OUT/scaling.md.
-# 3. Mixture-of-Experts: the reduced-layer Qwen3-30B-A3B shape (3 of 48 layers) at ZeRO-3 on both GPUs, the toolkit
+#    train.sequence_parallel=N on all GPUs against the same job on GPU 0 alone -> OUT/sp.json (per-step losses,
+#    mean |difference|, peaks, tokens/s), run dirs' metrics in OUT/sp{1,N}.metrics.jsonl.
+# 2. Real data: llama-1b seq 2048 on the 100k-row corpus against synthetic rows, ZeRO-2 and ZeRO-3, on N GPUs, and
+#    the corpus on GPU 0 alone (scaling 1 -> N) -> OUT/speed.json, OUT/speed.md, OUT/scaling.md.
+# 3. Mixture-of-Experts: the reduced-layer Qwen3-30B-A3B shape (3 of 48 layers) at ZeRO-3 on N GPUs, the toolkit
 #    at the planner's micro 8 against the bare DeepSpeed loop -> OUT/moe.json, OUT/moe.md.
 set -uo pipefail
 out=$1
 parts=",${2:-sp,data},"
+n=$(nvidia-smi -L | wc -l)
+gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $n"
 work=/tmp/dc
 mkdir -p "$out/s"
 export PYTHONUNBUFFERED=1
@@ -28,28 +31,28 @@ C=(train.path=raw model.name=llama-3.2-1b data.seq_len=16384 data.num_samples=40
    train.log_every=1)
 timeout --kill-after=10 170 deepspeed --include localhost:0 --master_port 29610 toolkit/train.py \
   --ds ds_configs/zero2.json "${C[@]}" train.run_dir="$out/s/sp1" > "$out/s/sp1.log" 2>&1; echo "sp1 rc=$?"
-timeout --kill-after=10 170 deepspeed --num_gpus 2 --master_port 29611 toolkit/train.py \
-  --ds ds_configs/zero2.json "${C[@]}" train.sequence_parallel=2 train.run_dir="$out/s/sp2" > "$out/s/sp2.log" 2>&1
-echo "sp2 rc=$?"
+timeout --kill-after=10 170 deepspeed --num_gpus "$n" --master_port 29611 toolkit/train.py \
+  --ds ds_configs/zero2.json "${C[@]}" train.sequence_parallel="$n" train.run_dir="$out/s/sp$n" > "$out/s/sp$n.log" 2>&1
+echo "sp$n rc=$?"
 cp "$out/s/sp1/metrics.jsonl" "$out/sp1.metrics.jsonl" 2>/dev/null
-cp "$out/s/sp2/metrics.jsonl" "$out/sp2.metrics.jsonl" 2>/dev/null
-python - "$out" <<'EOF'
+cp "$out/s/sp$n/metrics.jsonl" "$out/sp$n.metrics.jsonl" 2>/dev/null
+python - "$out" "$n" <<'EOF'
 import json, statistics, sys
 from pathlib import Path
-out = Path(sys.argv[1])
+out, n = Path(sys.argv[1]), int(sys.argv[2])
 def read(n):
     p = out / "s" / f"sp{n}"
     m = [json.loads(x) for x in (p / "metrics.jsonl").read_text().splitlines()] if (p / "metrics.jsonl").exists() else []
     peaks = [json.loads(x).get("peak_allocated_gib") or 0 for f in sorted((p / "memory").glob("rank*.jsonl"))
              for x in f.read_text().splitlines()] if (p / "memory").exists() else []
     return m, max(peaks, default=None)
-(m1, p1), (m2, p2) = read(1), read(2)
+(m1, p1), (m2, p2) = read(1), read(n)
 d = [abs(a["loss"] - b["loss"]) for a, b in zip(m1, m2)]
-doc = {"seq": 16384, "steps": len(d), "mean_abs_loss_diff": statistics.mean(d) if d else None,
-       "max_abs_loss_diff": max(d, default=None), "peak_gib": {"sp1": p1, "sp2": p2},
+doc = {"seq": 16384, "sequence_parallel": n, "steps": len(d), "mean_abs_loss_diff": statistics.mean(d) if d else None,
+       "max_abs_loss_diff": max(d, default=None), "peak_gib": {"sp1": p1, f"sp{n}": p2},
        "tokens_per_s_job": {k: statistics.median(r["tokens_per_s"] for r in m[2:]) if len(m) > 2 else None
-                            for k, m in (("sp1", m1), ("sp2", m2))},
-       "losses": {"sp1": [r["loss"] for r in m1], "sp2": [r["loss"] for r in m2]}}
+                            for k, m in (("sp1", m1), (f"sp{n}", m2))},
+       "losses": {"sp1": [r["loss"] for r in m1], f"sp{n}": [r["loss"] for r in m2]}}
 (out / "sp.json").write_text(json.dumps(doc, indent=1))
 print({k: v for k, v in doc.items() if k != "losses"})
 EOF
@@ -58,20 +61,20 @@ fi
 if [[ $parts == *,data,* ]]; then
 R="--data-dir $work --only llama-1b-seq2048,llama-1b-seq2048-data100k --stages 2,3 --variants raw --warmup 2 --steps 3 --timeout 120"
 # shellcheck disable=SC2086  # R is several options
-python bench/speed.py run --gpus 2 --out "$out/s/rows" --port 29700 $R 2>&1 | tee -a "$out/s/run.log"
+python bench/speed.py run --gpus "$n" --out "$out/s/rows" --port 29700 $R 2>&1 | tee -a "$out/s/run.log"
 # shellcheck disable=SC2086
 python bench/speed.py run --include localhost:0 --out "$out/s/rows" --port 29750 ${R/llama-1b-seq2048,/} 2>&1 | tee -a "$out/s/run.log"
-python bench/speed.py table "$out"/s/rows/*.json --json "$out/speed.json" --command "bash bench/two_gpu_rows.sh OUT" \
-  --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $(nvidia-smi -L | wc -l)" > "$out/speed.md"
+python bench/speed.py table "$out"/s/rows/*.json --json "$out/speed.json" --command "bash bench/multi_gpu_rows.sh OUT" \
+  --gpu "$gpu" > "$out/speed.md"
 cat "$out/speed.md"
 python bench/speed.py scaling "$out/speed.json" | tee "$out/scaling.md"
 fi
 
 if [[ $parts == *,moe,* ]]; then
-  python bench/speed.py run --gpus 2 --out "$out/s/moe" --port 29800 --only qwen3-30b-a3b-l3-seq4096 --stages 3 \
+  python bench/speed.py run --gpus "$n" --out "$out/s/moe" --port 29800 --only qwen3-30b-a3b-l3-seq4096 --stages 3 \
     --variants bare,raw --tune m8 --tune-only --warmup 2 --steps 3 --timeout 170 2>&1 | tee -a "$out/s/run.log"
-  python bench/speed.py table "$out"/s/moe/*.json --json "$out/moe.json" --command "bash bench/two_gpu_rows.sh OUT moe" \
-    --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $(nvidia-smi -L | wc -l)" > "$out/moe.md"
+  python bench/speed.py table "$out"/s/moe/*.json --json "$out/moe.json" --command "bash bench/multi_gpu_rows.sh OUT moe" \
+    --gpu "$gpu" > "$out/moe.md"
   cat "$out/moe.md"
 fi
 tar czf "$out/logs.tgz" --exclude='*.pt' --exclude='checkpoints' -C "$out" s 2>/dev/null
