@@ -85,7 +85,7 @@ def test_offloaded_inputs_leave_two_on_the_gpu_and_go_to_host_buffers() -> None:
     assert (kept.activation_offload, off.activation_offload) == ("", "pinned")
     one = 2 * 2048 * 524288 / 2**30  # a layer input of llama-3.2-1b at 512K: 2 GiB
     assert kept.gpu["activations"] - off.gpu["activations"] == pytest.approx((16 - 2) * one)
-    assert off.host["checkpointed layer inputs (pinned)"] == pytest.approx(16 * one)
+    assert off.host["checkpointed layer inputs (pinned)"] == pytest.approx(15 * one)  # the newest stays on the GPU
     # a quarter of the GPU: at 256K the 16 GiB of inputs stay (auto), unless asked
     assert pl.predict(_w(262144, tiled_mlp=True), c, hw).activation_offload == ""
     assert pl.predict(_w(262144, tiled_mlp=True, activation_offload="pageable"), c, hw).activation_offload == "pageable"

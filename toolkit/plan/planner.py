@@ -684,13 +684,14 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     need = peak_gib * (1 + ALLOC_MARGIN) + CUDA_CONTEXT_GIB
 
     # ---- host ------------------------------------------------------------------------------------------
+    inputs_host = {}
+    if offloaded:  # from the first step on, a host buffer per layer input but the newest (DeepSpeed's keep_last)
+        one = 2.0 * h * tokens
+        inputs_host[f"checkpointed layer inputs ({offloaded})"] = (s.num_layers - 1) * (
+            pinned_bytes(one) if offloaded == "pinned" else one)
     host, build_bytes = _host_bytes(s, c, hw, stage=stage, t_all=t_all, autocast=autocast,
                                     offload_opt=offload_opt, offload_param=offload_param, groups=groups,
-                                    n_gpu_groups=len(gpu_groups), sizes=sizes)
-    if offloaded:
-        one = 2.0 * h * tokens
-        host[f"checkpointed layer inputs ({offloaded})"] = s.num_layers * (pinned_bytes(one) if offloaded == "pinned"
-                                                                           else one)
+                                    n_gpu_groups=len(gpu_groups), sizes=sizes, steps=inputs_host)
     host_rank = sum(host.values()) / GIB
     host_build = build_bytes / GIB
     host_node = max(host_rank, host_build) * hw.gpus_per_node
@@ -725,9 +726,10 @@ def _activation_offload(w: Workload, c: Choice, hw: Hardware, tokens: int) -> st
 
 def _host_bytes(s: ModelShape, c: Choice, hw: Hardware, *, stage: int, t_all: int, autocast: bool,
                 offload_opt: bool, offload_param: bool, groups: list[int], n_gpu_groups: int,
-                sizes: ZeroSizes) -> tuple[dict[str, float], float]:
+                sizes: ZeroSizes, steps: dict[str, float] | None = None) -> tuple[dict[str, float], float]:
     """Host RSS of one rank by category at its largest phase boundary, and the RSS while the model is
-    built (bytes)."""
+    built (bytes). steps: host memory that exists from the first step on (offloaded layer inputs)."""
+    steps = steps or {}
     n = hw.world
     late = (HOST_BASELINE_CPU_GIB if hw.cpu_ranks else HOST_BASELINE_GIB) * GIB
     early = (HOST_BASELINE_CPU_GIB if hw.cpu_ranks else HOST_EARLY_GIB) * GIB
@@ -751,9 +753,9 @@ def _host_bytes(s: ModelShape, c: Choice, hw: Hardware, *, stage: int, t_all: in
             if c.grad_accum > 1:                                            # Adam m, v; grad staging
                 states += _accumulated_grads_in_cpu(s, n)
         model = {"process": early, "model (bf16 base, fp32 adapters)" if autocast else "model build (fp32)": loaded}
-        if early + loaded > late + states:
+        if early + loaded > late + states + sum(steps.values()):
             return model, early + build
-        return ({"process": late, "offloaded states": states} if states else {"process": late}), early + build
+        return ({"process": late} | ({"offloaded states": states} if states else {}) | steps), early + build
     # ZeRO-3 builds inside zero.Init, on the GPU. The toolkit's random init copies one module's
     # parameters to the CPU in fp32 at a time (toolkit/runtime/model.py _init_zero3_on_cpu), freed before the
     # engine exists: not in the measured RSS of any snapshot (speed.json ZeRO-3 rows), left out.
@@ -768,7 +770,7 @@ def _host_bytes(s: ModelShape, c: Choice, hw: Hardware, *, stage: int, t_all: in
         # copies them into one pinned flat buffer; the freed blocks stay in the pinned cache
         out["params (bf16, pinned)"] = _pow2(2.0 * s.total_params / n) + sum(
             _pow2(2.0 * math.ceil(x / n)) for x in s.param_numels())
-    return out, 0.0
+    return out | steps, 0.0
 
 
 def _accumulated_grads_in_cpu(s: ModelShape, n: int) -> float:
