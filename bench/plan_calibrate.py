@@ -382,7 +382,7 @@ def cmd_repredict(a: argparse.Namespace) -> int:
     """A calibration.json's measurements against the planner as it is now (no GPU): the table, then each
     row's errors before (the predictions stored at the run) and now."""
     result = json.loads(Path(a.json).read_text())
-    by_name = {c.name: c for c in (*CONFIGS, *SMOKE)}
+    by_name = {c.name: c for c in (*CONFIGS, *LONG, *SMOKE)}
     before = {}
     for r in result["rows"]:
         before[r["config"]["name"]] = (r.get("gpu_error"), r.get("host_error"))

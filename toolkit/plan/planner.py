@@ -126,10 +126,11 @@ PCIE_BYTES_PER_S = 25e9
 MOE_BWD_HIDDENS = 6
 # Offloaded checkpointed inputs (model.activation_offload): the layer inputs left on the GPU at once, the newest (kept
 # for the first backward) and the one before (its copy out in flight; no forward stash, toolkit/runtime/sequence/
-# offload.py); pageable host buffers copy at about this rate and the host waits for each copy (not measured here: a
-# third of PCIE_BYTES_PER_S, to be checked).
+# offload.py). Pageable host buffers: each copy waits, at about this rate each way. Measured on one H200 (16 cores,
+# 128 GiB host), the Llama-3-8B shape with 8 layers at 393,216 tokens: 118.0 s a step against 101.0 without offload
+# for 7 inputs of 3 GiB out and back (2.65e9 bytes/s); its peak 51.3 GiB against 66.3 (bench/results/long_seq/).
 OFFLOAD_INPUTS_ON_GPU = 2
-PAGEABLE_BYTES_PER_S = 8e9
+PAGEABLE_BYTES_PER_S = 2.65e9
 
 
 # -- inputs ------------------------------------------------------------------------------------------
@@ -701,7 +702,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
                           offload_param=offload_param, cpu_params=sum(groups) - sum(gpu_groups) if stage == 3
                           else (t_all / n if offload_opt else 0.0))
     if offloaded == "pageable":  # each copy out and back waits for the GPU: not hidden behind compute
-        step_s += c.grad_accum * 2 * s.num_layers * 2.0 * h * tokens / PAGEABLE_BYTES_PER_S
+        step_s += c.grad_accum * 2 * (s.num_layers - 1) * 2.0 * h * tokens / PAGEABLE_BYTES_PER_S
     tps = c.micro_batch * c.grad_accum * w.seq_len / w.sequence_parallel / step_s  # a group shares each row
     return Prediction(
         choice=c, liger=liger, fused_loss=flce, compiled=comp, phase=phase, gpu=gpu,
