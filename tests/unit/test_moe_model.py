@@ -227,3 +227,28 @@ def test_mfu_counts_active_parameters_and_the_attention_width() -> None:
 
     assert dataclasses.replace(load_shape("qwen3-30b-a3b"), num_layers=3).active_params == 793_000_704  # the planner's
     assert attention_width(mc) == 4096 and attention_width(model_config(load_config(None, ["model.name=llama-1b"]))) == 2048
+
+
+def test_the_fused_loss_is_off_for_small_moe_micro_batches_whose_logits_fit() -> None:
+    import dataclasses
+
+    from toolkit.plan import planner as pl
+    from toolkit.plan.liger import MOE_FUSED_LOSS_OFF_TOKENS, choose, moe_fused_loss
+    from toolkit.plan.shapes import load_shape
+
+    setting, why = moe_fused_loss("auto", moe=True, tokens=8192, logits_fit=True)
+    assert setting == "false" and "8,192 tokens" in why
+    assert moe_fused_loss("auto", moe=True, tokens=MOE_FUSED_LOSS_OFF_TOKENS + 1, logits_fit=True) == ("auto", "")
+    assert moe_fused_loss("auto", moe=True, tokens=8192, logits_fit=False) == ("auto", "")
+    assert moe_fused_loss("auto", moe=False, tokens=8192, logits_fit=True) == ("auto", "")  # dense: not measured
+    assert moe_fused_loss("true", moe=True, tokens=8192, logits_fit=True) == ("true", "")
+    line = choose(True, cuda=True, model_type="qwen3_moe", task="causal_lm", stage=2, supported=frozenset({"qwen3_moe"}),
+                  fused_loss="false", fused_off_reason=why).describe()
+    assert "fused_linear_cross_entropy off: model.liger_fused_loss=auto: a Mixture-of-Experts micro-batch" in line
+    # the planner follows the run: micro 2 x 4096 on one 80 GiB GPU plain, micro 8 fused (its logits would not fit)
+    s = dataclasses.replace(load_shape("qwen3-30b-a3b"), num_layers=3)
+    w = pl.Workload(s, 4096, 32, compile="off")
+    two = pl.predict(w, pl.Choice(2, micro_batch=2, grad_accum=16), pl.Hardware(1))
+    eight = pl.predict(w, pl.Choice(2, micro_batch=8, grad_accum=4), pl.Hardware(1))
+    assert (two.fused_loss, eight.fused_loss) == (False, True)
+    assert two.fits and eight.fits

@@ -34,7 +34,9 @@ class ModelConfig:
     """Liger kernels (fused linear cross-entropy, RMSNorm, SwiGLU, RoPE) on CUDA for the families Liger
     supports. The run prints what was applied and why not."""
     liger_fused_loss: str = "auto"
-    """auto (= true), true, or false: Liger's fused linear cross-entropy (no logits tensor). Under ZeRO-3
+    """auto, true, or false: Liger's fused linear cross-entropy (no logits tensor). auto = true, except for a
+    Mixture-of-Experts micro-batch of up to 8,192 tokens whose logits fit, where the plain loss is faster
+    (toolkit/plan/liger.py). Under ZeRO-3
     lm_head.weight is registered as an external parameter of the model, so ZeRO-3 gathers it with the
     model's forward instead of blocking on it."""
     rope_factor: float = 1.0

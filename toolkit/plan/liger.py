@@ -27,8 +27,26 @@ class LigerChoice:
         return line + (f" ({', '.join(off)} off: {self.reason})" if off else "")
 
 
+# model.liger_fused_loss=auto on a Mixture-of-Experts model: off at up to this many tokens per micro-batch where the
+# logits fit without it. The fused loss costs about the same per micro-batch whatever its size (it walks the head's
+# gradient once per chunk, and the chunk count is vocabulary / hidden), so a small micro-batch pays it most. Measured
+# on one H200, the reduced-layer Qwen3-30B-A3B shape at micro 2 x seq 4096, ZeRO-2: 67.5k tokens/s with it, 84.3k
+# without (the bare loop 76.8k; run s44, bench/results/moe.md); at micro 8 (32,768 tokens) its logits would not
+# fit an H100 and the fused loss gave 1.57x the bare loop (s39). Dense models: not measured, unchanged.
+MOE_FUSED_LOSS_OFF_TOKENS = 8192
+
+
+def moe_fused_loss(setting: str, *, moe: bool, tokens: int, logits_fit: bool) -> tuple[str, str]:
+    """(model.liger_fused_loss as resolved, why it is off or ""). tokens: one micro-batch's, per rank."""
+    if setting != "auto" or not moe or tokens > MOE_FUSED_LOSS_OFF_TOKENS or not logits_fit:
+        return setting, ""
+    return "false", (f"model.liger_fused_loss=auto: a Mixture-of-Experts micro-batch of {tokens:,} tokens (<= "
+                     f"{MOE_FUSED_LOSS_OFF_TOKENS:,}) whose logits fit: the plain loss is faster there")
+
+
 def choose(wanted: bool, *, cuda: bool, model_type: str, task: str, stage: int,
-           supported: frozenset[str] | None, fused_loss: str = "auto", compiled: bool = False) -> LigerChoice:
+           supported: frozenset[str] | None, fused_loss: str = "auto", compiled: bool = False,
+           fused_off_reason: str = "") -> LigerChoice:
     """Pure decision, so it is testable without a GPU. `supported` is None when liger-kernel is
     not installed (or not importable: it needs triton).
 
@@ -53,5 +71,5 @@ def choose(wanted: bool, *, cuda: bool, model_type: str, task: str, stage: int,
     layer = not compiled
     kwargs = {"rope": layer, "rms_norm": layer, "swiglu": layer, "fused_linear_cross_entropy": fused}
     reason = ("train.compile: inductor fuses these inside the compiled decoder layers, where Liger's "
-              "kernels crash it" if compiled else "" if fused else "model.liger_fused_loss=false")
+              "kernels crash it" if compiled else "" if fused else fused_off_reason or "model.liger_fused_loss=false")
     return LigerChoice(kwargs=kwargs, reason=reason, external_head=fused and stage == 3)

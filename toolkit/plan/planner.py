@@ -27,10 +27,11 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from toolkit.config.ds_config import SPEED_SIZES, ConfigError
+from toolkit.plan.liger import moe_fused_loss
 from toolkit.plan.shapes import ModelShape
 from toolkit.plan.speedups import activation_offload_on, offload_pinned, pinned_bytes
 
@@ -537,6 +538,11 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     if w.fp8 and s.model_type not in LLAMA_LIKE:
         raise ConfigError(f"float8 (train.precision=fp8) converts nn.Linear in causal LMs; {s.model_type!r} has "
                           "none to convert (GPT-2: Conv1D) or is not a causal LM (BERT)")
+    if s.num_experts and w.fused_loss == "auto":  # the run's rule (toolkit/plan/liger.py moe_fused_loss)
+        plain = predict(replace(w, fused_loss="false"), c, hw)
+        tokens = c.micro_batch * w.seq_len // w.sequence_parallel
+        if moe_fused_loss("auto", moe=True, tokens=tokens, logits_fit=plain.fits_gpu)[0] == "false":
+            return plain
     n = hw.world
     stage, lora = c.stage, w.lora
     offload_opt = c.offload in ("optimizer", "all") and stage >= 1

@@ -90,7 +90,8 @@ def run(p: RunSpec) -> int:
         compiled, compile_why = False, ("train.compile=auto with tiled MLPs: their compiled speed is not measured "
                                         "yet; train.compile=torch compiles")
     linear_note = compiling.plain_linear(p.ds) if compiled and zero_stage(p.ds) == 3 else None
-    liger = kernels.choice_for(cfg, p.model_config.model_type, zero_stage(p.ds), compiled)
+    liger = kernels.choice_for(cfg, p.model_config.model_type, zero_stage(p.ds), compiled,
+                               moe.fused_loss_setting(cfg, p.model_config, p.ds, p.world_size, compiled))
     try:
         experts_path = moe.choose_path(cfg, p.model_config, liger)
     except ConfigError as e:  # every rank decides alike, before anything started: one line, rc 1

@@ -19,6 +19,7 @@ import torch
 
 from toolkit.config.ds_config import ConfigError
 from toolkit.plan import experts
+from toolkit.plan import liger as liger_rules
 from toolkit.plan.experts import ExpertsChoice
 from toolkit.plan.liger import LigerChoice
 
@@ -91,6 +92,30 @@ def is_moe(model_config: Any) -> bool:
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     return bool(getattr(text, "num_experts", 0) or getattr(text, "num_local_experts", 0)
                 or getattr(text, "n_routed_experts", 0))
+
+
+def fused_loss_setting(cfg: Any, model_config: Any, ds: dict[str, Any], world: int, compiled: bool) -> tuple[str, str]:
+    """model.liger_fused_loss for this run and why it is off ("" when it is not turned off here): on a
+    Mixture-of-Experts model at small micro-batches whose logits fit this GPU, auto means off
+    (toolkit/plan/liger.py moe_fused_loss; the fit is toolkit plan's prediction for this run without it)."""
+    setting, t = cfg.model.liger_fused_loss, cfg.train
+    micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else 0
+    tokens = micro * cfg.data.seq_len
+    if (setting != "auto" or not micro or not is_moe(model_config) or not torch.cuda.is_available()
+            or tokens > liger_rules.MOE_FUSED_LOSS_OFF_TOKENS):
+        return setting, ""
+    from toolkit.plan.planner import Lora, fitting_micro_batches
+
+    gpu_gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+    try:
+        fit = micro in fitting_micro_batches(
+            model_config, ds, world, cfg.data.seq_len, micro * t.grad_accum, gpu_gib, fused_loss="false",
+            lora=Lora(cfg.lora.r, tuple(cfg.lora.target_modules)) if cfg.lora.enabled else None,
+            grad_ckpt=cfg.model.gradient_checkpointing, liger=cfg.model.liger, attn=cfg.model.attn_implementation,
+            zero_sizes=t.zero_sizes, compile="torch" if compiled else "off")
+    except ConfigError:  # a shape the planner does not model: the fused loss stays, as before
+        return setting, ""
+    return liger_rules.moe_fused_loss(setting, moe=True, tokens=tokens, logits_fit=fit)
 
 
 def choose_path(cfg: Any, model_config: Any, liger: LigerChoice) -> ExpertsChoice | None:
