@@ -97,9 +97,9 @@ def test_pinned_buffers_only_where_their_power_of_two_sizes_fit_half_the_host() 
     assert pinned_bytes(3 * GIB) == 4 * GIB and pinned_bytes(2 * GIB) == 2 * GIB
     # llama-3.2-1b at 512K: 16 inputs of 2 GiB, pinned on a 128 GiB host
     assert offload_pinned(layers=16, layer_bytes=2 * GIB, ranks_per_node=1, host_bytes=128 * GIB)[0]
-    # Llama-3-8B at 384K: 32 inputs of 3 GiB would lock 128 GiB: pageable, 96 GiB
+    # Llama-3-8B at 384K: 31 inputs of 3 GiB (the newest stays) would lock 124 GiB: pageable, 93 GiB
     pinned, why = offload_pinned(layers=32, layer_bytes=3 * GIB, ranks_per_node=1, host_bytes=128 * GIB)
-    assert not pinned and "96 GiB per node" in why and "lock 128 GiB" in why
+    assert not pinned and "93 GiB per node" in why and "lock 124 GiB" in why
     assert offload_pinned(layers=32, layer_bytes=3 * GIB, ranks_per_node=1, host_bytes=None)[0]
 
 
@@ -113,7 +113,30 @@ def test_the_setting_is_checked_with_the_config() -> None:
 
 
 def test_the_plan_says_where_the_inputs_go() -> None:
-    p = offload.Plan(True, "model.activation_offload=true: ...", False, "pageable host buffers, 96 GiB per node")
+    p = offload.Plan(True, "model.activation_offload=true: ...", False, "pageable host buffers, 96 GiB per node", 32)
     assert p.describe() == ("checkpointed layer inputs on the CPU: on (model.activation_offload=true: ...; "
                             "pageable host buffers, 96 GiB per node)")
     assert offload.context(offload.Plan(False, "off")).__class__.__name__ == "nullcontext"
+
+
+def test_the_buffer_pool_keeps_one_per_layer_input_across_batch_lengths(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _tiny_llama(layers=4)
+    ctx = offload._offload_class()(use_pin_memory=False, use_streams=False, max_fwd_stash_count=0,
+                                   max_cpu_buffer_pool_count=4)
+    _offload_on_cpu(ctx, monkeypatch)
+    for width in (32, 48, 64, 48, 32):  # batches padded to other lengths
+        _grads(model, torch.randint(0, 128, (2, width)), ctx)
+        assert ctx._cpu_buffer_pool_count <= 4
+    # the last length's three offloaded inputs find their buffers in the pool
+    assert len(ctx._cpu_buffer_pool.get(((2, 32, 64), torch.float32, torch.strided, False), [])) == 3
+
+
+def test_plan_with_offload_asked_offers_only_checkpointed_choices(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from toolkit.cli import main
+
+    assert main(["plan", "--model", "llama-3.2-1b", "--gpus", "1", "--seq", "2048", "--global-batch", "8",
+                 "--activation-offload", "true", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["candidates"]
+    assert rows and all(r["grad_ckpt"] for r in rows)

@@ -29,7 +29,7 @@ def candidate_json(p: pl.Prediction) -> dict[str, Any]:
             "host_gib": round(p.host_node_gib, 3), "fits": p.fits,
             "offload_ratio": c.ratio if c.offload != "none" else None, "zero_sizes": c.zero_sizes,
             "fused_loss": p.fused_loss, "compiled": p.compiled, "gpu_need_gib": round(p.gpu_need_gib, 3),
-            "tokens_per_s_per_gpu": round(p.tokens_per_s_per_gpu, 1)}
+            "tokens_per_s_per_gpu": round(p.tokens_per_s_per_gpu, 1), "activation_offload": p.activation_offload}
 
 
 def ds_config_for(c: pl.Choice) -> dict[str, Any]:
@@ -154,8 +154,8 @@ def _limits(args: Any, hw: pl.Hardware, w: pl.Workload) -> dict[str, Any]:
             raise ConfigError(f"--micro-batch {args.micro_batch} does not divide the {per_rank} sequences per rank "
                               f"(global batch {w.global_batch} over {hw.world} ranks)")
         limits["micro_batches"] = (args.micro_batch,)
-    if args.grad_ckpt:
-        limits["grad_ckpt"] = (True,)
+    if args.grad_ckpt or args.activation_offload in ("true", "pinned", "pageable"):
+        limits["grad_ckpt"] = (True,)  # offloaded inputs are checkpointing's (the config refuses one without it)
     return limits
 
 

@@ -118,16 +118,17 @@ FP8_GAIN = ((896, 1.077), (2048, 1.287), (4096, 1.417))
 CPU_ADAM_PARAMS_PER_S = 1.0e9
 # Host<->GPU copies for offload: not measured here; PCIe Gen5 x16 moves about 25 GB/s one way in practice.
 PCIE_BYTES_PER_S = 25e9
-# A Mixture-of-Experts block's backward (grouped_mm experts, transformers 5.x) holds about this many hidden-sized
-# bf16 tensors per routed token at its peak (the permuted gradients, the gate/up/activation gradients, the
-# gradient of the permuted input). Fitted to one measured peak, the reduced-layer Qwen3-30B-A3B shape at micro 8 x
-# seq 4096 on one H100, ZeRO-2 (58.5 GiB, run s39; 3 x intermediate per routed token predicted 53.9); the same
-# term gives 58.8 there and the ZeRO-3 rows 57.8 against 55.9 (one H100, s39) and 42.2 against 42.0 (two H200s, s41):
-# bench/results/moe.md.
-MOE_BWD_HIDDENS = 6
+# A Mixture-of-Experts block's backward (grouped_mm experts, transformers 5.x) holds, per routed token, the gate/up/
+# activation gradients (3 x the expert intermediate) and about this many hidden-sized bf16 tensors (the permuted
+# gradients, the gradient of the permuted input). Fitted to one measured peak, the reduced-layer Qwen3-30B-A3B shape
+# at micro 8 x seq 4096 on one H100, ZeRO-2 (58.5 GiB, run s39; the intermediate term alone predicted 53.9); with it
+# 58.9 there and the ZeRO-3 rows 57.9 against 55.9 (one H100, s39) and 42.3 against 42.0 (two H200s, s41):
+# bench/results/moe.md. Not checked on a model of another shape (Mixtral's experts are wider than its hidden size).
+MOE_BWD_HIDDENS = 5
 # Offloaded checkpointed inputs (model.activation_offload): the layer inputs left on the GPU at once, the newest (kept
 # for the first backward) and the one before (its copy out in flight; no forward stash, toolkit/runtime/sequence/
-# offload.py). Pageable host buffers: each copy waits, at about this rate each way. Measured on one H200 (16 cores,
+# offload.py). Pinned buffers: the copies out overlap compute, each copy back is waited for (PCIE_BYTES_PER_S; not
+# measured). Pageable host buffers: each copy waits, at about this rate each way. Measured on one H200 (16 cores,
 # 128 GiB host), the Llama-3-8B shape with 8 layers at 393,216 tokens: 118.0 s a step against 101.0 without offload
 # for 7 inputs of 3 GiB out and back (2.65e9 bytes/s); its peak 51.3 GiB against 66.3 (bench/results/long_seq/).
 OFFLOAD_INPUTS_ON_GPU = 2
@@ -624,8 +625,9 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     # backward of the top layer's MLP: the gradient of the down projection's input, and in plain
     # transformers the two gradients the SiLU-mul product splits into (Liger computes them in place)
     mlp_bwd = (1 if fused else 3) * 2.0 * s.intermediate_size * tokens + 2 * 2.0 * h * tokens
-    if s.num_experts:  # the experts' gradients and temporaries, per routed token (fitted: MOE_BWD_HIDDENS)
-        mlp_bwd = MOE_BWD_HIDDENS * 2.0 * h * s.experts_per_token * tokens + 2 * 2.0 * h * tokens
+    if s.num_experts:  # per routed token: the gate/up/activation gradients and hidden-sized ones (MOE_BWD_HIDDENS)
+        mlp_bwd = 2.0 * s.experts_per_token * tokens * (3 * s.expert_intermediate + MOE_BWD_HIDDENS * h) \
+            + 2 * 2.0 * h * tokens
     if tiled:  # one tile of micro x hidden tokens at a time, recomputed with its activations, then its gradients
         tile = min(tokens, c.micro_batch * h)
         mlp_bwd = ((2 if fused else 3) + 1 + (1 if fused else 3)) * 2.0 * s.intermediate_size * tile \
@@ -651,7 +653,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     # 9.29 GiB besides parameters and states at its peak where 2-byte buckets predicted 7.31.
     buckets = 2 * (4.0 if autocast else 2.0) * sizes.reduce_bucket if stage in (1, 2) else 0.0
     gathered = _gathered_bytes(s, n, sizes, offload_param) if stage == 3 else 0.0
-    if stage == 3 and n > 1 and s.num_experts:
+    if stage == 3 and n > 1 and s.num_experts and lora is None:
         # a Mixture-of-Experts block is one ZeRO-3 leaf: its whole bf16 gradient exists before its reduce-scatter
         # (3 x hidden x expert intermediate per expert; Qwen3-30B-A3B: 1.13 GiB a layer)
         gathered += 2.0 * s.num_experts * 3 * h * s.expert_intermediate
@@ -707,8 +709,9 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     step_s = _step_time_s(w, c, hw, p_all=p_all, t_all=t_all, fused_loss=flce, offload_opt=offload_opt,
                           offload_param=offload_param, cpu_params=sum(groups) - sum(gpu_groups) if stage == 3
                           else (t_all / n if offload_opt else 0.0))
-    if offloaded == "pageable":  # each copy out and back waits for the GPU: not hidden behind compute
-        step_s += c.grad_accum * 2 * (s.num_layers - 1) * 2.0 * h * tokens / PAGEABLE_BYTES_PER_S
+    if offloaded:  # pageable: each copy out and back waits; pinned: copies out overlap, each copy back is waited for
+        moved = c.grad_accum * (s.num_layers - 1) * 2.0 * h * tokens
+        step_s += 2 * moved / PAGEABLE_BYTES_PER_S if offloaded == "pageable" else moved / PCIE_BYTES_PER_S
     tps = c.micro_batch * c.grad_accum * w.seq_len / w.sequence_parallel / step_s  # a group shares each row
     return Prediction(
         choice=c, liger=liger, fused_loss=flce, compiled=comp, phase=phase, gpu=gpu,

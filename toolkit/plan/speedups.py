@@ -146,11 +146,12 @@ def offload_pinned(*, layers: int, layer_bytes: float, ranks_per_node: int, host
     """(pinned host buffers or pageable, why) for offloaded layer inputs of layer_bytes each (DeepSpeed's pool keeps
     a buffer per layer input, reused every step). host_bytes None: not known, pinned. setting: model.activation_offload
     (pinned and pageable decide it)."""
-    locked = ranks_per_node * layers * pinned_bytes(layer_bytes)
+    kept = max(layers - 1, 0)  # the newest input stays on the GPU
+    locked = ranks_per_node * kept * pinned_bytes(layer_bytes)
     if setting == "pageable":
-        return False, f"pageable host buffers, {ranks_per_node * layers * layer_bytes / 2**30:.0f} GiB per node"
+        return False, f"pageable host buffers, {ranks_per_node * kept * layer_bytes / 2**30:.0f} GiB per node"
     if setting == "pinned" or host_bytes is None or locked <= PINNED_HOST_SHARE * host_bytes:
         return True, f"pinned host buffers, {locked / 2**30:.0f} GiB per node"
-    return False, (f"pageable host buffers, {ranks_per_node * layers * layer_bytes / 2**30:.0f} GiB per node (pinned "
+    return False, (f"pageable host buffers, {ranks_per_node * kept * layer_bytes / 2**30:.0f} GiB per node (pinned "
                    f"would lock {locked / 2**30:.0f} GiB, over {PINNED_HOST_SHARE:.0%} of the host's "
                    f"{host_bytes / 2**30:.0f}): each copy waits for the GPU")

@@ -30,6 +30,8 @@ class Plan:
     why: str
     pinned: bool = True
     pinned_why: str = ""
+    layers: int = 0
+    """Decoder layers: the host buffers kept between micro-batches (one per offloaded input)."""
 
     def describe(self) -> str:
         state = "on" if self.on else "off"
@@ -49,7 +51,7 @@ def decide(setting: str, *, grad_ckpt: bool, layers: int, hidden: int, tokens: i
         return Plan(False, why)
     pinned, pinned_why = offload_pinned(layers=layers, layer_bytes=2.0 * hidden * tokens,
                                         ranks_per_node=ranks_per_node, host_bytes=host_memory_bytes(), setting=setting)
-    return Plan(True, why, pinned, pinned_why)
+    return Plan(True, why, pinned, pinned_why, layers)
 
 
 def host_memory_bytes() -> float | None:
@@ -66,23 +68,25 @@ def host_memory_bytes() -> float | None:
 
 
 def context(plan: Plan) -> Any:
-    """A fresh context per micro-batch (forward and backward inside it); a no-op when the plan is off. The host
-    buffers are reused across micro-batches through one pool per process."""
+    """The context to enter around one micro-batch's forward and backward; a no-op when the plan is off. One
+    instance per process and buffer kind, entered again each micro-batch (it resets on entry), so its host buffers
+    are reused: a pool of one per layer input, whose buffers of another shape (batches padded to another length)
+    make room for this one's instead of piling up."""
     if not plan.on:
         return contextlib.nullcontext()
-    return _offloader(plan.pinned)
+    return _offloader(plan.pinned, max(plan.layers, 1))
 
 
-_POOL: dict[bool, Any] = {}
+_INSTANCES: dict[bool, Any] = {}
 
 
-def _offloader(pinned: bool) -> Any:
-    ctx = _POOL.get(pinned)
+def _offloader(pinned: bool, layers: int) -> Any:
+    ctx = _INSTANCES.get(pinned)
     if ctx is None:
         # no forward stash: DeepSpeed's default keeps the two newest offloaded inputs on the GPU as well (to skip their
         # copies back at the start of backward), which at 384K tokens of an 8B model is 6 GiB of the peak
-        ctx = _POOL[pinned] = _offload_class()(use_pin_memory=pinned, max_fwd_stash_count=0,
-                                               max_cpu_buffer_pool_count=1024)
+        ctx = _INSTANCES[pinned] = _offload_class()(use_pin_memory=pinned, max_fwd_stash_count=0,
+                                                    max_cpu_buffer_pool_count=layers)
     return ctx
 
 
@@ -93,11 +97,21 @@ def _offload_class() -> type:
     )
 
     class ReleasingOffload(CheckpointHiddenStatesOffload):
-        """DeepSpeed's context whose restored inputs are not cached until exit (the module docstring says why)."""
+        """DeepSpeed's context whose restored inputs are not cached until exit (the module docstring says why), and
+        whose full buffer pool drops a buffer of another shape for this one (DeepSpeed's keeps the first buffers it
+        pooled and frees the new ones, so after a change of batch length no buffer is reused again)."""
 
         def _unpack_tensor(self, maybe_ref: Any) -> Any:
             if isinstance(maybe_ref, _OffloadedTensorRef):
                 return self._restore_tensor(maybe_ref.tensor_id, cache=False)
             return maybe_ref
+
+        def _pool_cpu_buffer(self, key: Any, tensor: Any) -> None:
+            if self._cpu_buffer_pool_count >= self.max_cpu_buffer_pool_count:
+                other = next((k for k, buffers in self._cpu_buffer_pool.items() if k != key and buffers), None)
+                if other is not None:
+                    self._cpu_buffer_pool[other].pop()
+                    self._cpu_buffer_pool_count -= 1
+            super()._pool_cpu_buffer(key, tensor)
 
     return ReleasingOffload
