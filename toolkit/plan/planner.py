@@ -195,8 +195,8 @@ class Workload:
     """model.tiled_mlp resolved: each MLP keeps only its input and runs one tile of micro x hidden tokens at a time,
     once more in backward."""
     activation_offload: str = "auto"
-    """model.activation_offload (auto, true, pinned, pageable, false), resolved per choice as the run does (toolkit/plan/speedups.py):
-    with checkpointing, the layer inputs it keeps wait in host buffers instead of on the GPU."""
+    """model.activation_offload (auto, true, pinned, pageable, false), resolved per choice as the run does
+    (toolkit/plan/speedups.py): with checkpointing, the layer inputs it keeps wait in host buffers, not on the GPU."""
 
     @property
     def attended(self) -> float:
@@ -305,13 +305,6 @@ def check_lora_targets(shape: ModelShape, lora: Lora) -> None:
     missing = [t for t in lora.targets if t not in names]
     if missing:
         raise ConfigError(f"LoRA targets {missing} are not linear layers of this model; it has {sorted(names)}")
-
-
-def _pow2(n_bytes: float) -> float:
-    """PyTorch's caching host allocator rounds every pinned allocation up to a power of two
-    (CachingHostAllocator: PowerOf2Ceil); cudaHostAlloc locks all of it, so RSS pays the rounding.
-    Checked against issue 11's Llama-2-7B full offload: 121 GiB measured, 121.3 predicted."""
-    return pinned_bytes(n_bytes)
 
 
 def _sub_groups(shape: ModelShape, world: int, sub_group: int) -> list[int]:
@@ -758,8 +751,8 @@ def _host_bytes(s: ModelShape, c: Choice, hw: Hardware, *, stage: int, t_all: in
         states = 0.0
         if offload_opt:
             part = t_all / n
-            states = (_pow2(4 * part) + _pow2(2 * part) + _pow2(4 * part)  # stage_1_and_2.py: pinned fp32
-                      + 8.0 * part + _pow2(2 * max(s.param_numels())))       # master, bf16 temp, fp32 grad;
+            states = (pinned_bytes(4 * part) + pinned_bytes(2 * part) + pinned_bytes(4 * part)  # stage_1_and_2.py: pinned fp32
+                      + 8.0 * part + pinned_bytes(2 * max(s.param_numels())))       # master, bf16 temp, fp32 grad;
             if c.grad_accum > 1:                                            # Adam m, v; grad staging
                 states += _accumulated_grads_in_cpu(s, n)
         model = {"process": early, "model (bf16 base, fp32 adapters)" if autocast else "model build (fp32)": loaded}
@@ -772,14 +765,14 @@ def _host_bytes(s: ModelShape, c: Choice, hw: Hardware, *, stage: int, t_all: in
     out: dict[str, float] = {"process": late}
     if offload_opt:
         cpu = groups[n_gpu_groups:]
-        out["grad partitions (bf16, pinned)"] = _pow2(2.0 * t_all / n)  # grad_partitions_flat_buffer
+        out["grad partitions (bf16, pinned)"] = pinned_bytes(2.0 * t_all / n)  # grad_partitions_flat_buffer
         out["optimizer (fp32 master, m, v)"] = 12.0 * sum(cpu)
-        out["fp32 grads (pinned)"] = sum(_pow2(4.0 * g) for g in cpu)
+        out["fp32 grads (pinned)"] = sum(pinned_bytes(4.0 * g) for g in cpu)
     if offload_param:
         # zero.Init pins each parameter's partition, then _create_fp16_partitions_with_defragmentation
         # copies them into one pinned flat buffer; the freed blocks stay in the pinned cache
-        out["params (bf16, pinned)"] = _pow2(2.0 * s.total_params / n) + sum(
-            _pow2(2.0 * math.ceil(x / n)) for x in s.param_numels())
+        out["params (bf16, pinned)"] = pinned_bytes(2.0 * s.total_params / n) + sum(
+            pinned_bytes(2.0 * math.ceil(x / n)) for x in s.param_numels())
     return out | steps, 0.0
 
 
@@ -791,7 +784,7 @@ def _accumulated_grads_in_cpu(s: ModelShape, n: int) -> float:
     for x in s.param_numels():
         if seen >= budget:
             break
-        total += _pow2(2.0 * x)
+        total += pinned_bytes(2.0 * x)
         seen += x
     return total
 

@@ -116,7 +116,9 @@ PINNED_HOST_SHARE = 0.5
 
 
 def pinned_bytes(n_bytes: float) -> float:
-    """What one pinned host buffer of n_bytes locks: PyTorch's CachingHostAllocator rounds to a power of two."""
+    """What one pinned host buffer of n_bytes locks: PyTorch's caching host allocator rounds every pinned allocation
+    up to a power of two (CachingHostAllocator: PowerOf2Ceil) and cudaHostAlloc locks all of it, so RSS pays the
+    rounding. Checked against issue 11's Llama-2-7B full offload: 121 GiB measured, 121.3 predicted."""
     return float(1 << math.ceil(math.log2(n_bytes))) if n_bytes >= 1 else 0.0
 
 
