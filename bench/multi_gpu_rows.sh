@@ -6,7 +6,8 @@
 #    train.sequence_parallel=N on all GPUs against the same job on GPU 0 alone -> OUT/sp.json (per-step losses,
 #    mean |difference|, peaks, tokens/s), run dirs' metrics in OUT/sp{1,N}.metrics.jsonl.
 # 2. Real data: llama-1b seq 2048 on the 100k-row corpus against synthetic rows, ZeRO-2 and ZeRO-3, on N GPUs, and
-#    the corpus on GPU 0 alone (scaling 1 -> N) -> OUT/speed.json, OUT/speed.md, OUT/scaling.md.
+#    the corpus on GPU 0 alone (scaling 1 -> N) -> OUT/speed.json, OUT/speed.md, OUT/scaling.md. PER_GPU=32 in the
+#    environment: the same work per GPU on 1 and N GPUs (weak scaling) instead of 32 sequences in all.
 # 3. Mixture-of-Experts: the reduced-layer Qwen3-30B-A3B shape (3 of 48 layers) at ZeRO-3 on N GPUs, the toolkit
 #    at the planner's micro 8 against the bare DeepSpeed loop -> OUT/moe.json, OUT/moe.md.
 set -uo pipefail
@@ -60,6 +61,8 @@ fi
 
 if [[ $parts == *,data,* ]]; then
 R="--data-dir $work --only llama-1b-seq2048,llama-1b-seq2048-data100k --stages 2,3 --variants raw --warmup 2 --steps 3 --timeout 120"
+# PER_GPU=K: weak scaling, K sequences per GPU per optimizer step on 1 and on N GPUs (default: 32 in all on both)
+R="$R${PER_GPU:+ --global-batch-per-gpu $PER_GPU}"
 # shellcheck disable=SC2086  # R is several options
 python bench/speed.py run --gpus "$n" --out "$out/s/rows" --port 29700 $R 2>&1 | tee -a "$out/s/run.log"
 # shellcheck disable=SC2086

@@ -188,6 +188,7 @@ def _toolkit_result(run_dir: Path, variant: str, warmup: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    global GLOBAL_BATCH
     unknown = [n for n in args.tune.split(",") if n and n not in TUNES]
     if unknown:
         print(f"error: unknown --tune {', '.join(unknown)}; known: {', '.join(TUNES)}", file=sys.stderr)
@@ -205,6 +206,8 @@ def run(args: argparse.Namespace) -> int:
     elif not args.gpus:
         print("error: give --gpus N or --include localhost:I,J", file=sys.stderr)
         return 2
+    if args.global_batch_per_gpu:  # weak scaling: each GPU keeps the same work per optimizer step
+        GLOBAL_BATCH = args.global_batch_per_gpu * args.gpus
     port = args.port
     cases = [(workload, stage, offload) for workload in (args.only.split(",") if args.only else DEFAULT_WORKLOADS)
              for stage, offload in STAGES[workload]
@@ -215,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
         for workload, stage, offload in cases:
             for variant in variants:
                 for tag, extra, micro, zero in _extras(variant, workload, stage, offload, args):
+                    tag += f"-{args.global_batch_per_gpu}pergpu" if args.global_batch_per_gpu else ""
                     name = (f"{workload}-z{stage}{'-off' if offload != 'none' else ''}-{args.gpus}gpu-{variant}{tag}"
                             + (f"-rep{rep}" if args.repeat > 1 else ""))
                     target = out / f"{name}.json"
@@ -229,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
                     wall = time.perf_counter() - t0
                     row: dict[str, Any] = {"workload": workload, "stage": stage, "offload": offload,
                                            "gpus": args.gpus, "variant": variant + tag, "repeat": rep, "rc": rc,
+                                           "global_batch": GLOBAL_BATCH,
                                            "wall_s": round(wall, 1), "argv": " ".join(cmd)}
                     try:
                         got = (_toolkit_result(produced, variant, args.warmup) if variant in ("raw", "trainer")
@@ -307,6 +312,8 @@ def table(args: argparse.Namespace) -> int:
                                      "grad_accum", "peak_allocated_gib", "host_rss_gib", "rc", "liger",
                                      "attention", "packing", "measured_in")}
         row["data"] = Path(DATA[r["workload"]]).stem if r["workload"] in DATA else "synthetic"
+        if r.get("global_batch", GLOBAL_BATCH) != GLOBAL_BATCH:  # weak-scaling rows (run --global-batch-per-gpu)
+            row["global_batch"] = r["global_batch"]
         row["gpu"] = args.gpu or "unknown"
         if times:
             step = statistics.median(times)
@@ -338,7 +345,7 @@ def _tokens_per_s_per_gpu(r: dict[str, Any], seq: int) -> float:
     """Real data: the toolkit's own count of real (non-pad) tokens; synthetic rows are all tokens."""
     if r["workload"] in DATA:
         return statistics.median(r["tokens_per_s_all"]) / r["gpus"]
-    return GLOBAL_BATCH * seq / statistics.median(r["step_times_s"]) / r["gpus"]
+    return r.get("global_batch", GLOBAL_BATCH) * seq / statistics.median(r["step_times_s"]) / r["gpus"]
 
 
 def _pool_repeats(rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
@@ -371,7 +378,7 @@ def _markdown(doc: dict[str, Any]) -> str:
     for r in doc["rows"]:
         by.setdefault((r["workload"], r["stage"], r["offload"], r["gpus"]), {})[r["variant"]] = r
     lines = [f"Command: `{doc['command']}` ({doc['gpu']}, {doc['date']}). Global batch {doc['global_batch']} "
-             "sequences per optimizer step for every variant. Tokens/s per GPU, median of the timed steps; "
+             "sequences per optimizer step for every variant (a variant ending -Kpergpu: K per GPU). Tokens/s per GPU, median of the timed steps; "
              "ratios against the bare loop (and the hand-tuned bare loop, bare-tuned) of the same workload, stage "
              "and run. MFU is bf16-equivalent (float8 rows count the same FLOPs against the bf16 peak).", "",
              "| workload | data | ZeRO | GPUs | variant | micro x accum | tokens/s/GPU | vs bare | vs tuned | vs synthetic "
@@ -441,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--tune", default="", help=f"comma-separated levers to add as toolkit rows (ZeRO-3 only except {', '.join(sorted(ANY_STAGE))}): "
                         f"{', '.join(TUNES)}")
     r.add_argument("--tune-only", action="store_true", help="toolkit rows: only the --tune ones, not the plain row")
+    r.add_argument("--global-batch-per-gpu", type=int, default=0, metavar="K",
+                   help=f"sequences per optimizer step per GPU (weak scaling: K x GPUs in all); default: "
+                        f"{GLOBAL_BATCH} in all, whatever the GPU count")
     r.add_argument("--repeat", type=int, default=1,
                    help="run every variant this many times, in turn; `table` pools each variant's timed steps")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

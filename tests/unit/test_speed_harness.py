@@ -108,3 +108,16 @@ def test_scaling_divides_each_multi_gpu_row_by_the_same_variant_on_one_gpu(speed
     lines = capsys.readouterr().out.splitlines()[2:]
     # only ZeRO-2 raw has both: ZeRO-3 raw has no 1-GPU row, fp8 failed on 2, bare has no 1-GPU row
     assert lines == ["| w | 2 | raw | 0.1k | 2 | 0.1k | 96.0% | a, b |"]
+
+
+def test_weak_scaling_rows_count_their_own_global_batch(speed, tmp_path: Path) -> None:
+    """run --global-batch-per-gpu K: each row records K x GPUs sequences a step, and the table counts those."""
+    base = {"workload": "tiny-seq64", "stage": 2, "offload": "none", "rc": 0, "step_times_s": [1.0, 1.0]}
+    (tmp_path / "a.json").write_text(json.dumps(base | {"gpus": 2, "variant": "raw-32pergpu", "global_batch": 64}))
+    (tmp_path / "b.json").write_text(json.dumps(base | {"gpus": 1, "variant": "raw", "global_batch": speed.GLOBAL_BATCH}))
+    out = tmp_path / "t.json"
+    assert speed.main(["table", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--json", str(out)]) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["raw-32pergpu"]["tokens_per_s_per_gpu"] == 64 * 64 / 2  # 64 sequences of 64 tokens a second, 2 GPUs
+    assert rows["raw-32pergpu"]["global_batch"] == 64 and "global_batch" not in rows["raw"]
+    assert rows["raw"]["tokens_per_s_per_gpu"] == speed.GLOBAL_BATCH * 64
