@@ -102,3 +102,12 @@ def test_llama_8b_lora_reaches_past_384k_on_one_h100_with_its_inputs_in_pageable
     assert before.seq_len < 256 * 1024 and after.seq_len >= 384 * 1024
     assert after.prediction.activation_offload == "pageable"  # 32 x 4 GiB pinned would lock the whole host
     assert after.prediction.host_node_gib <= 128
+
+
+def test_autotunes_fitting_micro_batches_count_tiling_and_offloaded_inputs() -> None:
+    ds = {"zero_optimization": {"stage": 2}}
+    kw = dict(grad_ckpt=True, tiled_mlp=True)
+    shape = load_shape("llama-3.2-1b")
+    kept = pl.fitting_micro_batches(shape, ds, 1, 131072, 4, 80.0, activation_offload="false", **kw)
+    offloaded = pl.fitting_micro_batches(shape, ds, 1, 131072, 4, 80.0, **kw)  # auto: 16 GiB a micro-batch row
+    assert (kept, offloaded) == ([2, 1], [4, 2, 1])

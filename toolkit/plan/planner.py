@@ -935,7 +935,8 @@ def fitting_micro_batches(model_config: Any, ds_config: dict[str, Any], world_si
                           per_rank_batch: int, gpu_mem_gib: float, *, lora: Lora | bool | None = None,
                           grad_ckpt: bool = False, liger: bool = True, attn: str = "sdpa",
                           zero_sizes: str = "speed", fused_loss: str = "auto",
-                          gpus_per_node: int | None = None, compile: str = "off", fp8: str | None = None) -> list[int]:
+                          gpus_per_node: int | None = None, compile: str = "off", fp8: str | None = None,
+                          tiled_mlp: bool = False, activation_offload: str = "auto") -> list[int]:
     """Micro-batch sizes (divisors of per_rank_batch = micro x grad_accum) predicted to fit in
     gpu_mem_gib per GPU for this DeepSpeed config, largest first; [] when none does.
 
@@ -943,13 +944,15 @@ def fitting_micro_batches(model_config: Any, ds_config: dict[str, Any], world_si
     offload and ratio come from ds_config; its bucket/live sizes follow zero_sizes, as "auto" does.
     lora: a Lora (r, target modules), True for the defaults (r=8 on q_proj, v_proj), or None/False.
     fused_loss: model.liger_fused_loss. compile: train.compile (off, torch, auto); fp8: the float8 recipe or None.
+    tiled_mlp: model.tiled_mlp as the run resolved it; activation_offload: model.activation_offload.
     Raises ConfigError for a model type without an activation model.
     """
     shape = model_config if isinstance(model_config, ModelShape) else _shape_of(model_config)
     gpn = gpus_per_node or world_size
     hw = Hardware(gpus_per_node=gpn, nodes=max(1, world_size // gpn), gpu_mem_gib=gpu_mem_gib)
     adapters = Lora() if lora is True else (lora or None)
-    w = Workload(shape, seq_len, per_rank_batch * world_size, adapters, liger, attn, fused_loss, compile, fp8)
+    w = Workload(shape, seq_len, per_rank_batch * world_size, adapters, liger, attn, fused_loss, compile, fp8,
+                 tiled_mlp=tiled_mlp, activation_offload=activation_offload)
     out = []
     for m in sorted(divisors(per_rank_batch), reverse=True):
         c = choice_from_ds(ds_config, micro_batch=m, grad_accum=per_rank_batch // m, grad_ckpt=grad_ckpt,

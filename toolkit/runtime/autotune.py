@@ -105,6 +105,7 @@ def candidates(inputs: RunInputs, per_rank: int, gpu_gib: float | None) -> list[
     if gpu_gib is None:
         return every
     from toolkit.plan.planner import Lora, fitting_micro_batches
+    from toolkit.plan.speedups import tiled_mlp_on
 
     cfg = inputs.cfg
     try:
@@ -114,7 +115,9 @@ def candidates(inputs: RunInputs, per_rank: int, gpu_gib: float | None) -> list[
                                     zero_sizes=cfg.train.zero_sizes, fused_loss=cfg.model.liger_fused_loss,
                                     lora=Lora(cfg.lora.r, tuple(cfg.lora.target_modules)) if cfg.lora.enabled else None,
                                     compile="torch" if run_compiles(inputs) else "off",
-                                    fp8=cfg.train.fp8_recipe if cfg.train.precision == "fp8" else None)
+                                    fp8=cfg.train.fp8_recipe if cfg.train.precision == "fp8" else None,
+                                    tiled_mlp=tiled_mlp_on(cfg.model.tiled_mlp, cfg.data.seq_len, 1)[0],
+                                    activation_offload=cfg.model.activation_offload)
     except Exception as e:  # a shape the planner refuses: the probes still find the answer
         print(f"micro_batch_size=auto: no prediction ({type(e).__name__}: {e}); probing every divisor", flush=True)
         return every

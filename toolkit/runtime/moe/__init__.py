@@ -112,7 +112,8 @@ def fused_loss_setting(cfg: Any, model_config: Any, ds: dict[str, Any], world: i
             model_config, ds, world, cfg.data.seq_len, micro * t.grad_accum, gpu_gib, fused_loss="false",
             lora=Lora(cfg.lora.r, tuple(cfg.lora.target_modules)) if cfg.lora.enabled else None,
             grad_ckpt=cfg.model.gradient_checkpointing, liger=cfg.model.liger, attn=cfg.model.attn_implementation,
-            zero_sizes=t.zero_sizes, compile="torch" if compiled else "off")
+            zero_sizes=t.zero_sizes, compile="torch" if compiled else "off",
+            activation_offload=cfg.model.activation_offload)  # MoE blocks are not tiled; MoE refuses SP
     except Exception:  # a shape the planner does not model (or cannot read): the fused loss stays, as before
         return setting, ""
     return liger_rules.moe_fused_loss(setting, moe=True, tokens=tokens, logits_fit=fit)
