@@ -931,6 +931,20 @@ def choice_from_ds(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, gra
     return Choice(stage, offload, ratio, micro_batch, grad_accum, grad_ckpt, zero_sizes)
 
 
+def run_settings(cfg: Any, compiled: bool) -> dict[str, Any]:
+    """fitting_micro_batches' keyword arguments as a run's config (toolkit/config/schema.py Config) sets them; compiled:
+    whether the run compiles its layers (train.compile with auto resolved)."""
+    from toolkit.plan.speedups import tiled_mlp_on
+
+    m, t = cfg.model, cfg.train
+    return {"lora": Lora(cfg.lora.r, tuple(cfg.lora.target_modules)) if cfg.lora.enabled else None,
+            "grad_ckpt": m.gradient_checkpointing, "liger": m.liger, "attn": m.attn_implementation,
+            "zero_sizes": t.zero_sizes, "fused_loss": m.liger_fused_loss, "compile": "torch" if compiled else "off",
+            "fp8": t.fp8_recipe if t.precision == "fp8" else None,
+            "tiled_mlp": tiled_mlp_on(m.tiled_mlp, cfg.data.seq_len, t.sequence_parallel)[0],
+            "activation_offload": m.activation_offload}
+
+
 def fitting_micro_batches(model_config: Any, ds_config: dict[str, Any], world_size: int, seq_len: int,
                           per_rank_batch: int, gpu_mem_gib: float, *, lora: Lora | bool | None = None,
                           grad_ckpt: bool = False, liger: bool = True, attn: str = "sdpa",

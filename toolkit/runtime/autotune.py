@@ -104,20 +104,12 @@ def candidates(inputs: RunInputs, per_rank: int, gpu_gib: float | None) -> list[
     every = divisors(per_rank)
     if gpu_gib is None:
         return every
-    from toolkit.plan.planner import Lora, fitting_micro_batches
-    from toolkit.plan.speedups import tiled_mlp_on
+    from toolkit.plan.planner import fitting_micro_batches, run_settings
 
     cfg = inputs.cfg
     try:
         fit = fitting_micro_batches(inputs.model_config, inputs.ds_raw, inputs.world_size, cfg.data.seq_len,
-                                    per_rank, gpu_gib, grad_ckpt=cfg.model.gradient_checkpointing,
-                                    liger=cfg.model.liger, attn=cfg.model.attn_implementation,
-                                    zero_sizes=cfg.train.zero_sizes, fused_loss=cfg.model.liger_fused_loss,
-                                    lora=Lora(cfg.lora.r, tuple(cfg.lora.target_modules)) if cfg.lora.enabled else None,
-                                    compile="torch" if run_compiles(inputs) else "off",
-                                    fp8=cfg.train.fp8_recipe if cfg.train.precision == "fp8" else None,
-                                    tiled_mlp=tiled_mlp_on(cfg.model.tiled_mlp, cfg.data.seq_len, 1)[0],
-                                    activation_offload=cfg.model.activation_offload)
+                                    per_rank, gpu_gib, **run_settings(cfg, run_compiles(inputs)))
     except Exception as e:  # a shape the planner refuses: the probes still find the answer
         print(f"micro_batch_size=auto: no prediction ({type(e).__name__}: {e}); probing every divisor", flush=True)
         return every

@@ -190,7 +190,7 @@ def _offload_plan(p: RunSpec) -> offload.Plan:
 
 
 def _run(p: RunSpec, liger: Any, attn: attention.AttentionPlan, compiled: tuple[bool, str],
-         experts_path: ExpertsChoice | None = None, offloading: offload.Plan | None = None) -> int:
+         experts_path: ExpertsChoice | None, offloading: offload.Plan) -> int:
     cfg = p.cfg
     rank = dist.rank()
     # Python/NumPy/torch RNGs: dropout and PEFT's LoRA init draw from them. The HF Trainer seeds on
@@ -242,7 +242,7 @@ def _run(p: RunSpec, liger: Any, attn: attention.AttentionPlan, compiled: tuple[
     order = EpochOrder(len(rows), cfg.train.seed, cfg.data.shuffle, lengths=lengths,
                        group=cfg.train.micro_batch_size * p.data_world)
     state = {"phase": "engine_ready", "step": 0, "preempt": Preemption(), "preempted": False, "sp": sp,
-             "aux_coef": aux_coef, "offload": offloading or offload.Plan(False, "not decided"),
+             "aux_coef": aux_coef, "offload": offloading,
              # the loss on this batch is recorded at every save and checked after every resume (whole on
              # every rank under sequence parallelism: no boundaries, so the attention is not sharded)
              "fixed_batch": resume.fixed_batch(rows, Collator(pad_id=pad_id, task=cfg.model.task,

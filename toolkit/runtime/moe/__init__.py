@@ -104,16 +104,14 @@ def fused_loss_setting(cfg: Any, model_config: Any, ds: dict[str, Any], world: i
     if (setting != "auto" or not micro or not is_moe(model_config) or not torch.cuda.is_available()
             or tokens > liger_rules.MOE_FUSED_LOSS_OFF_TOKENS):
         return setting, ""
-    from toolkit.plan.planner import Lora, fitting_micro_batches
+    from toolkit.plan.planner import fitting_micro_batches, run_settings
 
     gpu_gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+    # fp8 left out: the planner refuses float8 on MoE models (experts are not nn.Linear), the run converts the rest
+    settings = run_settings(cfg, compiled) | {"fused_loss": "false", "fp8": None}
     try:
-        fit = micro in fitting_micro_batches(
-            model_config, ds, world, cfg.data.seq_len, micro * t.grad_accum, gpu_gib, fused_loss="false",
-            lora=Lora(cfg.lora.r, tuple(cfg.lora.target_modules)) if cfg.lora.enabled else None,
-            grad_ckpt=cfg.model.gradient_checkpointing, liger=cfg.model.liger, attn=cfg.model.attn_implementation,
-            zero_sizes=t.zero_sizes, compile="torch" if compiled else "off",
-            activation_offload=cfg.model.activation_offload)  # MoE blocks are not tiled; MoE refuses SP
+        fit = micro in fitting_micro_batches(model_config, ds, world, cfg.data.seq_len, micro * t.grad_accum, gpu_gib,
+                                             **settings)
     except Exception:  # a shape the planner does not model (or cannot read): the fused loss stays, as before
         return setting, ""
     return liger_rules.moe_fused_loss(setting, moe=True, tokens=tokens, logits_fit=fit)
