@@ -83,6 +83,8 @@ class Config:
     """model.num_layers: a preset at full width with this many decoder layers (0: its own)."""
     act_offload: str = "false"
     """model.activation_offload (false for the rows measured before it existed)."""
+    sp: int = 1
+    """train.sequence_parallel: the ranks of a group share each sequence (global batch micro x accum x gpus / sp)."""
 
     def choice(self) -> pl.Choice:
         return pl.Choice(self.stage, self.offload, self.ratio, self.micro, self.accum, self.ckpt, self.zero_sizes)
@@ -125,6 +127,11 @@ LONG: tuple[Config, ...] = (
     # command): each layer's working set and input as in the full model; inputs pageable, as the full model's would be
     *(Config(f"ls-8b-lora-l8-384k-{a}", "llama-3.1-8b", 393216, 1, 1, 2, ckpt=True, tiled=True, rope=8.0, lora=True,
              layers=8, act_offload=a) for a in ("pageable", "false")),
+    # the whole Llama-3-8B shape with LoRA at 384K, the run's own choices (activation_offload=auto: pageable inputs)
+    Config("ls-8b-lora-384k", "llama-3.1-8b", 393216, 1, 1, 2, ckpt=True, tiled=True, rope=8.0, lora=True,
+           act_offload="auto"),
+    # 512K for the 1B shape at ZeRO-2 (no parameter or optimizer offload) with its inputs on the CPU (auto: pinned)
+    Config("ls-1b-z2-512k", "llama-3.2-1b", 524288, 1, 1, 2, ckpt=True, tiled=True, rope=8.0, act_offload="auto"),
 )
 SMOKE: tuple[Config, ...] = (
     Config("tiny-z2", "tiny", 64, 2, 2, 2, gpus=2),
@@ -132,19 +139,21 @@ SMOKE: tuple[Config, ...] = (
 )
 
 
-def predict(c: Config, gpu_mem_gib: float, cpu: bool) -> pl.Prediction:
+def predict(c: Config, gpu_mem_gib: float, cpu: bool, host_mem_gib: float = 0.0) -> pl.Prediction:
     shape = load_shape(c.model)
     if c.layers:
         shape = dataclasses.replace(shape, num_layers=c.layers)
-    w = pl.Workload(shape, c.seq, c.micro * c.accum * c.gpus, pl.Lora() if c.lora else None, c.liger,
-                    fused_loss=c.fused_loss, tiled_mlp=c.tiled, activation_offload=c.act_offload)
-    return pl.predict(w, c.choice(), pl.Hardware(c.gpus, 1, gpu_mem_gib, cpu_ranks=cpu))
+    w = pl.Workload(shape, c.seq, c.micro * c.accum * c.gpus // c.sp, pl.Lora() if c.lora else None, c.liger,
+                    fused_loss=c.fused_loss, tiled_mlp=c.tiled, activation_offload=c.act_offload,
+                    sequence_parallel=c.sp)
+    # the host matters where activation_offload=auto chooses pinned or pageable buffers against it, as the run does
+    return pl.predict(w, c.choice(), pl.Hardware(c.gpus, 1, gpu_mem_gib, host_mem_gib or None, cpu_ranks=cpu))
 
 
 def plan_record(c: Config, p: pl.Prediction, command: str) -> dict[str, Any]:
     """A plan.json for the run directory, so `toolkit report` shows this prediction beside the run."""
     return {"plan_version": 1, "command": command,
-            "inputs": {"model": c.model, "seq_len": c.seq, "global_batch": c.micro * c.accum * c.gpus,
+            "inputs": {"model": c.model, "seq_len": c.seq, "global_batch": c.micro * c.accum * c.gpus // c.sp,
                        "gpus_per_node": c.gpus, "nodes": 1, "world_size": c.gpus},
             "candidates": [candidate_json(p)],
             "chosen": candidate_json(p) | {"phase": p.phase, "gpu_breakdown_gib": p.gpu,
@@ -152,9 +161,9 @@ def plan_record(c: Config, p: pl.Prediction, command: str) -> dict[str, Any]:
                                            "host_breakdown_gib": p.host, "ds_config": ds_config_for(p.choice)}}
 
 
-def _overrides(c: Config, steps: int, run_dir: Path, plan_file: Path, smoke: bool) -> list[str]:
+def _overrides(c: Config, steps: int, run_dir: Path, plan_file: Path, smoke: bool, gpu_limit: float = 0.0) -> list[str]:
     o = [f"model.name={c.model}", f"data.seq_len={c.seq}",
-         f"data.num_samples={c.micro * c.accum * c.gpus * (steps + 1)}", f"train.micro_batch_size={c.micro}",
+         f"data.num_samples={c.micro * c.accum * c.gpus // c.sp * (steps + 1)}", f"train.micro_batch_size={c.micro}",
          f"train.grad_accum={c.accum}", f"train.max_steps={steps}", "train.path=raw", "train.export=false",
          "train.warmup_steps=1", "memory.every=1", "metrics.tensorboard=false", f"train.zero_sizes={c.zero_sizes}",
          f"model.gradient_checkpointing={str(c.ckpt).lower()}", f"model.liger={str(c.liger).lower()}",
@@ -163,6 +172,10 @@ def _overrides(c: Config, steps: int, run_dir: Path, plan_file: Path, smoke: boo
          f"model.rope_factor={c.rope:g}", f"model.activation_offload={c.act_offload}", *c.extra]
     if c.layers:
         o.append(f"model.num_layers={c.layers}")
+    if gpu_limit:
+        o.append(f"memory.gpu_limit_gib={gpu_limit:g}")
+    if c.sp > 1:
+        o.append(f"train.sequence_parallel={c.sp}")
     if not smoke:
         o.append("train.precision=bf16")
     return o
@@ -194,15 +207,15 @@ def _err(pred: float | None, meas: float | None) -> float | None:
 
 
 def run_one(c: Config, out: Path, steps: int, port: int, include: str | None, smoke: bool, gpu_mem: float,
-            timeout: int, shared_gpu: bool) -> dict[str, Any]:
-    p = predict(c, gpu_mem, smoke)
+            timeout: int, shared_gpu: bool, gpu_limit: float = 0.0, host_mem: float = 0.0) -> dict[str, Any]:
+    p = predict(c, gpu_mem, smoke, host_mem)
     ds_file, plan_file, run_dir = out / "ds" / f"{c.name}.json", out / "plans" / f"{c.name}.json", out / "runs" / c.name
     for d in (ds_file.parent, plan_file.parent, run_dir.parent):
         d.mkdir(parents=True, exist_ok=True)
     ds_file.write_text(json.dumps(ds_config_for(c.choice()), indent=1))
     launch = ["deepspeed", "--master_port", str(port)]
     launch += ["--include", include] if include else ["--num_gpus", str(c.gpus)]
-    cmd = [*launch, "toolkit/train.py", "--ds", str(ds_file), *_overrides(c, steps, run_dir, plan_file, smoke)]
+    cmd = [*launch, "toolkit/train.py", "--ds", str(ds_file), *_overrides(c, steps, run_dir, plan_file, smoke, gpu_limit)]
     plan_file.write_text(json.dumps(plan_record(c, p, " ".join(cmd)), indent=1))
     env = dict(os.environ) | {"PYTHONUNBUFFERED": "1"}
     if smoke:
@@ -287,13 +300,14 @@ def cmd_run(a: argparse.Namespace) -> int:
         for i, c in enumerate(singles):
             include = None if smoke else f"localhost:{i % gpus}"
             futures.append(pool.submit(run_one, c, out, a.steps, port + i, include, smoke, a.gpu_mem, a.timeout,
-                                       lanes > gpus))
+                                       lanes > gpus, a.gpu_limit, a.host_mem))
         for fut in futures:
             rows.append(fut.result())
             _progress(rows[-1])
             _write(out, a, gpus, smoke, t0, skipped, rows)  # after every row: a cut-off run keeps what it measured
     for j, c in enumerate(multis):  # every GPU at once: alone
-        rows.append(run_one(c, out, a.steps, port + len(singles) + j, None, smoke, a.gpu_mem, a.timeout, False))
+        rows.append(run_one(c, out, a.steps, port + len(singles) + j, None, smoke, a.gpu_mem, a.timeout, False,
+                            a.gpu_limit, a.host_mem))
         _progress(rows[-1])
         _write(out, a, gpus, smoke, t0, skipped, rows)
     result = _write(out, a, gpus, smoke, t0, skipped, rows)
@@ -386,7 +400,8 @@ def cmd_repredict(a: argparse.Namespace) -> int:
     before = {}
     for r in result["rows"]:
         before[r["config"]["name"]] = (r.get("gpu_error"), r.get("host_error"))
-        _set_prediction(r, predict(by_name[r["config"]["name"]], a.gpu_mem, bool(result.get("smoke"))))
+        _set_prediction(r, predict(by_name[r["config"]["name"]], a.gpu_mem, bool(result.get("smoke")),
+                                    a.host_mem))
     lines = [table(result), "| config | GPU error at the run | GPU error now | host error at the run | host error now |",
              "|---|---|---|---|---|"]
     for r in result["rows"]:
@@ -461,8 +476,11 @@ def main() -> int:
     r.add_argument("--lanes", type=int, default=3, help="one-GPU configurations running at once")
     r.add_argument("--steps", type=int, default=3)
     r.add_argument("--gpu-mem", type=float, default=139.0)
+    r.add_argument("--host-mem", type=float, default=0.0, help="host GiB for the predictions (0: not checked)")
     r.add_argument("--port", type=int, default=29610)
     r.add_argument("--timeout", type=int, default=240, help="seconds per configuration")
+    r.add_argument("--gpu-limit", type=float, default=0.0,
+                   help="memory.gpu_limit_gib of the runs (77: an 80 GB card on a bigger one); 0: the whole GPU")
     r.add_argument("--smoke", action="store_true", help="CPU test of this script: tiny model, DS_ACCELERATOR=cpu")
     r.set_defaults(func=cmd_run)
     t = sub.add_parser("table", help="the markdown table of a calibration.json")
@@ -471,6 +489,7 @@ def main() -> int:
     rp = sub.add_parser("repredict", help="a calibration.json's measurements against the planner as it is now")
     rp.add_argument("json")
     rp.add_argument("--gpu-mem", type=float, default=139.0)
+    rp.add_argument("--host-mem", type=float, default=0.0, help="host GiB for the predictions (0: not checked)")
     rp.set_defaults(func=cmd_repredict)
     b = sub.add_parser("bigrun", help="the largest full fine-tune on one GPU, as toolkit plan chooses it")
     b.add_argument("--out", required=True)

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         if auto_micro:
             # the probes are child jobs coordinated over the process group, so it starts first here
             dist.quiet_libraries()
-            dist.init_distributed(cfg.train.collective_timeout_s)
+            dist.init_distributed(cfg.train.collective_timeout_s, cfg.memory.gpu_limit_gib)
             from toolkit.runtime.autotune import resolve
 
             record = resolve(inputs, sys.argv[1:])
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             print(line, flush=True)
     if not auto_micro:
         dist.quiet_libraries()
-        dist.init_distributed(p.cfg.train.collective_timeout_s)
+        dist.init_distributed(p.cfg.train.collective_timeout_s, p.cfg.memory.gpu_limit_gib)
     from toolkit.runtime.loop import run
 
     return run(p)

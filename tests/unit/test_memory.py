@@ -272,3 +272,15 @@ def test_gpu_branch_with_fakes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     mon2._cuda = True
     assert mon2.snapshot("step", 1)["nvml_used_gib"] is None
     assert mon2.snapshot("step", 2)["allocated_gib"] == 2.0
+
+
+def test_gpu_limit_is_checked_and_a_no_op_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from toolkit.config.ds_config import ConfigError
+    from toolkit.config.schema import MemoryConfig
+    from toolkit.launch import dist
+
+    with pytest.raises(ConfigError, match=r"memory\.gpu_limit_gib must be >= 0"):
+        MemoryConfig(gpu_limit_gib=-1)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    dist.limit_gpu_memory(77)
+    assert dist._gpu_limit_bytes is None

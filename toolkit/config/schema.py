@@ -210,6 +210,15 @@ class MemoryConfig:
     """Snapshot every N optimizer steps (0: phases only)."""
     spread_warn_gib: float = 2.0
     """Warn when max-min of allocated across ranks passes this."""
+    gpu_limit_gib: float = 0.0
+    """Cap each rank's PyTorch allocator at this many GiB of its GPU (torch.cuda.set_per_process_memory_fraction);
+    0: the whole GPU. Tries a plan for a smaller card on a bigger one (an 80 GB H100's 77 GiB left after the CUDA
+    context, on a 141 GB H200): past it an allocation fails with CUDA out of memory as on the smaller card, and
+    the run's memory rules (micro_batch_size=auto, activation_offload=auto) size against it."""
+
+    def __post_init__(self) -> None:
+        if self.gpu_limit_gib < 0:
+            raise ConfigError(f"memory.gpu_limit_gib must be >= 0 (0: the whole GPU), got {self.gpu_limit_gib}")
 
 
 @dataclass

@@ -61,9 +61,9 @@ def on_cpu() -> bool:
     return os.environ.get("DS_ACCELERATOR") == "cpu"
 
 
-def init_distributed(timeout_s: int | None = None) -> None:
+def init_distributed(timeout_s: int | None = None, gpu_limit_gib: float = 0.0) -> None:
     """The process group; `timeout_s` bounds how long a rank waits in a collective for a peer that is
-    gone (DeepSpeed's default is 10 minutes, the HF Trainer's 30)."""
+    gone (DeepSpeed's default is 10 minutes, the HF Trainer's 30); `gpu_limit_gib` is memory.gpu_limit_gib."""
     import datetime
 
     import torch.distributed as tdist
@@ -82,6 +82,33 @@ def init_distributed(timeout_s: int | None = None) -> None:
         import torch
 
         torch.cuda.set_device(local_rank())
+        limit_gpu_memory(gpu_limit_gib)
+
+
+_gpu_limit_bytes: int | None = None
+
+
+def limit_gpu_memory(gib: float) -> None:
+    """memory.gpu_limit_gib on this rank's GPU (after set_device); 0 leaves the whole GPU."""
+    global _gpu_limit_bytes
+    if gib <= 0 or on_cpu():
+        return
+    import torch
+
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    _gpu_limit_bytes = min(total, int(gib * 2**30))
+    torch.cuda.set_per_process_memory_fraction(_gpu_limit_bytes / total)
+    if rank() == 0:
+        print(f"memory.gpu_limit_gib={gib:g}: each rank's allocator capped at {_gpu_limit_bytes / 2**30:.1f} of the "
+              f"GPU's {total / 2**30:.1f} GiB", flush=True)
+
+
+def gpu_memory_bytes() -> int:
+    """This rank's GPU memory as the run may use it: memory.gpu_limit_gib where set, else the whole GPU."""
+    import torch
+
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return total if _gpu_limit_bytes is None else min(total, _gpu_limit_bytes)
 
 
 def release_deepspeed_shm() -> None:

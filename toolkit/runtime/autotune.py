@@ -63,6 +63,7 @@ def key_of(inputs: RunInputs, gpu: str) -> dict[str, Any]:
             "fused_loss": m.liger_fused_loss, "lora": cfg.lora.enabled and [cfg.lora.r, *cfg.lora.target_modules],
             "precision": t.precision, "fp8_recipe": t.fp8_recipe if t.precision == "fp8" else None,
             "zero_sizes": t.zero_sizes, "compile": [t.compile, run_compiles(inputs)], "path": t.path, "world": world, "gpu": gpu,
+            "gpu_limit_gib": cfg.memory.gpu_limit_gib,
             "global_batch": t.global_batch_size, "ds": hashlib.sha256(json.dumps(ds, sort_keys=True).encode()).hexdigest()[:16],
             "data": _data_identity(cfg.data.source), "versions": _versions()}
 
@@ -140,6 +141,8 @@ def resolve(inputs: RunInputs, argv: list[str]) -> dict[str, Any]:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} does not split over {world} ranks")
     per_rank = t.global_batch_size // world
     gpu, gib = gpu_name_and_gib()
+    if gib is not None and cfg.memory.gpu_limit_gib > 0:  # the probes run under the same cap (their overrides)
+        gib = min(gib, cfg.memory.gpu_limit_gib)
     # Rank 0 decides from the smallest GPU of the job and tells everyone, so every rank runs the same probes
     # in the same order (each rank asking NVML for itself could disagree: MIG, mixed nodes, a failed NVML).
     import torch.distributed as tdist

@@ -104,9 +104,10 @@ def fused_loss_setting(cfg: Any, model_config: Any, ds: dict[str, Any], world: i
     if (setting != "auto" or not micro or not is_moe(model_config) or not torch.cuda.is_available()
             or tokens > liger_rules.MOE_FUSED_LOSS_OFF_TOKENS):
         return setting, ""
+    from toolkit.launch import dist
     from toolkit.plan.planner import fitting_micro_batches, run_settings
 
-    gpu_gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+    gpu_gib = dist.gpu_memory_bytes() / 2**30
     # fp8 left out: the planner refuses float8 on MoE models (experts are not nn.Linear), the run converts the rest
     settings = run_settings(cfg, compiled) | {"fused_loss": "false", "fp8": None}
     try:

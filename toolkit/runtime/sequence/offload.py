@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from toolkit.launch import dist
 from toolkit.plan.speedups import activation_offload_on, offload_pinned
 
 
@@ -44,7 +45,7 @@ def decide(setting: str, *, grad_ckpt: bool, layers: int, hidden: int, tokens: i
     import torch
 
     cuda = torch.cuda.is_available()
-    gpu = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if cuda else 0
+    gpu = dist.gpu_memory_bytes() if cuda else 0
     on, why = activation_offload_on(setting, grad_ckpt=grad_ckpt, cuda=cuda, layers=layers, hidden=hidden,
                                     tokens=tokens, gpu_bytes=gpu)
     if not on:
