@@ -102,6 +102,7 @@ def main() -> int:
         doc["trials"].append({"seq": seq, "result": result, "wall_s": row["wall_s"], "rc": row["rc"],
                               "peak_allocated_gib": max((r.get("peak_allocated_gib") or 0 for r in peaks), default=None),
                               "peak_reserved_gib": max((r.get("peak_reserved_gib") or 0 for r in peaks), default=None),
+                              "step_s": ((row.get("measured") or {}).get("step_times_s") or [None])[-1],
                               "predicted_peak_gib": row["predicted"]["peak_allocated_gib"],
                               "predicted_need_gib": row["predicted"]["gpu_need_gib"], "argv": row["argv"]})
         print(json.dumps(doc["trials"][-1]), flush=True)

@@ -287,7 +287,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         return 1
     if not smoke:
         # one build of DeepSpeed's ops before the runs start in parallel (bench/prebuild_ops.py)
-        subprocess.call([sys.executable, "bench/prebuild_ops.py"], cwd=ROOT)
+        ops = ["fused_adam"] + (["cpu_adam"] if any(c.offload != "none" for c in configs) else [])
+        subprocess.call([sys.executable, "bench/prebuild_ops.py", *ops], cwd=ROOT)
     skipped = [c.name for c in configs if c.gpus > gpus]
     singles = [c for c in configs if c.gpus == 1 and c.gpus <= gpus]
     multis = [c for c in configs if c.gpus > 1 and c.gpus <= gpus]
