@@ -3,7 +3,8 @@ real `deepspeed` launcher, fp32, the tiny Llama (4 heads, 2 kv heads): SP=2 (one
 each rank half of each row) against SP=1 (two ranks, each its own rows) on the same global batch, which
 trains on the same samples per step, so the losses and gradient norms must agree to fp32 rounding.
 
-All runs share one launch (tests/dist/_multi_train.py); the SP runs undo their process-wide state at the end
+The HF Trainer path at SP=2 against the raw loop at SP=1, the same way. All runs share one launch
+(tests/dist/_multi_train.py); the SP runs undo their process-wide state at the end
 (sequence/ulysses.py stop()), so the plain runs after them are plain.
 """
 
@@ -63,8 +64,16 @@ def _runs(tmp: Path) -> list[dict]:
     add("chat-resume-sp2", "zero3", *SP2, *chat_run, "train.max_steps=4", "train.resume=latest")
     # ... and at another degree: refused in one line, before anything is loaded
     add("chat-resume-sp2", "zero3", *SP1, *chat_run, "train.max_steps=4", "train.resume=latest", expect_rc=1)
-    # rules checked before launch work: the HF Trainer path, ZeRO-0
-    add("trainer-sp2", "zero2", *SP2, "train.path=trainer", expect_rc=1)
+    # the HF Trainer path at SP=2: synthetic rows at ZeRO-2; packed chat rows with eval at ZeRO-3, saved after 2
+    # of 4 steps and resumed
+    add("trainer-synthetic-zero2-sp2", "zero2", *SP2, "train.path=trainer", "train.max_steps=3",
+        "data.num_samples=32")
+    add("trainer-chat-zero3-sp2", "zero3", *SP2, *chat_run, "train.path=trainer", "train.max_steps=4")
+    add("trainer-chat-resume-sp2", "zero3", *SP2, *chat_run, "train.path=trainer", "train.max_steps=4",
+        "train.stop_after=2")
+    add("trainer-chat-resume-sp2", "zero3", *SP2, *chat_run, "train.path=trainer", "train.max_steps=4",
+        "train.resume=latest")
+    # a rule checked before launch work: ZeRO-0
     add("zero0-sp2", "zero0", *SP2, expect_rc=1)
     # a plain run after the SP runs in the same process: DeepSpeed's SP state was undone
     add("synthetic-zero2-after", "zero2", *SP1, "train.max_steps=3", "data.num_samples=32")
@@ -131,12 +140,37 @@ def test_a_checkpoint_saved_at_sp2_resumes_on_the_same_curve_and_not_at_another_
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["synthetic-zero2", "chat-zero3"])
+def test_the_trainer_path_at_sp2_trains_as_the_raw_loop_at_sp1(runs: Path, case: str) -> None:
+    """The same samples per step (sequence/ulysses.py GroupOrder), the same token mean over every rank's slice:
+    losses, gradient norms and eval losses as the raw loop's SP=1 run; the group's batches counted once."""
+    raw, tr = metrics(runs / f"{case}-sp1"), metrics(runs / f"trainer-{case}-sp2")
+    train_raw, train_tr = ([m for m in x if "loss" in m] for x in (raw, tr))
+    _same([m["loss"] for m in train_tr], [m["loss"] for m in train_raw], 1e-5)
+    _same([m["grad_norm"] for m in train_tr], [m["grad_norm"] for m in train_raw], 1e-4)
+    assert [m["eval_loss"] for m in tr if "eval_loss" in m] == pytest.approx(
+        [m["eval_loss"] for m in raw if "eval_loss" in m], rel=1e-5)
+    # tokens and padding as the raw loop counts them at SP=2 (whose rows are padded to a multiple of 2)
+    raw_sp2 = [m for m in metrics(runs / f"{case}-sp2") if "loss" in m]
+    assert [m["padding_waste"] for m in train_tr] == pytest.approx([m["padding_waste"] for m in raw_sp2], abs=1e-9)
+    ds = json.loads((runs / f"trainer-{case}-sp2" / "ds_config.json").read_text())
+    assert ds["train_batch_size"] == 8 and "sequence_parallel_size" not in ds  # its engine: 2 data-parallel ranks
+
+
+@pytest.mark.timeout(60)
+def test_a_trainer_checkpoint_saved_at_sp2_resumes_on_the_same_curve(runs: Path) -> None:
+    d = runs / "trainer-chat-resume-sp2"
+    _same([m["loss"] for m in metrics(d) if "loss" in m], [m["loss"] for m in metrics(runs / "trainer-chat-zero3-sp2")
+                                                             if "loss" in m], 1e-5)
+    checked = [json.loads(x) for x in (d / "resumes.jsonl").read_text().splitlines()]
+    assert len(checked) == 1 and checked[0]["not_verified"] is None, checked
+
+
+@pytest.mark.timeout(60)
 def test_runs_sequence_parallelism_cannot_serve_are_refused_before_launch_work(runs: Path) -> None:
     log = (runs / "launch.log").read_text()
-    assert "train.sequence_parallel runs on train.path=raw" in log
     assert "train.sequence_parallel needs ZeRO stage 1, 2 or 3" in log
-    for name in ("trainer-sp2", "zero0-sp2"):
-        assert not (runs / name / "metrics.jsonl").exists()
+    assert not (runs / "zero0-sp2" / "metrics.jsonl").exists()
 
 
 @pytest.mark.timeout(60)

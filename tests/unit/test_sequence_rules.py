@@ -12,9 +12,8 @@ from toolkit.runtime.sequence.ulysses import SequenceParallel, loss_multiplier
 
 
 def test_a_run_that_fits_has_no_problem() -> None:
-    assert problems(2, 4, 3, heads=32, kv_heads=8, seq_len=8192, attn="sdpa", path="raw", task="causal_lm",
-                    micro=1) == []
-    assert problems(1, 3, 0, heads=3, kv_heads=3, seq_len=7, attn="eager", path="trainer") == []  # off: no rule
+    assert problems(2, 4, 3, heads=32, kv_heads=8, seq_len=8192, attn="sdpa", task="causal_lm", micro=1) == []
+    assert problems(1, 3, 0, heads=3, kv_heads=3, seq_len=7, attn="eager") == []  # off: no rule
     assert problems(16, 16, 3, heads=32, kv_heads=8) == []  # kv heads replicated: 16 is a multiple of 8
 
 
@@ -25,13 +24,12 @@ def test_a_run_that_fits_has_no_problem() -> None:
     ({"kv_heads": 6}, "the model's 6 key/value heads: one must divide the other"),
     ({"seq_len": 1001}, "data.seq_len=1001 is not a multiple"),
     ({"attn": "eager"}, "needs sdpa (or flash) attention"),
-    ({"path": "trainer"}, "runs on train.path=raw"),
     ({"task": "seq_cls"}, "is for causal LMs"),
     ({"micro": "auto"}, "needs a number for train.micro_batch_size"),
 ])
 def test_each_rule_is_one_line(kw: dict, line: str) -> None:
     args = {"world": 4, "zero_stage": 2, "heads": 32, "kv_heads": 8, "seq_len": 4096, "attn": "sdpa",
-            "path": "raw", "task": "causal_lm", "micro": 1} | kw
+            "task": "causal_lm", "micro": 1} | kw
     found = problems(4, **args)
     assert len(found) == 1 and line in found[0], found
 
@@ -132,3 +130,32 @@ def test_an_mlp_with_dropout_is_not_tiled() -> None:
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=64))
     with pytest.raises(ValueError, match="has dropout"):
         tile_mlps(decoder_layers(model))
+
+
+def test_the_trainer_paths_order_gives_a_group_the_micro_batch_the_raw_loop_deals_to_it() -> None:
+    """Accelerate deals batch i to rank i % world; GroupOrder repeats each micro-batch once per rank of a group, so
+    ranks 2g and 2g+1 (group g) get the micro-batch ShardedBatches deals to data-parallel rank g."""
+    from toolkit.runtime.data import EpochOrder, ShardedBatches
+    from toolkit.runtime.sequence.ulysses import GroupOrder
+
+    order, micro, sp, groups = EpochOrder(24, seed=3, shuffle=True), 2, 2, 3
+    stream = list(GroupOrder(order, micro, sp))
+    assert len(stream) == len(GroupOrder(order, micro, sp)) == 24 * sp
+    batches = [stream[i:i + micro] for i in range(0, len(stream), micro)]
+    world = sp * groups
+    for rank in range(world):
+        mine = batches[rank::world]
+        assert mine == list(ShardedBatches(order, micro, rank // sp, groups)), rank
+
+
+def test_the_trainer_paths_collator_cuts_this_ranks_slice_and_counts_the_whole_batch() -> None:
+    from toolkit.runtime.sequence.ulysses import TOKENS_KEY, ShardingCollator
+
+    rows = [{"input_ids": [5, 6, 7, 8, 9, 10], "labels": [5, 6, 7, 8, 9, 10]}, {"input_ids": [1, 2, 3], "labels": [1, 2, 3]}]
+    collate = Collator(pad_id=0, task="causal_lm", drop_full_mask=True, multiple_of=2)
+    whole = collate(rows)
+    for rank in (0, 1):
+        out = ShardingCollator(collate, _sp(rank))(rows)
+        assert int(out.pop(TOKENS_KEY)) == 9  # the whole batch's real tokens, on every rank of the group
+        ref = _sp(rank).shard(whole)
+        assert out.keys() == ref.keys() and all(torch.equal(out[k], ref[k]) for k in ref if torch.is_tensor(ref[k]))

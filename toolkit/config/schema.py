@@ -198,7 +198,7 @@ class TrainConfig:
     sequence_parallel: int = 1
     """Ulysses sequence parallelism (DeepSpeed's): each sample's tokens are split over this many ranks, which
     exchange attention heads around each attention; the ranks of a group share every batch, so the global
-    batch is micro x accum x ranks / sequence_parallel. Raw path, ZeRO 1-3, causal LMs (toolkit/runtime/sequence/)."""
+    batch is micro x accum x ranks / sequence_parallel. Both paths, ZeRO 1-3, causal LMs (toolkit/runtime/sequence/)."""
     plan: str | None = None
     """plan.json written by `toolkit plan -o DIR` (its train.yaml sets this): copied into the run directory,
     so `toolkit report` shows the plan's per-rank prediction next to what was measured."""

@@ -118,6 +118,12 @@ class TokenCounter:
         self._tokens = self._tokens + mask.sum()
         self.samples += int(mask.shape[0])
 
+    def add_counted(self, tokens: Any, positions: int, samples: int) -> None:
+        """A batch counted elsewhere (sequence parallelism's slices carry their whole batch's token count)."""
+        self._tokens = self._tokens + tokens
+        self.positions += positions
+        self.samples += samples
+
     @property
     def tokens(self) -> int:
         return int(self._tokens)

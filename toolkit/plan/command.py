@@ -64,7 +64,7 @@ def train_overrides(args: Any, p: pl.Prediction, out_dir: Path | None) -> dict[s
         o["model.num_layers"] = args.layers
     if args.sequence_parallel > 1:
         o["train.sequence_parallel"] = args.sequence_parallel
-        o["train.path"] = "raw"  # (sequence parallelism runs on the raw path)
+        o["train.path"] = "raw"  # the path sequence parallelism was measured on (GPU rows); the Trainer's trains alike
     if args.tiled_mlp != "auto":
         o["model.tiled_mlp"] = args.tiled_mlp
     if args.activation_offload != "auto":

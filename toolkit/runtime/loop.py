@@ -422,17 +422,26 @@ def _run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collat
 
     t = p.cfg.train
     counter = metrics.counter
-    global_batch = t.micro_batch_size * t.grad_accum * p.world_size
+    sp = state["sp"]
+    global_batch = t.micro_batch_size * t.grad_accum * p.world_size // t.sequence_parallel
     universal: str | None = None
     aux_coef = state["aux_coef"]
     offloading = state["offload"]
+    sampler: Any = ulysses.GroupOrder(order, t.micro_batch_size, sp.size) if sp else order
+    if sp:  # each rank trains on its slice of its group's micro-batch (sequence/ulysses.py)
+        collator = ulysses.ShardingCollator(collator, sp)
 
     class ToolkitTrainer(Trainer):
-        def _get_train_sampler(self, train_dataset: Any = None) -> EpochOrder:
-            return order  # the raw loop deals the same order to the same ranks
+        def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+            return sampler  # the raw loop deals the same order to the same ranks
 
         def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Any:
-            counter.add(inputs)  # on the device, no sync: collation runs in loader workers
+            if sp:  # a group's micro-batch is counted once, whole (its slices cannot tell padding from tokens)
+                tokens = inputs.pop(ulysses.TOKENS_KEY)
+                if sp.rank == 0:
+                    counter.add_counted(tokens, inputs["input_ids"].numel() * sp.size, inputs["input_ids"].shape[0])
+            else:
+                counter.add(inputs)  # on the device, no sync: collation runs in loader workers
             with offload.context(offloading):  # the Trainer's step is one micro-batch's forward and backward
                 return super().training_step(model, inputs, num_items_in_batch)
 
@@ -508,7 +517,8 @@ def _run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collat
             ckpt = Path(args.output_dir) / f"checkpoint-{st.global_step}"
             # every rank ran on_step_end's begin_save (the Trainer saves only where should_save was set there)
             digests = end_save(state.pop("save"), ckpt) if "save" in state else {}
-            record = resume.save_record(trainer.model_wrapped, state["fixed_batch"], p.world_size, global_batch)
+            record = resume.save_record(trainer.model_wrapped, state["fixed_batch"], p.world_size, global_batch,
+                                        t.sequence_parallel)
             if dist.rank() == 0:
                 mark_complete(ckpt, st.global_step, record | digests)
 

@@ -129,8 +129,13 @@ def build_spec(inputs: RunInputs) -> RunSpec:
                         warmup_steps=t.warmup_steps, total_steps=total, adapter_autocast=autocast,
                         zero_sizes=t.zero_sizes)
     ds = resolve(ds_raw, values)
-    if t.sequence_parallel > 1:  # read where no mpu is passed (zero.Init under ZeRO-3): the data-parallel size
+    if t.sequence_parallel > 1 and t.path == "raw":
+        # read where no mpu is passed (zero.Init under ZeRO-3): the data-parallel size
         ds["sequence_parallel_size"] = t.sequence_parallel
+    elif t.sequence_parallel > 1:
+        # the HF Trainer's engine gets no mpu (sequence/ulysses.py): to DeepSpeed and to the Trainer's own check
+        # every rank is data-parallel, so its batch counts all of them; the global batch above counts groups
+        ds["train_batch_size"] = t.micro_batch_size * t.grad_accum * inputs.world_size
     if reshard:
         ds = universal_config(ds)
     world = inputs.world_size
@@ -145,7 +150,7 @@ def _check_sequence_parallel(cfg: Config, mc: Any, ds: dict[str, Any], world: in
     text = mc.get_text_config() if hasattr(mc, "get_text_config") else mc
     heads = getattr(text, "num_attention_heads", None)
     found = problems(t.sequence_parallel, world, zero_stage(ds), heads, getattr(text, "num_key_value_heads", heads),
-                     cfg.data.seq_len, cfg.model.attn_implementation, t.path, cfg.model.task, t.micro_batch_size)
+                     cfg.data.seq_len, cfg.model.attn_implementation, cfg.model.task, t.micro_batch_size)
     if t.sequence_parallel > 1 and getattr(text, "num_experts_per_tok", None):
         found.append("train.sequence_parallel with a Mixture-of-Experts model: not supported yet (the load-balancing "
                      "loss would see each rank's slice)")

@@ -185,7 +185,7 @@ def sequence_parallel_findings(ds: dict, sp: int, world: int, heads: tuple[int, 
 
     q, kv = heads or (None, None)
     return [Finding("error", "train.sequence_parallel", m)
-            for m in problems(sp, world, dc.zero_stage(ds), q, kv, seq_len, path="raw")]
+            for m in problems(sp, world, dc.zero_stage(ds), q, kv, seq_len)]
 
 
 def run_check(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ MIN_DEEPSPEED = "0.19.8"
 
 def problems(sp: int, world: int, zero_stage: int | None = None, heads: int | None = None,
              kv_heads: int | None = None, seq_len: int | None = None, attn: str | None = None,
-             path: str | None = None, task: str | None = None, micro: int | str | None = None) -> list[str]:
+             task: str | None = None, micro: int | str | None = None) -> list[str]:
     """What stops train.sequence_parallel=sp from running, one line each; [] when nothing does. Arguments left
     None are not checked (`toolkit check` knows the launch, not the model)."""
     if sp == 1:
@@ -39,8 +39,6 @@ def problems(sp: int, world: int, zero_stage: int | None = None, heads: int | No
     if attn == "eager":
         out.append("train.sequence_parallel needs sdpa (or flash) attention: eager builds a full mask per layer; "
                    "set model.attn_implementation=sdpa")
-    if path is not None and path != "raw":
-        out.append("train.sequence_parallel runs on train.path=raw (the HF Trainer path does not shard sequences)")
     if task is not None and task != "causal_lm":
         out.append(f"train.sequence_parallel is for causal LMs (model.task={task})")
     if micro == "auto":

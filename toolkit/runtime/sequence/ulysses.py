@@ -16,6 +16,12 @@ Written here rather than taken from DeepSpeed whole, and why:
 The loss needs nothing extra: the toolkit's loss is a sum over target tokens divided by the global count
 (loop.py), so each rank's slice contributes its own tokens, a slice without targets contributes 0 (no NaN),
 and DeepSpeed sums gradients over a group and averages over the data-parallel ranks.
+
+The HF Trainer path runs the same attention and slices, dealt by GroupOrder and cut by ShardingCollator. Its
+engine gets no mpu (Accelerate builds it, and passes one only with its own Ulysses setup, whose data adapter
+gathers a group's batches and breaks on the collator's 1-D document boundaries): to DeepSpeed every rank is then
+data-parallel, holding its slice's tokens, which is exact for a token-mean loss. The Trainer divides each rank's
+target sum by the targets of all ranks and multiplies by the world size, and DeepSpeed averages over the world.
 """
 
 from __future__ import annotations
@@ -63,6 +69,52 @@ class SequenceParallel:
                 out[k] = v[:, lo:lo + width].contiguous()
         out["labels"] = out["shift_labels"]  # the model computes a loss only when given labels; shift_labels win
         return out
+
+
+class GroupOrder(torch.utils.data.Sampler):
+    """The HF Trainer path's sample order: every micro-batch of the epoch's order `size` times in a row. Accelerate
+    deals batch i to rank i % world, so the `size` consecutive ranks of a group get the same micro-batch: the one the
+    raw loop's ShardedBatches deals to their data-parallel rank."""
+
+    def __init__(self, order: Any, micro_batch: int, size: int) -> None:
+        self.order, self.micro, self.size = order, micro_batch, size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.order.set_epoch(epoch)
+
+    def __iter__(self) -> Any:
+        idx = self.order.order(self.order.epoch)
+        for start in range(0, len(self) // self.size, self.micro):
+            batch = idx[start:start + self.micro].tolist()
+            for _ in range(self.size):
+                yield from batch
+
+    def __len__(self) -> int:
+        return self.order.n // self.micro * self.micro * self.size
+
+
+TOKENS_KEY = "toolkit_group_tokens"
+"""The HF Trainer path's sharded batches carry their whole batch's token count under this key (training_step
+takes it out before the model sees the batch): the slices' own positions cannot tell padding from tokens."""
+
+
+class ShardingCollator:
+    """The HF Trainer path's collator under sequence parallelism: the toolkit's collator, then this rank's slice
+    (SequenceParallel.shard) in the loader, before the Trainer counts the batch's targets (it counts `shift_labels`,
+    this rank's, and sums over every rank: each target once) and moves it to the device."""
+
+    def __init__(self, collate: Any, sp: SequenceParallel) -> None:
+        from dataclasses import replace
+
+        self.collate, self.sp = collate, replace(sp, mpu=None)  # a module does not pickle into loader workers
+
+    def __call__(self, rows: list[Any]) -> dict[str, Any]:
+        from toolkit.observe.metrics import TokenCounter
+
+        batch = self.collate(rows)
+        counted = TokenCounter()
+        counted.add(batch)
+        return self.sp.shard(batch) | {TOKENS_KEY: torch.as_tensor(counted.tokens)}
 
 
 def start(size: int, model_config: Any, micro_batch: int) -> SequenceParallel:
