@@ -115,11 +115,11 @@ def main() -> int:
         if bad and good and bad - good <= step:
             break
         if not bad:
-            seq = int(seq * a.grow) // step * step
+            seq = max(int(seq * a.grow) // step * step, seq + step)
         elif not good:
-            seq = int(seq / a.grow) // step * step
-        else:
-            seq = (good + bad) // 2 // step * step
+            seq = max(int(seq / a.grow) // step * step, step) if seq > step else 0
+        else:  # strictly between: a --start off the step grid must not bring back a length already tried
+            seq = min(max((good + bad) // 2 // step * step, good + step), bad - 1)
     doc |= {"measured_longest": good or None, "shortest_failed": bad or None,
             "resolved": bool(good and bad and bad - good <= step), "wall_s": round(time.perf_counter() - t0, 1)}
     (out / "max_seq.json").write_text(json.dumps(doc, indent=1) + "\n")

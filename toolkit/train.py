@@ -45,10 +45,12 @@ def main(argv: list[str] | None = None) -> int:
         if auto_micro:
             # the probes are child jobs coordinated over the process group, so it starts first here
             dist.quiet_libraries()
-            dist.init_distributed(cfg.train.collective_timeout_s, cfg.memory.gpu_limit_gib)
+            # no cap yet: capping creates a CUDA context, and this parent keeps the probes' GPU free of one
+            dist.init_distributed(cfg.train.collective_timeout_s)
             from toolkit.runtime.autotune import resolve
 
             record = resolve(inputs, sys.argv[1:])
+            dist.limit_gpu_memory(cfg.memory.gpu_limit_gib)
         p = build_spec(inputs)
         if auto_micro:
             p.autotune = record

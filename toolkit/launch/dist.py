@@ -91,24 +91,34 @@ _gpu_limit_bytes: int | None = None
 def limit_gpu_memory(gib: float) -> None:
     """memory.gpu_limit_gib on this rank's GPU (after set_device); 0 leaves the whole GPU."""
     global _gpu_limit_bytes
-    if gib <= 0 or on_cpu():
+    if on_cpu() or (gib <= 0 and _gpu_limit_bytes is None):
         return
     import torch
 
+    if gib <= 0:  # an earlier run in this process (tests share launches) capped it
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        _gpu_limit_bytes = None
+        return
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     _gpu_limit_bytes = min(total, int(gib * 2**30))
     torch.cuda.set_per_process_memory_fraction(_gpu_limit_bytes / total)
     if rank() == 0:
+        above = " (above the GPU: no cap)" if gib * 2**30 > total else ""
         print(f"memory.gpu_limit_gib={gib:g}: each rank's allocator capped at {_gpu_limit_bytes / 2**30:.1f} of the "
-              f"GPU's {total / 2**30:.1f} GiB", flush=True)
+              f"GPU's {total / 2**30:.1f} GiB{above}", flush=True)
 
 
 def gpu_memory_bytes() -> int:
-    """This rank's GPU memory as the run may use it: memory.gpu_limit_gib where set, else the whole GPU."""
+    """This rank's GPU as the planner counts a card (its own CUDA-context allowance included): the whole GPU, or
+    under memory.gpu_limit_gib the cap plus that allowance (the cap holds the allocator; the context is outside it)."""
     import torch
 
+    from toolkit.plan.planner import CUDA_CONTEXT_GIB
+
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    return total if _gpu_limit_bytes is None else min(total, _gpu_limit_bytes)
+    if _gpu_limit_bytes is None:
+        return total
+    return min(total, _gpu_limit_bytes + int(CUDA_CONTEXT_GIB * 2**30))
 
 
 def release_deepspeed_shm() -> None:

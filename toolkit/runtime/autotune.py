@@ -142,7 +142,9 @@ def resolve(inputs: RunInputs, argv: list[str]) -> dict[str, Any]:
     per_rank = t.global_batch_size // world
     gpu, gib = gpu_name_and_gib()
     if gib is not None and cfg.memory.gpu_limit_gib > 0:  # the probes run under the same cap (their overrides)
-        gib = min(gib, cfg.memory.gpu_limit_gib)
+        from toolkit.plan.planner import CUDA_CONTEXT_GIB
+
+        gib = min(gib, cfg.memory.gpu_limit_gib + CUDA_CONTEXT_GIB)  # the planner's card: the context outside the cap
     # Rank 0 decides from the smallest GPU of the job and tells everyone, so every rank runs the same probes
     # in the same order (each rank asking NVML for itself could disagree: MIG, mixed nodes, a failed NVML).
     import torch.distributed as tdist

@@ -428,6 +428,7 @@ def _run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collat
     aux_coef = state["aux_coef"]
     offloading = state["offload"]
     sampler: Any = ulysses.GroupOrder(order, t.micro_batch_size, sp.size) if sp else order
+    per_epoch = steps_per_epoch(len(dataset), p.cfg, p.data_world)
     if sp:  # each rank trains on its slice of its group's micro-batch (sequence/ulysses.py)
         collator = ulysses.ShardingCollator(collator, sp)
 
@@ -481,6 +482,12 @@ def _run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collat
             state["phase"] = "train"
             metrics.start(st.global_step)
             state["profiler"].step_done(st.global_step)  # a window that includes the first step opens here
+
+        def on_epoch_begin(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
+            # The Trainer calls set_epoch on its loader after wrapping it to skip a resumed epoch's consumed batches
+            # (transformers 5.24 _run_epoch, accelerate's SkipBatchSampler): that wrapper does not pass it on, so a
+            # resumed epoch past the first would replay epoch 0's order. Set here, before the epoch's iterator exists.
+            sampler.set_epoch(st.global_step // per_epoch)
 
         def on_step_begin(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
             watchdog.step_begin(st.global_step + 1)  # the hang deadline covers the step, not the save after it
@@ -542,6 +549,10 @@ def _run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collat
     # Our progress bar, metrics.jsonl and TensorBoard files replace its dict prints; report_to=[] stays,
     # so both paths write the same tags through MetricsLogger instead of HF's TensorBoardCallback.
     trainer.remove_callback(PrinterCallback)
+    if sp and not trainer.model_accepts_loss_kwargs:
+        # without num_items_in_batch each rank's slice would take its own mean (a slice of prompt only: NaN)
+        raise ValueError(f"train.sequence_parallel on the HF Trainer path needs a model whose loss takes "
+                         f"num_items_in_batch ({type(trainer.model).__name__} does not); use train.path=raw")
     if p.cfg.model.task == "seq_cls":
         # The Trainer sees **kwargs on forward and assumes the model normalizes by num_items_in_batch,
         # then multiplies the (plain mean) classification loss by the world size: loss and gradients
