@@ -73,6 +73,11 @@ def _runs(tmp: Path) -> list[dict]:
         "train.stop_after=2")
     add("trainer-chat-resume-sp2", "zero3", *SP2, *chat_run, "train.path=trainer", "train.max_steps=4",
         "train.resume=latest")
+    # ... and a resume in the second epoch (2 steps an epoch): that epoch's order, not epoch 0's again
+    epochs = ("train.path=trainer", "train.max_steps=4", "data.num_samples=8")
+    add("trainer-epochs-sp2", "zero2", *SP2, *epochs)
+    add("trainer-epochs-resume-sp2", "zero2", *SP2, *epochs, "train.stop_after=3")
+    add("trainer-epochs-resume-sp2", "zero2", *SP2, *epochs, "train.resume=latest")
     # a rule checked before launch work: ZeRO-0
     add("zero0-sp2", "zero0", *SP2, expect_rc=1)
     # a plain run after the SP runs in the same process: DeepSpeed's SP state was undone
@@ -164,6 +169,12 @@ def test_a_trainer_checkpoint_saved_at_sp2_resumes_on_the_same_curve(runs: Path)
                                                              if "loss" in m], 1e-5)
     checked = [json.loads(x) for x in (d / "resumes.jsonl").read_text().splitlines()]
     assert len(checked) == 1 and checked[0]["not_verified"] is None, checked
+
+
+@pytest.mark.timeout(60)
+def test_a_trainer_resume_in_a_later_epoch_draws_that_epochs_order(runs: Path) -> None:
+    resumed, whole = metrics(runs / "trainer-epochs-resume-sp2"), metrics(runs / "trainer-epochs-sp2")
+    _same([m["loss"] for m in resumed if "loss" in m], [m["loss"] for m in whole if "loss" in m], 1e-5)
 
 
 @pytest.mark.timeout(60)
