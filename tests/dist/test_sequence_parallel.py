@@ -59,6 +59,12 @@ def _runs(tmp: Path) -> list[dict]:
     # the MLPs in 4 tiles over each rank's slice (DeepSpeed's TiledMLP, ZeRO-3 reducing after the last tile)
     add("synthetic-zero3-sp2-tiled", "zero3", *SP2, "train.max_steps=3", "data.num_samples=32",
         "model.tiled_mlp=true", "model.tiled_mlp_shards=4")
+    # the loss through model.tiled_loss's checkpointed tiles, at ZeRO-3 under SP=2 and on the Trainer path (one tile
+    # at the tiny vocabulary: the head gathered and recomputed as ZeRO-3 must; several: tests/unit/test_tiled_loss.py)
+    add("synthetic-zero3-sp2-tiledloss", "zero3", *SP2, "train.max_steps=3", "data.num_samples=32",
+        "model.tiled_loss=true")
+    add("trainer-synthetic-zero2-sp1-tiledloss", "zero2", *SP1, "train.max_steps=3", "data.num_samples=32",
+        "model.tiled_loss=true", "train.path=trainer")
     # save at SP=2 after 2 of 4 steps, resume: the uninterrupted run's curve
     add("chat-resume-sp2", "zero3", *SP2, *chat_run, "train.max_steps=4", "train.stop_after=2")
     add("chat-resume-sp2", "zero3", *SP2, *chat_run, "train.max_steps=4", "train.resume=latest")
@@ -169,6 +175,16 @@ def test_a_trainer_checkpoint_saved_at_sp2_resumes_on_the_same_curve(runs: Path)
                                                              if "loss" in m], 1e-5)
     checked = [json.loads(x) for x in (d / "resumes.jsonl").read_text().splitlines()]
     assert len(checked) == 1 and checked[0]["not_verified"] is None, checked
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("tiled", "plain"), [("synthetic-zero3-sp2-tiledloss", "synthetic-zero3-sp1"),
+                                             ("trainer-synthetic-zero2-sp1-tiledloss", "synthetic-zero2-sp1")])
+def test_a_tiled_loss_trains_as_the_plain_one(runs: Path, tiled: str, plain: str) -> None:
+    a, b = ([m for m in metrics(runs / name) if "loss" in m] for name in (tiled, plain))
+    _same([m["loss"] for m in a], [m["loss"] for m in b], 1e-5)
+    _same([m["grad_norm"] for m in a], [m["grad_norm"] for m in b], 1e-4)
+    assert "logits and loss tiled over the sequence: on (model.tiled_loss=true" in (runs / "launch.log").read_text()
 
 
 @pytest.mark.timeout(60)

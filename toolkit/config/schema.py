@@ -50,6 +50,12 @@ class ModelConfig:
     MLP's activations dominate a layer's memory; the run says which (toolkit/runtime/sequence/tiling.py)."""
     tiled_mlp_shards: int = 0
     """Tiles per MLP call; 0: ceil(tokens / hidden size), DeepSpeed's and ALST's choice."""
+    tiled_loss: str = "auto"
+    """auto, true or false: a causal LM's logits and loss computed over the sequence in tiles of about 1 GiB of
+    fp32 logits, each recomputed in backward, so the (tokens x vocabulary) logits never exist whole; the loss and
+    gradients are the plain ones. Only where Liger's fused loss is not in use (it keeps no logits either). auto:
+    on when a rank holds at least 32,768 tokens of a micro-batch; the run says which (toolkit/runtime/sequence/
+    tiling.py)."""
     activation_offload: str = "auto"
     """auto, true, pinned, pageable or false: the layer inputs gradient checkpointing keeps go to CPU memory during
     forward and come back for their layer's backward (DeepSpeed's offload context, CUDA only; needs
@@ -322,6 +328,7 @@ class Config:
         # YAML reads on/off/true/false as booleans, which the str field then holds as "True"/"False"
         self.model.liger_fused_loss = str(self.model.liger_fused_loss).lower()
         self.model.tiled_mlp = str(self.model.tiled_mlp).lower()
+        self.model.tiled_loss = str(self.model.tiled_loss).lower()
         self.model.activation_offload = str(self.model.activation_offload).lower()
         self.moe.aux_loss_coef = str(self.moe.aux_loss_coef).lower()
         c = str(t.compile).lower()  # off/on arrive as booleans too: off -> off, true -> torch
@@ -333,6 +340,8 @@ class Config:
              f"model.liger_fused_loss must be auto, true or false, got {self.model.liger_fused_loss!r}"),
             (self.model.tiled_mlp in ("auto", "true", "false"),
              f"model.tiled_mlp must be auto, true or false, got {self.model.tiled_mlp!r}"),
+            (self.model.tiled_loss in ("auto", "true", "false"),
+             f"model.tiled_loss must be auto, true or false, got {self.model.tiled_loss!r}"),
             (self.model.activation_offload in ACTIVATION_OFFLOAD,
              f"model.activation_offload must be one of {', '.join(ACTIVATION_OFFLOAD)}, "
              f"got {self.model.activation_offload!r}"),

@@ -67,6 +67,8 @@ def train_overrides(args: Any, p: pl.Prediction, out_dir: Path | None) -> dict[s
         o["train.path"] = "raw"  # the path sequence parallelism was measured on (GPU rows); the Trainer's trains alike
     if args.tiled_mlp != "auto":
         o["model.tiled_mlp"] = args.tiled_mlp
+    if args.tiled_loss != "auto":
+        o["model.tiled_loss"] = args.tiled_loss
     if args.activation_offload != "auto":
         o["model.activation_offload"] = args.activation_offload
     if args.lora:
@@ -125,7 +127,7 @@ def _workload(args: Any) -> tuple[pl.Workload, pl.Hardware]:
     tiled = tiled_mlp_on(args.tiled_mlp, args.seq, args.sequence_parallel)[0]
     w = pl.Workload(shape, args.seq, args.global_batch, lora, not args.no_liger, args.attn, args.fused_loss,
                     args.compile, args.fp8_recipe if args.precision == "fp8" else None, args.doc_len,
-                    args.sequence_parallel, tiled, args.activation_offload)
+                    args.sequence_parallel, tiled, args.activation_offload, args.tiled_loss)
     hw = pl.Hardware(args.gpus, args.nodes, args.gpu_mem, args.host_mem)
     return w, hw
 
@@ -312,6 +314,7 @@ def command(args: Any) -> str:
     flags = (("--grad-ckpt", args.grad_ckpt), ("--no-liger", args.no_liger))
     parts += [f for f, on in flags if on]
     for flag, value, default in (("--sequence-parallel", args.sequence_parallel, 1), ("--tiled-mlp", args.tiled_mlp, "auto"),
+                                 ("--tiled-loss", args.tiled_loss, "auto"),
                                  ("--activation-offload", args.activation_offload, "auto"),
                                  ("--rope-factor", f"{args.rope_factor:g}", "1"), ("--fused-loss", args.fused_loss, "auto"), ("--attn", args.attn, "sdpa"),
                                  ("--compile", args.compile, "auto"), ("--precision", args.precision, "bf16"),
@@ -422,6 +425,9 @@ def add_parser(sub: Any) -> None:
                    help="train.sequence_parallel: each row over N ranks (activations / N; global batch counts groups)")
     p.add_argument("--tiled-mlp", choices=("auto", "true", "false"), default="auto",
                    help="model.tiled_mlp (auto: on from 65,536 tokens of a row per rank)")
+    p.add_argument("--tiled-loss", choices=("auto", "true", "false"), default="auto",
+                   help="model.tiled_loss (auto: logits in tiles from 32,768 tokens of a micro-batch per rank, where "
+                        "Liger's fused loss is not in use)")
     p.add_argument("--activation-offload", choices=("auto", "true", "pinned", "pageable", "false"), default="auto",
                    help="model.activation_offload: checkpointed layer inputs in host memory (auto: where they would "
                         "take a quarter of the GPU; pinned buffers where they fit half of --host-mem)")

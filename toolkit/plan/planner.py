@@ -33,7 +33,13 @@ from typing import Any, Literal
 from toolkit.config.ds_config import SPEED_SIZES, ConfigError
 from toolkit.plan.liger import moe_fused_loss
 from toolkit.plan.shapes import ModelShape
-from toolkit.plan.speedups import activation_offload_on, offload_pinned, pinned_bytes
+from toolkit.plan.speedups import (
+    activation_offload_on,
+    offload_pinned,
+    pinned_bytes,
+    tiled_loss_on,
+    tiled_loss_tile,
+)
 
 GIB = float(1 << 30)
 Offload = Literal["none", "optimizer", "all"]
@@ -197,6 +203,9 @@ class Workload:
     activation_offload: str = "auto"
     """model.activation_offload (auto, true, pinned, pageable, false), resolved per choice as the run does
     (toolkit/plan/speedups.py): with checkpointing, the layer inputs it keeps wait in host buffers, not on the GPU."""
+    tiled_loss: str = "auto"
+    """model.tiled_loss (auto, true, false), resolved per choice as the run does (toolkit/plan/speedups.py): without
+    Liger's fused loss, the logits exist one tile of tokens at a time."""
 
     @property
     def attended(self) -> float:
@@ -555,6 +564,8 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     autocast = lora is not None and stage < 3
     tokens = c.micro_batch * w.seq_len // w.sequence_parallel  # this rank's slice of each row
     h, vocab = s.hidden_size, s.vocab_size
+    tiled_loss = tiled_loss_on(w.tiled_loss, fused_loss=flce, tokens=tokens, causal_lm=s.task == "causal_lm",
+                               moe=bool(s.num_experts))[0]
     largest = max(s.param_numels())
 
     # ---- what each rank holds between steps ------------------------------------------------------
@@ -635,8 +646,9 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     else:
         kept_loss = 0.0
         loss_fwd = 0.0
-        # a classifier (BERT) has a logit per class: nothing vocabulary-sized
-        loss_bwd = float(LOGIT_BYTES) * vocab * tokens if s.task == "causal_lm" else 0.0
+        # a classifier (BERT) has a logit per class: nothing vocabulary-sized; tiled: one tile's, recomputed
+        logit_tokens = min(tokens, tiled_loss_tile(vocab)) if tiled_loss else tokens
+        loss_bwd = float(LOGIT_BYTES) * vocab * logit_tokens if s.task == "causal_lm" else 0.0
     # the tied (or any trained) head's gradient waits for the embedding's at the end of backward
     head_grad = 2.0 * vocab * h if (full and s.tied_embeddings and not flce and s.task == "causal_lm") else 0.0
     # stage_1_and_2.py setup_buckets: two reduce_bucket_size buffers (overlap_comm double buffer) of
@@ -699,7 +711,8 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     host_node = max(host_rank, host_build) * hw.gpus_per_node
     fits_gpu = need <= hw.gpu_mem_gib
     fits_host = hw.host_mem_gib is None or host_node <= hw.host_mem_gib
-    step_s = _step_time_s(w, c, hw, p_all=p_all, t_all=t_all, fused_loss=flce, offload_opt=offload_opt,
+    step_s = _step_time_s(w, c, hw, p_all=p_all, t_all=t_all, fused_loss=flce, tiled_loss=tiled_loss,
+                          offload_opt=offload_opt,
                           offload_param=offload_param, cpu_params=sum(groups) - sum(gpu_groups) if stage == 3
                           else (t_all / n if offload_opt else 0.0))
     if offloaded:  # pageable: each copy out and back waits; pinned: copies out overlap, each copy back is waited for
@@ -790,6 +803,7 @@ def _accumulated_grads_in_cpu(s: ModelShape, n: int) -> float:
 
 
 def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int, fused_loss: bool,
+                 tiled_loss: bool = False,
                  offload_opt: bool, offload_param: bool, cpu_params: float) -> float:
     """Seconds per optimizer step on one rank: compute per micro-step at an MFU that grows with the
     tokens per micro-step, ZeRO-3's per-micro-step cost, offload copies, and the CPU Adam step."""
@@ -801,6 +815,8 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     flops = 4.0 * p_run + 2.0 * t_run + attn  # toolkit/observe/metrics.py flops_per_token
     if c.grad_ckpt:
         flops += 2.0 * p_run + attn / 3  # one more forward
+    if tiled_loss:  # each tile's logits computed again in backward
+        flops += 2.0 * s.hidden_size * s.vocab_size
     if w.tiled_mlp and s.model_type in LLAMA_LIKE:
         flops += 6.0 * s.hidden_size * s.intermediate_size * s.num_layers  # each MLP forward once more
     mfu = MFU_MAX * tokens / (tokens + MFU_HALF_TOKENS)  # fitted on runs with Liger's kernels and fused loss
@@ -942,7 +958,7 @@ def run_settings(cfg: Any, compiled: bool) -> dict[str, Any]:
             "zero_sizes": t.zero_sizes, "fused_loss": m.liger_fused_loss, "compile": "torch" if compiled else "off",
             "fp8": t.fp8_recipe if t.precision == "fp8" else None,
             "tiled_mlp": tiled_mlp_on(m.tiled_mlp, cfg.data.seq_len, t.sequence_parallel)[0],
-            "activation_offload": m.activation_offload}
+            "activation_offload": m.activation_offload, "tiled_loss": m.tiled_loss}
 
 
 def fitting_micro_batches(model_config: Any, ds_config: dict[str, Any], world_size: int, seq_len: int,
@@ -950,7 +966,8 @@ def fitting_micro_batches(model_config: Any, ds_config: dict[str, Any], world_si
                           grad_ckpt: bool = False, liger: bool = True, attn: str = "sdpa",
                           zero_sizes: str = "speed", fused_loss: str = "auto",
                           gpus_per_node: int | None = None, compile: str = "off", fp8: str | None = None,
-                          tiled_mlp: bool = False, activation_offload: str = "auto") -> list[int]:
+                          tiled_mlp: bool = False, activation_offload: str = "auto",
+                          tiled_loss: str = "auto") -> list[int]:
     """Micro-batch sizes (divisors of per_rank_batch = micro x grad_accum) predicted to fit in
     gpu_mem_gib per GPU for this DeepSpeed config, largest first; [] when none does.
 
@@ -958,7 +975,8 @@ def fitting_micro_batches(model_config: Any, ds_config: dict[str, Any], world_si
     offload and ratio come from ds_config; its bucket/live sizes follow zero_sizes, as "auto" does.
     lora: a Lora (r, target modules), True for the defaults (r=8 on q_proj, v_proj), or None/False.
     fused_loss: model.liger_fused_loss. compile: train.compile (off, torch, auto); fp8: the float8 recipe or None.
-    tiled_mlp: model.tiled_mlp as the run resolved it; activation_offload: model.activation_offload.
+    tiled_mlp: model.tiled_mlp as the run resolved it; activation_offload: model.activation_offload; tiled_loss:
+    model.tiled_loss.
     Raises ConfigError for a model type without an activation model.
     """
     shape = model_config if isinstance(model_config, ModelShape) else _shape_of(model_config)
@@ -966,7 +984,7 @@ def fitting_micro_batches(model_config: Any, ds_config: dict[str, Any], world_si
     hw = Hardware(gpus_per_node=gpn, nodes=max(1, world_size // gpn), gpu_mem_gib=gpu_mem_gib)
     adapters = Lora() if lora is True else (lora or None)
     w = Workload(shape, seq_len, per_rank_batch * world_size, adapters, liger, attn, fused_loss, compile, fp8,
-                 tiled_mlp=tiled_mlp, activation_offload=activation_offload)
+                 tiled_mlp=tiled_mlp, activation_offload=activation_offload, tiled_loss=tiled_loss)
     out = []
     for m in sorted(divisors(per_rank_batch), reverse=True):
         c = choice_from_ds(ds_config, micro_batch=m, grad_accum=per_rank_batch // m, grad_ckpt=grad_ckpt,

@@ -104,6 +104,36 @@ def tiled_mlp_on(setting: str, seq_len: int, sequence_parallel: int) -> tuple[bo
     return False, f"model.tiled_mlp=auto: {per_rank:,} tokens of a row per rank (< {TILED_MLP_AUTO_MIN_TOKENS:,})"
 
 
+# model.tiled_loss=auto: on where Liger's fused loss is not in use and a rank holds at least this many tokens of a
+# micro-batch; then the logits exist one tile at a time (toolkit/runtime/sequence/tiling.py tile_loss).
+TILED_LOSS_AUTO_MIN_TOKENS = 32_768
+# Tokens per loss tile: about this many bytes of fp32 logits each (a 128,256 vocabulary: 2,092 tokens).
+TILED_LOSS_TILE_BYTES = 1 << 30
+
+
+def tiled_loss_on(setting: str, *, fused_loss: bool, tokens: int, causal_lm: bool = True, moe: bool = False
+                  ) -> tuple[bool, str]:
+    """(tile the loss or not, why) for model.tiled_loss = auto | true | false; tokens: a rank's tokens per
+    micro-batch (micro x seq_len / sequence_parallel); fused_loss: Liger's fused loss is in use."""
+    if setting == "false":
+        return False, "model.tiled_loss=false"
+    if not causal_lm or moe or fused_loss:
+        why = ("Liger's fused loss keeps no logits" if fused_loss else
+               "a Mixture-of-Experts model (its router loss rides on the forward)" if moe else "not a causal LM")
+        return False, f"model.tiled_loss={setting}: off ({why})"
+    if setting == "true":
+        return True, "model.tiled_loss=true"
+    if tokens >= TILED_LOSS_AUTO_MIN_TOKENS:
+        return True, (f"model.tiled_loss=auto: {tokens:,} tokens of a micro-batch per rank (>= "
+                      f"{TILED_LOSS_AUTO_MIN_TOKENS:,}) without Liger's fused loss")
+    return False, f"model.tiled_loss=auto: {tokens:,} tokens of a micro-batch per rank (< {TILED_LOSS_AUTO_MIN_TOKENS:,})"
+
+
+def tiled_loss_tile(vocab: int) -> int:
+    """Tokens per loss tile: about TILED_LOSS_TILE_BYTES of fp32 logits, at least 256."""
+    return max(256, TILED_LOSS_TILE_BYTES // (4 * vocab))
+
+
 # model.activation_offload=auto: on when the layer inputs gradient checkpointing keeps on a rank (layers x hidden x
 # tokens, bf16) would take at least this share of its GPU. ../shared/notes/long_context.md section 6: from about
 # 256K tokens (an 8B Llama: 256 KiB a token) they are the largest term of the peak; offloaded, each comes back for

@@ -35,7 +35,7 @@ from toolkit.observe.metrics import (
 )
 from toolkit.observe.profiling import StepProfiler
 from toolkit.plan.experts import ExpertsChoice
-from toolkit.plan.speedups import leaves_blocked
+from toolkit.plan.speedups import leaves_blocked, tiled_loss_tile
 from toolkit.runtime import attention, autotune, fp8, integrity, kernels, moe, resume, watchdog
 from toolkit.runtime import compile as compiling
 from toolkit.runtime.checkpoint import (
@@ -211,6 +211,7 @@ def _run(p: RunSpec, liger: Any, attn: attention.AttentionPlan, compiled: tuple[
         p.model_config._experts_implementation = experts_path.implementation
     model = build_model(cfg, p.model_config, frozen_bf16=p.adapter_autocast, attn=attn.implementation)
     kernels.apply(model, liger)
+    _tile_loss(p, model, liger)
     if zero_stage(p.ds) == 3:
         moe.set_leaves(model)  # blocks with one module per expert: leaves, or ZeRO-3 hangs when ranks route apart
     experts = moe.describe(model, p.ds, liger=bool(experts_path and experts_path.liger))
@@ -292,6 +293,24 @@ FP8_ZERO3_NOTE = ("note: here the decoder layers cannot be ZeRO-3 leaf modules (
                   "parameter offload), so "
                   "DeepSpeed's hooks split each compiled layer into a graph per Linear and the float8 casts do not fuse "
                   "(llama-1b on one H200: 51.6k tokens/s against 80.2k at ZeRO-2; bench/results/fp8_compile.md)")
+
+
+def _tile_loss(p: RunSpec, model: Any, liger: Any) -> None:
+    """model.tiled_loss (toolkit/runtime/sequence/tiling.py tile_loss), after Liger: only where its fused loss is not
+    in use. Every rank decides alike; rank 0 says what."""
+    cfg = p.cfg
+    micro = cfg.train.micro_batch_size if isinstance(cfg.train.micro_batch_size, int) else 1
+    on, why = tiling.loss_decide(cfg.model.tiled_loss, fused_loss=bool(liger.kwargs.get("fused_linear_cross_entropy")),
+                                 tokens=micro * cfg.data.seq_len // cfg.train.sequence_parallel,
+                                 causal_lm=cfg.model.task == "causal_lm", moe=moe.is_moe(p.model_config))
+    if on and not tiling.tile_loss(model, tiled_loss_tile(p.model_config.vocab_size)):
+        if cfg.model.tiled_loss == "true":
+            raise ValueError(f"model.tiled_loss=true: {type(model).__name__} has no decoder and output embeddings "
+                             "to tile its loss over; set model.tiled_loss=auto or false")
+        on, why = False, f"{why}; not this model (no decoder and output embeddings)"
+    if on and dist.rank() == 0:
+        tile = tiled_loss_tile(p.model_config.vocab_size)
+        print(f"logits and loss tiled over the sequence: on ({why}; tiles of {tile:,} tokens)", flush=True)
 
 
 def _fp8_and_compile(p: RunSpec, model: Any, compiled: bool, why: str) -> None:

@@ -1,4 +1,5 @@
-"""The MLP of each decoder layer over the sequence in tiles (DeepSpeed's `TiledMLP`, from its ALST pieces).
+"""The MLP of each decoder layer over the sequence in tiles (DeepSpeed's `TiledMLP`, from its ALST pieces), and the
+loss over the sequence in tiles (tile_loss, below).
 
 A decoder MLP's (tokens x intermediate) activations are the largest tensors of a layer once a rank holds
 tens of thousands of tokens (about 28 KiB per token for an 8B Llama, against 8 KiB for its hidden state:
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from toolkit.plan.speedups import tiled_loss_on as loss_decide  # noqa: F401  (the runtime's and the planner's)
 from toolkit.plan.speedups import tiled_mlp_on as decide  # noqa: F401  (the runtime's and the planner's decision)
 
 
@@ -53,5 +55,69 @@ def _tiled_forward(plain: Any, shards: int) -> Any:
             return plain(x)
         # compute_params: ZeRO reduces these gradients once, after the last tile's backward
         return TiledMLP.apply(lambda _self, tile: plain(tile), self, x, n, list(self.parameters()))
+
+    return run
+
+
+def tile_loss(model: torch.nn.Module, tile_tokens: int) -> bool:
+    """model.tiled_loss: the causal LM's forward computes its loss tile by tile when given labels (training and
+    eval), never the whole (tokens x vocabulary) logits; it returns no logits then. False where the model is not
+    one this can do (no decoder / output embeddings); generation (no labels) runs the plain forward.
+
+    Written here rather than through DeepSpeed's TiledFusedLogitsLoss: that runs each tile's backward inside the
+    forward and scales only the input's gradient by the incoming one, so the head's gradient it accumulated would
+    miss every factor applied to the loss after it (the token-mean division, the ranks multiplier, a loss scale).
+    Here each tile is a checkpoint (its logits recomputed in backward: one more head matmul per tile), so autograd
+    carries every factor, and ZeRO-3 gathers the head as for a checkpointed layer."""
+    lm = _causal_lm(model)
+    if lm is None or getattr(lm, "_toolkit_tiled_loss", False):
+        return lm is not None
+    lm.forward = types.MethodType(_tiled_loss_forward(lm.forward, tile_tokens), lm)
+    lm._toolkit_tiled_loss = True
+    return True
+
+
+def _causal_lm(model: torch.nn.Module) -> Any:
+    """The module whose forward turns hidden states into the loss (under PEFT, the wrapped model)."""
+    for m in model.modules():
+        if hasattr(m, "get_decoder") and hasattr(m, "get_output_embeddings") and hasattr(m, "loss_function"):
+            try:
+                if m.get_decoder() is not None and m.get_output_embeddings() is not None:
+                    return m
+            except (AttributeError, NotImplementedError):
+                continue
+    return None
+
+
+def _tiled_loss_forward(plain: Any, tile_tokens: int) -> Any:
+    from torch.utils.checkpoint import checkpoint
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from toolkit.runtime.corpus import IGNORE_INDEX
+
+    def tile_sum(head: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = head(x).float()
+        return torch.nn.functional.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
+
+    def run(self: torch.nn.Module, input_ids: Any = None, labels: Any = None, **kwargs: Any) -> Any:
+        shift = kwargs.pop("shift_labels", None)
+        if labels is None and shift is None:
+            return plain(input_ids=input_ids, **kwargs)
+        n_items = kwargs.pop("num_items_in_batch", None)
+        kwargs.pop("logits_to_keep", None)
+        out = self.get_decoder()(input_ids=input_ids, **kwargs)
+        hidden = out.last_hidden_state
+        if shift is None:  # as transformers' causal-LM loss: tokens < n predict n
+            shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        x = hidden.reshape(-1, hidden.shape[-1])
+        y = shift.reshape(-1).to(x.device)
+        head = self.get_output_embeddings()
+        total = sum(checkpoint(tile_sum, head, x[i:i + tile_tokens], y[i:i + tile_tokens], use_reentrant=False)
+                    for i in range(0, x.shape[0], tile_tokens))
+        n = n_items if n_items is not None else (y != IGNORE_INDEX).sum()
+        loss = total / (n.to(total.device) if torch.is_tensor(n) else n)
+        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(out, "past_key_values", None),
+                                      hidden_states=getattr(out, "hidden_states", None),
+                                      attentions=getattr(out, "attentions", None))
 
     return run
