@@ -21,7 +21,8 @@ def test_an_allocation_past_the_limit_fails_and_the_rules_see_the_limit(monkeypa
         from toolkit.plan.planner import CUDA_CONTEXT_GIB
 
         # the planner's card: the cap plus its CUDA-context allowance (the context lives outside the cap)
-        assert dist.gpu_memory_bytes() == int(limit_gib * 2**30) + int(CUDA_CONTEXT_GIB * 2**30) < total
+        ctx = int(CUDA_CONTEXT_GIB * 2**30)
+        assert dist.gpu_memory_bytes() == int(limit_gib * 2**30) and dist.gpu_memory_bytes(ctx) == dist.gpu_memory_bytes() + ctx < total
         fits = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
         with pytest.raises(torch.OutOfMemoryError):
             torch.empty(3 * 2**30, dtype=torch.uint8, device="cuda")  # 5 GiB together: past the cap

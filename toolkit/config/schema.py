@@ -54,7 +54,7 @@ class ModelConfig:
     """auto, true or false: a causal LM's logits and loss computed over the sequence in tiles of about 1 GiB of
     fp32 logits, each recomputed in backward, so the (tokens x vocabulary) logits never exist whole; the loss and
     gradients are the plain ones. Only where Liger's fused loss is not in use (it keeps no logits either). auto:
-    on when a rank holds at least 32,768 tokens of a micro-batch; the run says which (toolkit/runtime/sequence/
+    on when a rank holds at least 32,768 tokens of a row; the run says which (toolkit/runtime/sequence/
     tiling.py)."""
     activation_offload: str = "auto"
     """auto, true, pinned, pageable or false: the layer inputs gradient checkpointing keeps go to CPU memory during

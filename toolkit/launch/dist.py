@@ -108,17 +108,13 @@ def limit_gpu_memory(gib: float) -> None:
               f"GPU's {total / 2**30:.1f} GiB{above}", flush=True)
 
 
-def gpu_memory_bytes() -> int:
-    """This rank's GPU as the planner counts a card (its own CUDA-context allowance included): the whole GPU, or
-    under memory.gpu_limit_gib the cap plus that allowance (the cap holds the allocator; the context is outside it)."""
+def gpu_memory_bytes(context_bytes: int = 0) -> int:
+    """This rank's GPU as the run may use it: the whole GPU, or under memory.gpu_limit_gib the cap plus
+    context_bytes (the cap holds the allocator; a CUDA context lives outside it: the planner's allowance for one)."""
     import torch
 
-    from toolkit.plan.planner import CUDA_CONTEXT_GIB
-
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    if _gpu_limit_bytes is None:
-        return total
-    return min(total, _gpu_limit_bytes + int(CUDA_CONTEXT_GIB * 2**30))
+    return total if _gpu_limit_bytes is None else min(total, _gpu_limit_bytes + context_bytes)
 
 
 def release_deepspeed_shm() -> None:

@@ -426,7 +426,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--tiled-mlp", choices=("auto", "true", "false"), default="auto",
                    help="model.tiled_mlp (auto: on from 65,536 tokens of a row per rank)")
     p.add_argument("--tiled-loss", choices=("auto", "true", "false"), default="auto",
-                   help="model.tiled_loss (auto: logits in tiles from 32,768 tokens of a micro-batch per rank, where "
+                   help="model.tiled_loss (auto: logits in tiles from 32,768 tokens of a row per rank, where "
                         "Liger's fused loss is not in use)")
     p.add_argument("--activation-offload", choices=("auto", "true", "pinned", "pageable", "false"), default="auto",
                    help="model.activation_offload: checkpointed layer inputs in host memory (auto: where they would "

@@ -564,7 +564,8 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     autocast = lora is not None and stage < 3
     tokens = c.micro_batch * w.seq_len // w.sequence_parallel  # this rank's slice of each row
     h, vocab = s.hidden_size, s.vocab_size
-    tiled_loss = tiled_loss_on(w.tiled_loss, fused_loss=flce, tokens=tokens, causal_lm=s.task == "causal_lm",
+    tiled_loss = tiled_loss_on(w.tiled_loss, fused_loss=flce, tokens=w.seq_len // w.sequence_parallel,
+                               causal_lm=s.task == "causal_lm",
                                moe=bool(s.num_experts))[0]
     largest = max(s.param_numels())
 

@@ -105,7 +105,8 @@ def tiled_mlp_on(setting: str, seq_len: int, sequence_parallel: int) -> tuple[bo
 
 
 # model.tiled_loss=auto: on where Liger's fused loss is not in use and a rank holds at least this many tokens of a
-# micro-batch; then the logits exist one tile at a time (toolkit/runtime/sequence/tiling.py tile_loss).
+# row (long sequences; short rows in big micro-batches keep the plain loss and its speed); then the logits exist one
+# tile at a time (toolkit/runtime/sequence/tiling.py tile_loss).
 TILED_LOSS_AUTO_MIN_TOKENS = 32_768
 # Tokens per loss tile: about this many bytes of fp32 logits each (a 128,256 vocabulary: 2,092 tokens).
 TILED_LOSS_TILE_BYTES = 1 << 30
@@ -113,8 +114,8 @@ TILED_LOSS_TILE_BYTES = 1 << 30
 
 def tiled_loss_on(setting: str, *, fused_loss: bool, tokens: int, causal_lm: bool = True, moe: bool = False
                   ) -> tuple[bool, str]:
-    """(tile the loss or not, why) for model.tiled_loss = auto | true | false; tokens: a rank's tokens per
-    micro-batch (micro x seq_len / sequence_parallel); fused_loss: Liger's fused loss is in use."""
+    """(tile the loss or not, why) for model.tiled_loss = auto | true | false; tokens: a rank's tokens of a row
+    (seq_len / sequence_parallel); fused_loss: Liger's fused loss is in use."""
     if setting == "false":
         return False, "model.tiled_loss=false"
     if not causal_lm or moe or fused_loss:
@@ -124,9 +125,9 @@ def tiled_loss_on(setting: str, *, fused_loss: bool, tokens: int, causal_lm: boo
     if setting == "true":
         return True, "model.tiled_loss=true"
     if tokens >= TILED_LOSS_AUTO_MIN_TOKENS:
-        return True, (f"model.tiled_loss=auto: {tokens:,} tokens of a micro-batch per rank (>= "
+        return True, (f"model.tiled_loss=auto: {tokens:,} tokens of a row per rank (>= "
                       f"{TILED_LOSS_AUTO_MIN_TOKENS:,}) without Liger's fused loss")
-    return False, f"model.tiled_loss=auto: {tokens:,} tokens of a micro-batch per rank (< {TILED_LOSS_AUTO_MIN_TOKENS:,})"
+    return False, f"model.tiled_loss=auto: {tokens:,} tokens of a row per rank (< {TILED_LOSS_AUTO_MIN_TOKENS:,})"
 
 
 def tiled_loss_tile(vocab: int) -> int:

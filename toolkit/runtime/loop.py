@@ -299,9 +299,8 @@ def _tile_loss(p: RunSpec, model: Any, liger: Any) -> None:
     """model.tiled_loss (toolkit/runtime/sequence/tiling.py tile_loss), after Liger: only where its fused loss is not
     in use. Every rank decides alike; rank 0 says what."""
     cfg = p.cfg
-    micro = cfg.train.micro_batch_size if isinstance(cfg.train.micro_batch_size, int) else 1
     on, why = tiling.loss_decide(cfg.model.tiled_loss, fused_loss=bool(liger.kwargs.get("fused_linear_cross_entropy")),
-                                 tokens=micro * cfg.data.seq_len // cfg.train.sequence_parallel,
+                                 tokens=cfg.data.seq_len // cfg.train.sequence_parallel,
                                  causal_lm=cfg.model.task == "causal_lm", moe=moe.is_moe(p.model_config))
     if on and not tiling.tile_loss(model, tiled_loss_tile(p.model_config.vocab_size)):
         if cfg.model.tiled_loss == "true":

@@ -105,9 +105,9 @@ def fused_loss_setting(cfg: Any, model_config: Any, ds: dict[str, Any], world: i
             or tokens > liger_rules.MOE_FUSED_LOSS_OFF_TOKENS):
         return setting, ""
     from toolkit.launch import dist
-    from toolkit.plan.planner import fitting_micro_batches, run_settings
+    from toolkit.plan.planner import CUDA_CONTEXT_GIB, fitting_micro_batches, run_settings
 
-    gpu_gib = dist.gpu_memory_bytes() / 2**30
+    gpu_gib = dist.gpu_memory_bytes(int(CUDA_CONTEXT_GIB * 2**30)) / 2**30  # a card, as the planner counts one
     # fp8 left out: the planner refuses float8 on MoE models (experts are not nn.Linear), the run converts the rest
     settings = run_settings(cfg, compiled) | {"fused_loss": "false", "fp8": None}
     try:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.launch import dist
+from toolkit.plan.planner import CUDA_CONTEXT_GIB
 from toolkit.plan.speedups import activation_offload_on, offload_pinned
 
 
@@ -45,7 +46,7 @@ def decide(setting: str, *, grad_ckpt: bool, layers: int, hidden: int, tokens: i
     import torch
 
     cuda = torch.cuda.is_available()
-    gpu = dist.gpu_memory_bytes() if cuda else 0
+    gpu = dist.gpu_memory_bytes(int(CUDA_CONTEXT_GIB * 2**30)) if cuda else 0  # a card, as the planner counts one
     on, why = activation_offload_on(setting, grad_ckpt=grad_ckpt, cuda=cuda, layers=layers, hidden=hidden,
                                     tokens=tokens, gpu_bytes=gpu)
     if not on:
