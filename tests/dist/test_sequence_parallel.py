@@ -166,6 +166,10 @@ def test_the_trainer_path_at_sp2_trains_as_the_raw_loop_at_sp1(runs: Path, case:
     assert [m["padding_waste"] for m in train_tr] == pytest.approx([m["padding_waste"] for m in raw_sp2], abs=1e-9)
     ds = json.loads((runs / f"trainer-{case}-sp2" / "ds_config.json").read_text())
     assert ds["train_batch_size"] == 8 and "sequence_parallel_size" not in ds  # its engine: 2 data-parallel ranks
+    from toolkit.observe.rundata import read_header
+
+    header = read_header(runs / f"trainer-{case}-sp2", 2, [])  # toolkit report counts sequences, not ranks
+    assert header["train batch size"] == "4 sequences (micro 2 x accum 2 x dp 2 ranks / sequence_parallel 2)"
 
 
 @pytest.mark.timeout(60)

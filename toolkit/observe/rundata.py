@@ -164,6 +164,12 @@ def read_header(run_dir: Path, world_size_files: int, skipped: list[str]) -> dic
             train, model = cfg.get("train") or {}, cfg.get("model") or {}
             h["path"] = train.get("path")
             h["model"] = model.get("name")
+            sp = int(train.get("sequence_parallel") or 1)
+            if sp > 1 and train.get("path") == "trainer" and "train batch size" in h:
+                # the Trainer path's engine counts ranks (sequence/ulysses.py); a group's ranks share each sequence
+                tbs = int(str(h["train batch size"]).split()[0])
+                h["train batch size"] = (f"{tbs // sp} sequences ({h['train batch size'].split(' ', 1)[1][1:-1]} ranks "
+                                         f"/ sequence_parallel {sp})") if tbs % sp == 0 else h["train batch size"]
             # ds_config.json holds what ran; the training config's precision is only the fallback.
             h.setdefault("precision", train.get("precision"))
         except Exception as e:
