@@ -138,6 +138,7 @@ def read_header(run_dir: Path, world_size_files: int, skipped: list[str]) -> dic
     """Stage, offload, precision, world size and path from ds_config.json / config.yaml, when readable."""
     h: dict[str, Any] = {}
     ds_path = run_dir / "ds_config.json"
+    batch: tuple[int, int, int] | None = None  # train_batch_size, micro, accumulation
     if ds_path.is_file():
         try:
             ds = json.loads(ds_path.read_text())
@@ -152,6 +153,7 @@ def read_header(run_dir: Path, world_size_files: int, skipped: list[str]) -> dic
             tbs, mbs = ds.get("train_batch_size"), ds.get("train_micro_batch_size_per_gpu")
             gas = ds.get("gradient_accumulation_steps", 1)
             if all(isinstance(v, int) and v > 0 for v in (tbs, mbs, gas)):
+                batch = (tbs, mbs, gas)
                 h["train batch size"] = f"{tbs} (micro {mbs} x accum {gas} x dp {tbs // (mbs * gas)})"
         except (OSError, ValueError, AttributeError) as e:
             skipped.append(f"ds_config.json: unreadable ({e})")
@@ -165,11 +167,11 @@ def read_header(run_dir: Path, world_size_files: int, skipped: list[str]) -> dic
             h["path"] = train.get("path")
             h["model"] = model.get("name")
             sp = int(train.get("sequence_parallel") or 1)
-            if sp > 1 and train.get("path") == "trainer" and "train batch size" in h:
+            if sp > 1 and train.get("path") == "trainer" and batch is not None:
                 # the Trainer path's engine counts ranks (sequence/ulysses.py); a group's ranks share each sequence
-                tbs = int(str(h["train batch size"]).split()[0])
-                h["train batch size"] = (f"{tbs // sp} sequences ({h['train batch size'].split(' ', 1)[1][1:-1]} ranks "
-                                         f"/ sequence_parallel {sp})") if tbs % sp == 0 else h["train batch size"]
+                tbs, mbs, gas = batch
+                h["train batch size"] = (f"{tbs // sp} sequences (micro {mbs} x accum {gas} x dp {tbs // (mbs * gas)} "
+                                         f"ranks / sequence_parallel {sp})")
             # ds_config.json holds what ran; the training config's precision is only the fallback.
             h.setdefault("precision", train.get("precision"))
         except Exception as e:

@@ -63,7 +63,7 @@ def key_of(inputs: RunInputs, gpu: str) -> dict[str, Any]:
             "fused_loss": m.liger_fused_loss, "lora": cfg.lora.enabled and [cfg.lora.r, *cfg.lora.target_modules],
             "precision": t.precision, "fp8_recipe": t.fp8_recipe if t.precision == "fp8" else None,
             "zero_sizes": t.zero_sizes, "compile": [t.compile, run_compiles(inputs)], "path": t.path, "world": world, "gpu": gpu,
-            "gpu_limit_gib": cfg.memory.gpu_limit_gib,
+            "gpu_limit_gib": cfg.memory.gpu_limit_gib, "tiled_loss": m.tiled_loss,
             "global_batch": t.global_batch_size, "ds": hashlib.sha256(json.dumps(ds, sort_keys=True).encode()).hexdigest()[:16],
             "data": _data_identity(cfg.data.source), "versions": _versions()}
 
