@@ -31,16 +31,11 @@ import plan_calibrate as pc  # noqa: E402
 
 from toolkit.plan import max_seq  # noqa: E402
 from toolkit.plan import planner as pl  # noqa: E402
-from toolkit.plan.shapes import load_shape  # noqa: E402
 
 
 def planner_longest(c: pc.Config, gpu_mem: float, host_mem: float) -> int:
     """The planner's longest length for this exact choice (stage, offload, micro 1, checkpointing)."""
-    shape = load_shape(c.model)
-    if shape.max_positions is not None:  # model.rope_factor: the positions x the factor, as `toolkit plan` does
-        shape = dataclasses.replace(shape, max_positions=int(shape.max_positions * c.rope))
-    w = pl.Workload(shape, 1024 * c.sp, c.micro * c.accum * c.gpus // c.sp, pl.Lora() if c.lora else None, c.liger,
-                    fused_loss=c.fused_loss, activation_offload=c.act_offload, sequence_parallel=c.sp)
+    w = dataclasses.replace(pc.workload(c), seq_len=1024 * c.sp)  # search() resolves tiled MLPs per length
     hw = pl.Hardware(c.gpus, 1, gpu_mem, host_mem or None)
     rows = max_seq.search(w, hw, "auto", stages=(c.stage,), offloads=(c.offload,), micro_batches=(c.micro,),
                           grad_ckpt=(c.ckpt,), zero_sizes=(c.zero_sizes,))

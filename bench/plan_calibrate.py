@@ -139,13 +139,20 @@ SMOKE: tuple[Config, ...] = (
 )
 
 
-def predict(c: Config, gpu_mem_gib: float, cpu: bool, host_mem_gib: float = 0.0) -> pl.Prediction:
+def workload(c: Config) -> pl.Workload:
+    """The planner's Workload for a configuration (the model's positions x its rope factor, as `toolkit plan`)."""
     shape = load_shape(c.model)
     if c.layers:
         shape = dataclasses.replace(shape, num_layers=c.layers)
-    w = pl.Workload(shape, c.seq, c.micro * c.accum * c.gpus // c.sp, pl.Lora() if c.lora else None, c.liger,
-                    fused_loss=c.fused_loss, tiled_mlp=c.tiled, activation_offload=c.act_offload,
-                    sequence_parallel=c.sp)
+    if shape.max_positions is not None:
+        shape = dataclasses.replace(shape, max_positions=int(shape.max_positions * c.rope))
+    return pl.Workload(shape, c.seq, c.micro * c.accum * c.gpus // c.sp, pl.Lora() if c.lora else None, c.liger,
+                       fused_loss=c.fused_loss, tiled_mlp=c.tiled, activation_offload=c.act_offload,
+                       sequence_parallel=c.sp)
+
+
+def predict(c: Config, gpu_mem_gib: float, cpu: bool, host_mem_gib: float = 0.0) -> pl.Prediction:
+    w = workload(c)
     # the host matters where activation_offload=auto chooses pinned or pageable buffers against it, as the run does
     return pl.predict(w, c.choice(), pl.Hardware(c.gpus, 1, gpu_mem_gib, host_mem_gib or None, cpu_ranks=cpu))
 

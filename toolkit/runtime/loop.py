@@ -302,13 +302,15 @@ def _tile_loss(p: RunSpec, model: Any, liger: Any) -> None:
     on, why = tiling.loss_decide(cfg.model.tiled_loss, fused_loss=bool(liger.kwargs.get("fused_linear_cross_entropy")),
                                  tokens=cfg.data.seq_len // cfg.train.sequence_parallel,
                                  causal_lm=cfg.model.task == "causal_lm", moe=moe.is_moe(p.model_config))
-    if on and not tiling.tile_loss(model, tiled_loss_tile(p.model_config.vocab_size)):
+    tile = tiled_loss_tile(p.model_config.vocab_size)
+    if not on:
+        return
+    if not tiling.tile_loss(model, tile):
         if cfg.model.tiled_loss == "true":
             raise ValueError(f"model.tiled_loss=true: {type(model).__name__} has no decoder and output embeddings "
                              "to tile its loss over; set model.tiled_loss=auto or false")
-        on, why = False, f"{why}; not this model (no decoder and output embeddings)"
-    if on and dist.rank() == 0:
-        tile = tiled_loss_tile(p.model_config.vocab_size)
+        return  # auto: such a model keeps its plain loss
+    if dist.rank() == 0:
         print(f"logits and loss tiled over the sequence: on ({why}; tiles of {tile:,} tokens)", flush=True)
 
 
