@@ -24,6 +24,7 @@ Device commands and time (the device machine allows 10 minutes per command; carr
   run --only l-z2-s512-m4-4gpu,l-z3-s512-m4-4gpu on nvidia-h200-x4: ZeRO-2 vs ZeRO-3 per rank on 4 GPUs
     (issue 11 item 4; the planner predicts ZeRO-3 lower), ~3 minutes.
   bigrun on nvidia-h200: about 5 minutes (op build ~1 min, 8B random init ~1 min, 10 steps of ~10 s).
+  bigrun --gpus 4 --global-batch 64 --host-mem 500 on nvidia-h100-x4: the 8B shape across 4 GPUs (--gpu-mem: the card's).
 Each configuration has its own --timeout (default 240 s); one that fails is recorded with its rc and
 the tail of its log, and the others still run.
 """
@@ -421,12 +422,12 @@ def cmd_repredict(a: argparse.Namespace) -> int:
 
 
 def cmd_bigrun(a: argparse.Namespace) -> int:
-    """The plan's choice for the largest model on one GPU, trained through ./launch.sh --plan."""
+    """The plan's choice for a large model on --gpus GPUs of this host, trained through ./launch.sh --plan."""
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     plan_dir, run_dir = out / "plan", out / "run"
     t0 = time.perf_counter()
-    plan_cmd = [sys.executable, "-m", "toolkit", "plan", "--model", a.model, "--gpus", "1", "--gpu-mem", f"{a.gpu_mem:g}",
+    plan_cmd = [sys.executable, "-m", "toolkit", "plan", "--model", a.model, "--gpus", str(a.gpus), "--gpu-mem", f"{a.gpu_mem:g}",
                 "--host-mem", f"{a.host_mem:g}", "--seq", str(a.seq), "--global-batch", str(a.global_batch),
                 "-o", str(plan_dir), "--force", *(["--micro-batch", str(a.micro_batch)] if a.micro_batch else []),
                 *shlex.split(a.plan_args)]
@@ -503,6 +504,7 @@ def main() -> int:
     b.add_argument("--out", required=True)
     b.add_argument("--model", default="llama-3-8b")
     b.add_argument("--seq", type=int, default=2048)
+    b.add_argument("--gpus", type=int, default=1, help="GPUs of this host the plan is for and the run takes")
     b.add_argument("--global-batch", type=int, default=16)
     b.add_argument("--steps", type=int, default=10)
     b.add_argument("--micro-batch", type=int, default=None, help="passed to toolkit plan (default: the plan chooses)")
