@@ -33,15 +33,16 @@ from toolkit.plan import max_seq  # noqa: E402
 from toolkit.plan import planner as pl  # noqa: E402
 
 
-def planner_longest(c: pc.Config, gpu_mem: float, host_mem: float) -> int:
-    """The planner's longest length for this exact choice (stage, offload, micro 1, checkpointing)."""
+def planner_longest(c: pc.Config, gpu_mem: float, host_mem: float) -> tuple[int, int]:
+    """The planner's longest length for this exact choice (stage, offload, micro 1, checkpointing), and its edge
+    (the longest whose peak alone fits: toolkit/plan/max_seq.py)."""
     w = dataclasses.replace(pc.workload(c), seq_len=1024 * c.sp)  # search() resolves tiled MLPs per length
     hw = pl.Hardware(c.gpus, 1, gpu_mem, host_mem or None)
     rows = max_seq.search(w, hw, "auto", stages=(c.stage,), offloads=(c.offload,), micro_batches=(c.micro,),
                           grad_ckpt=(c.ckpt,), zero_sizes=(c.zero_sizes,))
     if not rows:
         raise SystemExit("the planner fits no length for this choice")
-    return rows[0].seq_len
+    return rows[0].seq_len, rows[0].edge
 
 
 def outcome(row: dict[str, Any], out: Path, name: str) -> str:
@@ -79,10 +80,10 @@ def main() -> int:
     base = pc.Config("probe", a.model, 0, 1, 1, a.stage, gpus=a.gpus, ckpt=True, lora=a.lora, tiled=True, rope=a.rope,
                      act_offload=a.act_offload, sp=a.sp)
     gpu_mem = a.gpu_limit + pl.CUDA_CONTEXT_GIB
-    planned = planner_longest(base, gpu_mem, a.host_mem)
+    planned, edge = planner_longest(base, gpu_mem, a.host_mem)
     step = 1024 * a.sp
     doc: dict[str, Any] = {"command": "python bench/max_seq_probe.py " + " ".join(sys.argv[1:]),
-                           "device": pc._device_name(), "planner_longest": planned, "step": step,
+                           "device": pc._device_name(), "planner_longest": planned, "planner_edge": edge, "step": step,
                            "planner_gpu_mem_gib": gpu_mem, "trials": []}
     t0 = time.perf_counter()
     good, bad = 0, 0

@@ -60,6 +60,21 @@ def test_max_seq_is_the_longest_step_that_fits() -> None:
     assert capped[0].capped and capped[0].seq_len == 131072  # the preset's positions stop it first
 
 
+def test_max_seq_edge_is_where_the_peak_alone_fills_the_gpu() -> None:
+    """The edge: the predicted peak (no allocator margin) plus the CUDA context within the card; one step
+    further it is not. It lies past the longest length that keeps the margin."""
+    w, hw = _w(seq=1024), pl.Hardware(1, gpu_mem_gib=40.0)
+    w = replace(w, shape=replace(w.shape, max_positions=1 << 22))
+    (r,) = search(w, hw, "auto", stages=(2,), offloads=("none",), micro_batches=(1,), grad_ckpt=(True,),
+                  zero_sizes=("speed",))
+    assert r.edge > r.seq_len >= 65536 and r.edge % 1024 == 0  # tiled MLPs (auto) from 65,536 on
+
+    def peak(seq: int) -> float:
+        return pl.predict(replace(w, seq_len=seq, tiled_mlp=True), r.prediction.choice, hw).peak_allocated_gib
+
+    assert peak(r.edge) + pl.CUDA_CONTEXT_GIB <= hw.gpu_mem_gib < peak(r.edge + 1024) + pl.CUDA_CONTEXT_GIB
+
+
 def test_plan_cli_sequence_parallel_and_max_seq(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     from toolkit.cli import main
 
@@ -73,6 +88,10 @@ def test_plan_cli_sequence_parallel_and_max_seq(capsys: pytest.CaptureFixture[st
     lengths = [r["seq_len"] for r in data["longest"]]
     assert lengths == sorted(lengths, reverse=True) and all(n % 2048 == 0 for n in lengths)
     assert "--max-seq" in data["command"] and "--sequence-parallel 2" in data["command"]
+    assert all(r["edge_seq_len"] >= r["seq_len"] for r in data["longest"])
+    # --micro-batch divides the sequences per data-parallel rank: a group of 2 ranks shares one sequence
+    assert main([*base, "--max-seq", "--rope-factor", "8", "--micro-batch", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["longest"]
     assert main(["plan", "--model", "llama-3.2-1b", "--gpus", "1", "--global-batch", "1"]) == 1
     assert "needs --seq" in capsys.readouterr().err
 

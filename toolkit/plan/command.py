@@ -151,10 +151,11 @@ def _limits(args: Any, hw: pl.Hardware, w: pl.Workload) -> dict[str, Any]:
     if args.offload is not None:
         limits["offloads"] = (args.offload,)
     if args.micro_batch is not None:
-        per_rank = pl.per_rank_batch(w.global_batch, hw.world)
+        groups = hw.world // w.sequence_parallel  # the ranks of a sequence-parallel group share its sequences
+        per_rank = pl.per_rank_batch(w.global_batch, groups)
         if per_rank % args.micro_batch:
             raise ConfigError(f"--micro-batch {args.micro_batch} does not divide the {per_rank} sequences per rank "
-                              f"(global batch {w.global_batch} over {hw.world} ranks)")
+                              f"(global batch {w.global_batch} over {groups} data-parallel ranks)")
         limits["micro_batches"] = (args.micro_batch,)
     if args.grad_ckpt or args.activation_offload in ("true", "pinned", "pageable"):
         limits["grad_ckpt"] = (True,)  # offloaded inputs are checkpointing's (the config refuses one without it)
