@@ -9,7 +9,8 @@
 #    the corpus on GPU 0 alone (scaling 1 -> N) -> OUT/speed.json, OUT/speed.md, OUT/scaling.md. PER_GPU=32 in the
 #    environment: the same work per GPU on 1 and N GPUs (weak scaling) instead of 32 sequences in all.
 # 3. Mixture-of-Experts: the reduced-layer Qwen3-30B-A3B shape (3 of 48 layers) at ZeRO-3 on N GPUs, the toolkit
-#    at the planner's micro 8 against the bare DeepSpeed loop -> OUT/moe.json, OUT/moe.md.
+#    at the planner's micro 8, and with DeepSpeed's AutoEP (autoep_size N), against the bare DeepSpeed loop
+#    -> OUT/moe.json, OUT/moe.md.
 set -uo pipefail
 out=$1
 parts=",${2:-sp,data},"
@@ -75,7 +76,7 @@ fi
 
 if [[ $parts == *,moe,* ]]; then
   python bench/speed.py run --gpus "$n" --out "$out/s/moe" --port 29800 --only qwen3-30b-a3b-l3-seq4096 --stages 3 \
-    --variants bare,raw --tune m8 --tune-only --warmup 2 --steps 3 --timeout 170 2>&1 | tee -a "$out/s/run.log"
+    --variants bare,raw --tune m8,autoep-m8 --tune-only --warmup 2 --steps 3 --timeout 170 2>&1 | tee -a "$out/s/run.log"
   python bench/speed.py table "$out"/s/moe/*.json --json "$out/moe.json" --command "bash bench/multi_gpu_rows.sh OUT moe" \
     --gpu "$gpu" > "$out/moe.md"
   cat "$out/moe.md"

@@ -115,8 +115,10 @@ TUNES: dict[str, tuple[list[str], dict[str, Any], int | None]] = {
     # MoE without the load-balancing loss, on the bare loop's experts path (the bare loop trains no aux loss):
     # against experts-grouped_mm, what the loss and the expert-load metric cost
     "grouped_mm-noaux": (["moe.aux_loss_coef=0", "model.experts=grouped_mm"], {}, None),
+    # DeepSpeed's AutoEP at the planner's micro 8, each GPU a share of the experts (autoep_size: the run's GPUs)
+    "autoep-m8": ([], {"expert_parallel": {"enabled": True, "preset_model": "qwen3_moe"}}, 8),
 }
-ANY_STAGE = {"compile", "fp8", "fp8-m32", "nopack", "experts-grouped_mm", "experts-liger", "experts-eager", "m8",
+ANY_STAGE = {"compile", "fp8", "fp8-m32", "nopack", "experts-grouped_mm", "experts-liger", "experts-eager", "m8", "autoep-m8",
              "grouped_mm-noaux", "noliger", "noflce", "m2", "m2-noliger", "m2-noflce"}  # the other levers are ZeRO-3's
 
 
@@ -262,6 +264,8 @@ def _extras(variant: str, workload: str, stage: int, offload: str,
             if stage != 3 and name not in ANY_STAGE:
                 continue
             over, zero, micro = TUNES[name]
+            if "expert_parallel" in zero:
+                zero = zero | {"expert_parallel": zero["expert_parallel"] | {"autoep_size": args.gpus}}
             rows.append((f"-{name}", [*over, *args.set], min(micro, GLOBAL_BATCH // args.gpus) if micro else None, zero))
     return rows
 

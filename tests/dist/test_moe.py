@@ -19,6 +19,7 @@ COMMON = ["train.precision=fp32", "train.warmup_steps=1", "memory.every=0", "tra
           "train.max_steps=3", "train.micro_batch_size=2", "data.num_samples=24"]
 STAGES = ("zero0", "zero2", "zero3")
 FAMILIES = {"tiny-qwen3-moe": ("raw", "trainer"), "tiny-mixtral": ("raw",), "tiny-olmoe": ("raw",)}
+AUTOEP = (("raw", "zero3"), ("trainer", "zero2"))
 
 
 def _sparse_dir(out: Path) -> Path:
@@ -59,6 +60,14 @@ def _runs(tmp: Path) -> list[dict]:
                      "argv": ["--ds", str(ROOT / "ds_configs" / f"{stage}.json"), *COMMON, f"model.name={sparse}",
                               "train.path=raw", "data.seq_len=8", "train.micro_batch_size=1",
                               f"train.run_dir={tmp / f'sparse-{stage}'}"]})
+    # DeepSpeed's AutoEP, each rank 4 of the 8 experts: last, as its expert-parallel groups stay in the process
+    for path, stage in AUTOEP:
+        ds = json.loads((ROOT / "ds_configs" / f"{stage}.json").read_text())
+        ds["expert_parallel"] = {"enabled": True, "autoep_size": 2, "preset_model": "qwen3_moe"}
+        (tmp / f"autoep-{stage}.json").write_text(json.dumps(ds))
+        runs.append({"name": f"autoep-{path}-{stage}",
+                     "argv": ["--ds", str(tmp / f"autoep-{stage}.json"), *COMMON, "model.name=tiny-qwen3-moe",
+                              f"train.path={path}", f"train.run_dir={tmp / f'autoep-{path}-{stage}'}"]})
     return runs
 
 
@@ -116,6 +125,19 @@ def test_the_run_says_its_experts_and_leaves(runs: Path) -> None:
     assert "ZeRO-3 leaves: 2 x Qwen3MoeSparseMoeBlock" in log and "ZeRO-3 leaves: 2 x MixtralSparseMoeBlock" in log
     assert "experts: 8 per layer in 2 layers (OlmoeSparseMoeBlock)" in log and "ZeRO-3 leaves: none" in log
     assert "experts: 16 per layer in 2 layers (Qwen3MoeSparseMoeBlock), top-1" in log
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path,stage", AUTOEP)
+def test_autoep_splits_the_experts_and_trains_as_without_it(runs: Path, path: str, stage: str) -> None:
+    """With transformers 5.24 AutoEP needs the toolkit's registry fix (toolkit/runtime/moe/autoep.py); with it the
+    experts split over both ranks and the run trains as the same run without expert parallelism."""
+    got, ref = _metrics(runs / f"autoep-{path}-{stage}"), _metrics(runs / f"tiny-qwen3-moe-{path}-{stage}")
+    assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in ref], rel=1e-5)
+    assert [m["grad_norm"] for m in got] == pytest.approx([m["grad_norm"] for m in ref], rel=1e-4)
+    log = (runs / "launch.log").read_text()
+    assert "each layer's 8 experts split over groups of 2 ranks (4 per rank), preset qwen3_moe" in log
+    assert "AutoEP: 2 MoE layers replaced by DeepSpeed's AutoEPMoELayer" in log
 
 
 def _metrics(run_dir: Path) -> list[dict]:

@@ -98,24 +98,59 @@ def test_check_validates_expert_parallel_with_deepspeeds_rules(tmp_path) -> None
     assert any(f.key == "expert_parallel.autoep_size" and f.level == "warning" for f in check_config(ds, world_size=2))
 
 
-def test_autoep_is_refused_where_deepspeed_cannot_run_it_with_this_transformers(monkeypatch) -> None:
-    """deepspeed 0.19.8's AutoEP calls `_CanRecordRegistry.get(key, default)`; a registry whose get takes no
-    default (transformers 5.24) makes deepspeed.initialize fail, so the check says it before launch."""
+def test_autoep_registry_fix_lets_deepspeeds_string_keys_through(monkeypatch) -> None:
+    """deepspeed 0.19.8's AutoEP reads transformers' output-recorder registry as a plain dict keyed by str(cls), with a
+    default, and writes entries back by that key; transformers 5.24's registry keys by model and takes no default.
+    The check warns a script of one's own; the fix serves string keys as the plain dict and model keys unchanged."""
     import transformers.utils.output_capturing as oc
 
-    from toolkit.config.checks.expert_parallel import autoep_blocked
+    from toolkit.config import ds_config as dc
+    from toolkit.config.checks.core import check_config
+    from toolkit.config.checks.expert_parallel import registry_takes_no_default
+    from toolkit.runtime.moe import autoep
 
-    class NoDefault(dict):
+    class Registry(dict):  # transformers 5.24's shape: keyed by the model's class, get(model) only
+        def __setitem__(self, model, value):  # type: ignore[override]
+            super().__setitem__(str(model.__class__), value)
+
         def get(self, model):  # type: ignore[override]
-            return super().get(model)
+            return super().get(str(model.__class__)) or {}
 
-    class WithDefault(dict):
+    class WithDefault(dict):  # transformers 5.17 and before: a plain dict
         pass
 
-    monkeypatch.setattr(oc, "_CanRecordRegistry", NoDefault)
-    assert "does not take (_CanRecordRegistry.get)" in autoep_blocked()
     monkeypatch.setattr(oc, "_CanRecordRegistry", WithDefault)
-    assert autoep_blocked() is None
+    assert not registry_takes_no_default() and not autoep.allow_string_keys()
+    monkeypatch.setattr(oc, "_CanRecordRegistry", Registry)
+    ds = dc.preset("zero3") | {"expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": "qwen3_moe"}}
+    warned = [f for f in check_config(ds, world_size=2) if f.key == "expert_parallel.enabled"]
+    assert warned and warned[0].level == "warning" and "allow_string_keys()" in warned[0].message
+    reg, model = Registry(), torch.nn.Linear(1, 1)
+    reg[model] = {"router_logits": "model's"}
+    with pytest.raises(TypeError):
+        reg.get(str(model.__class__), None)  # what deepspeed.initialize meets without the fix
+    assert autoep.allow_string_keys() and autoep.allow_string_keys()  # idempotent
+    assert not registry_takes_no_default()  # fixed: nothing for the check to warn about in this process
+    key = str(model.__class__)
+    missing = object()
+    assert reg.get("<class 'not.there'>", missing) is missing and reg.get(key, missing) == {"router_logits": "model's"}
+    reg[key] = {"router_logits": "deepspeed's"}  # DeepSpeed's restore, by string key
+    assert reg.get(model) == {"router_logits": "deepspeed's"} and "<class 'str'>" not in reg
+    line = autoep.prepare(ds, 8)
+    assert "groups of 2 ranks (4 per rank)" in line and "string keys" in line
+
+
+def test_autoep_counts_the_layers_it_replaced_and_says_what_to_set_when_none() -> None:
+    from toolkit.runtime.moe import autoep
+
+    class AutoEPMoELayer(torch.nn.Module):  # DeepSpeed's class name is what the count reads
+        pass
+
+    assert autoep.replaced(torch.nn.Sequential(AutoEPMoELayer(), torch.nn.Linear(1, 1), AutoEPMoELayer())) == 2
+    plain = torch.nn.Sequential(torch.nn.Linear(1, 1))
+    assert autoep.replaced(plain) == 0
+    msg = autoep.nothing_replaced({"expert_parallel": {"enabled": True, "preset_model": "mixtral"}}, plain)
+    assert "replaced no MoE layer of Sequential (preset_model=mixtral)" in msg and "--ep-preset" in msg
 
 
 def test_gen_config_writes_the_autoep_block(tmp_path, capsys) -> None:

@@ -74,6 +74,7 @@ from toolkit.runtime.model import (
     hidden_size,
     is_preset,
 )
+from toolkit.runtime.moe import autoep
 from toolkit.runtime.preempt import Preemption
 from toolkit.runtime.sequence import offload, tiling, ulysses
 
@@ -220,6 +221,11 @@ def _run(p: RunSpec, liger: Any, attn: attention.AttentionPlan, compiled: tuple[
         print(f"{experts}; load-balancing loss x {aux_coef:g} (moe.aux_loss_coef={cfg.moe.aux_loss_coef})", flush=True)
         if experts_path is not None:
             print(experts_path.describe(), flush=True)
+    if autoep.enabled(p.ds):  # every rank: the registry fix must exist in each process before deepspeed.initialize
+        found = moe.experts_of(model)
+        line = autoep.prepare(p.ds, found.count if found else 0)
+        if rank == 0:
+            print(line, flush=True)
     if tiling.decide(cfg.model.tiled_mlp, cfg.data.seq_len, cfg.train.sequence_parallel)[0]:
         layers = compiling.decoder_layers(model)
         tiled = tiling.tile_mlps(layers, cfg.model.tiled_mlp_shards)
@@ -426,6 +432,18 @@ def leaf_check(model: Any) -> None:
         raise RuntimeError(msg)
 
 
+def autoep_check(p: RunSpec, model: Any) -> None:
+    """After the engine exists: the MoE layers DeepSpeed's AutoEP replaced (none is an error: its preset did not
+    match the model, and the run would train without expert parallelism)."""
+    if not autoep.enabled(p.ds):
+        return
+    n = autoep.replaced(model)
+    if n == 0:
+        raise RuntimeError(autoep.nothing_replaced(p.ds, model))
+    if dist.rank() == 0:
+        print(f"AutoEP: {n} MoE layers replaced by DeepSpeed's AutoEPMoELayer", flush=True)
+
+
 def first_loss_check(p: RunSpec, loss: float) -> None:
     msg = check_first_loss(loss, p.model_config.vocab_size, p.cfg.model.task, not is_preset(p.cfg.model.name))
     if msg:
@@ -495,6 +513,7 @@ def _run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collat
     class Hooks(TrainerCallback):
         def on_train_begin(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
             leaf_check(trainer.model)  # the Trainer has built the engine by now
+            autoep_check(p, trainer.model)
             integrity.install(trainer.model_wrapped)  # shards digested as they are written
             if p.resume_from:  # the Trainer has loaded the checkpoint by now
                 resume.verify(trainer.model_wrapped, state["fixed_batch"], p.resume_from, p.run_dir, p.precision,
@@ -625,6 +644,7 @@ def _run_raw(p: RunSpec, model: Any, dataset: ListDataset, collator: Collator, o
     engine, _, _, scheduler = deepspeed.initialize(model=model, model_parameters=params, config=p.ds,
                                                    lr_scheduler=_lr_schedule(p), mpu=sp.mpu if sp else None)
     leaf_check(engine.module)
+    autoep_check(p, engine.module)
     ckpt_dir = p.run_dir / "checkpoints"
     global_batch = t.micro_batch_size * t.grad_accum * data_world
     step = 0

@@ -1,10 +1,11 @@
 """`expert_parallel` (DeepSpeed's AutoEP, 0.19.2+): DeepSpeed's own validation of the block, the launch's rules,
-and one that DeepSpeed cannot know: whether its AutoEP can run with the installed transformers.
+and one that DeepSpeed cannot know: whether its AutoEP runs with the installed transformers as it stands.
 
 deepspeed 0.19.8's AutoEP re-points transformers' output recorders (router logits for the load-balancing loss)
 with `registry.get(key, default)` (module_inject/auto_ep_presets/base.py), and transformers 5.24's
-`_CanRecordRegistry.get` takes no default: every AutoEP run then fails inside deepspeed.initialize with a
-TypeError (found here, on 2 CPU ranks). The check says so before launch instead.
+`_CanRecordRegistry.get` takes no default: an AutoEP run fails inside deepspeed.initialize with a TypeError
+(found here, on 2 CPU ranks). The toolkit's runs fix that first (toolkit/runtime/moe/autoep.py); the check warns
+a script of one's own that it must do the same.
 """
 
 from __future__ import annotations
@@ -35,23 +36,25 @@ def rule_expert_parallel(c: Ctx) -> list[Finding]:
     if size == 1:
         out.append(_warn(f"{KEY}.autoep_size", "1: every rank keeps every expert (no all-to-all); AutoEP then only "
                                                "swaps the experts' kernels"))
-    why = autoep_blocked()
-    if why:
-        out.append(_err(f"{KEY}.enabled", why))
+    if registry_takes_no_default():
+        from importlib.metadata import version
+
+        out.append(_warn(f"{KEY}.enabled", (
+            f"deepspeed {version('deepspeed')}'s AutoEP calls transformers' output-recorder registry with a string key "
+            f"and a default that transformers {version('transformers')} does not take (_CanRecordRegistry.get): "
+            "toolkit/train.py fixes it before deepspeed.initialize; a script of your own must call "
+            "toolkit.runtime.moe.autoep.allow_string_keys() first, or deepspeed.initialize fails with a TypeError")))
     return out
 
 
-def autoep_blocked() -> str | None:
-    """Why the installed deepspeed's AutoEP cannot run with the installed transformers, or None."""
+def registry_takes_no_default() -> bool:
+    """transformers' output-recorder registry is the model-keyed `_CanRecordRegistry` whose get takes no default
+    (5.2x), not the plain dict deepspeed 0.19.8's AutoEP reads and writes (transformers 5.17 and before), and
+    this process has not fixed it."""
     try:
         from transformers.utils.output_capturing import _CanRecordRegistry
     except ImportError:
-        return None  # no such registry: nothing for AutoEP to re-point
-    params = list(inspect.signature(_CanRecordRegistry.get).parameters)
-    if len(params) >= 3:  # (self, key, default)
-        return None
-    from importlib.metadata import version
-
-    return (f"deepspeed {version('deepspeed')}'s AutoEP calls transformers' output-recorder registry with a default "
-            f"that transformers {version('transformers')} does not take (_CanRecordRegistry.get): "
-            "deepspeed.initialize would fail with a TypeError. Leave expert_parallel off with these versions")
+        return False  # the plain dict: nothing to fix
+    if getattr(_CanRecordRegistry, "_toolkit_string_keys", False):
+        return False  # fixed in this process already (toolkit/runtime/moe/autoep.py)
+    return len(inspect.signature(_CanRecordRegistry.get).parameters) < 3  # (self, key, default)
