@@ -500,7 +500,7 @@ def main() -> int:
     rp.add_argument("--gpu-mem", type=float, default=139.0)
     rp.add_argument("--host-mem", type=float, default=0.0, help="host GiB for the predictions (0: not checked)")
     rp.set_defaults(func=cmd_repredict)
-    b = sub.add_parser("bigrun", help="the largest full fine-tune on one GPU, as toolkit plan chooses it")
+    b = sub.add_parser("bigrun", help="a large full fine-tune (--gpus GPUs of this host), as toolkit plan chooses it")
     b.add_argument("--out", required=True)
     b.add_argument("--model", default="llama-3-8b")
     b.add_argument("--seq", type=int, default=2048)

@@ -92,6 +92,9 @@ def test_plan_cli_sequence_parallel_and_max_seq(capsys: pytest.CaptureFixture[st
     # --micro-batch divides the sequences per data-parallel rank: a group of 2 ranks shares one sequence
     assert main([*base, "--max-seq", "--rope-factor", "8", "--micro-batch", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["longest"]
+    one_gpu = ["plan", "--model", "llama-3.2-1b", "--gpus", "1", "--global-batch", "1", "--sequence-parallel", "2"]
+    assert main([*one_gpu, "--max-seq", "--micro-batch", "1"]) != 0
+    assert "sequence_parallel=2 does not divide the 1 ranks" in capsys.readouterr().err
     assert main(["plan", "--model", "llama-3.2-1b", "--gpus", "1", "--global-batch", "1"]) == 1
     assert "needs --seq" in capsys.readouterr().err
 

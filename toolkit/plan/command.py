@@ -151,6 +151,8 @@ def _limits(args: Any, hw: pl.Hardware, w: pl.Workload) -> dict[str, Any]:
     if args.offload is not None:
         limits["offloads"] = (args.offload,)
     if args.micro_batch is not None:
+        if hw.world % w.sequence_parallel:
+            pl.plan(w, hw)  # the rules say what is wrong with the sequence-parallel degree, in their words
         groups = hw.world // w.sequence_parallel  # the ranks of a sequence-parallel group share its sequences
         per_rank = pl.per_rank_batch(w.global_batch, groups)
         if per_rank % args.micro_batch:

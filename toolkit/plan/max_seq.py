@@ -6,9 +6,9 @@ fits, then is bisected to one step. model.tiled_mlp=auto is resolved at each len
 model's positions cap the search (--rope-factor raises them).
 
 Two lengths per choice: the longest that fits as `toolkit plan` plans (the predicted peak plus the allocator
-margin, ALLOC_MARGIN, within the GPU), and the edge: the longest whose predicted peak fits with no margin, past
-which a run runs out of memory. Between the two a run trains as far as fragmentation lets it: measured, the edge
-was within one step of the longest length that trained (bench/results/sequence_parallel/README.md).
+margin, ALLOC_MARGIN, within the GPU), and the edge: the predicted limit with no margin, the longest whose
+predicted peak alone fits. Between the two a run trains as far as fragmentation lets it; measured, the longest
+length that trained was within two steps of the edge (bench/results/sequence_parallel/README.md).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def render(rows: list[Longest], top: int, describe: Any) -> str:
                      + (" (the model's positions: --rope-factor to go further)" if r.capped else ""))
     lines.append(f"{len(rows)} choices fit at the shortest step; GiB per rank at each choice's longest length, "
                  f"predicted. longest: the GPU need (peak + {pl.ALLOC_MARGIN:.0%} for the allocator + CUDA context) "
-                 "fits; edge: the peak alone fits, past it a run runs out of memory")
+                 "fits; edge: the peak alone fits (the limit with no margin)")
     return "\n".join(lines)
 
 

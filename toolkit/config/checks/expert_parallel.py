@@ -10,8 +10,6 @@ a script of one's own that it must do the same.
 
 from __future__ import annotations
 
-import inspect
-
 from toolkit.config.checks.base import Ctx, Finding, _err, _warn
 
 KEY = "expert_parallel"
@@ -36,7 +34,7 @@ def rule_expert_parallel(c: Ctx) -> list[Finding]:
     if size == 1:
         out.append(_warn(f"{KEY}.autoep_size", "1: every rank keeps every expert (no all-to-all); AutoEP then only "
                                                "swaps the experts' kernels"))
-    if registry_takes_no_default():
+    if c.consumer not in ("raw", "trainer") and registry_takes_no_default():  # toolkit/train.py fixes it itself
         from importlib.metadata import version
 
         out.append(_warn(f"{KEY}.enabled", (
@@ -57,4 +55,10 @@ def registry_takes_no_default() -> bool:
         return False  # the plain dict: nothing to fix
     if getattr(_CanRecordRegistry, "_toolkit_string_keys", False):
         return False  # fixed in this process already (toolkit/runtime/moe/autoep.py)
-    return len(inspect.signature(_CanRecordRegistry.get).parameters) < 3  # (self, key, default)
+    # by behaviour, as DeepSpeed uses it: a string key written, then read with a default
+    probe = _CanRecordRegistry()
+    try:
+        probe["<class 'probe'>"] = {}
+        return probe.get("<class 'probe'>", None) is None or "<class 'probe'>" not in dict.keys(probe)
+    except TypeError:
+        return True

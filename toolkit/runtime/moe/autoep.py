@@ -57,7 +57,8 @@ def prepare(ds: dict[str, Any], experts_per_layer: int) -> str:
     block = ds["expert_parallel"]
     size = int(block.get("autoep_size", 1))
     line = (f"expert parallelism: DeepSpeed's AutoEP, each layer's {experts_per_layer} experts split over groups of "
-            f"{size} ranks ({experts_per_layer // max(size, 1)} per rank)")
+            f"{size} ranks ({experts_per_layer // max(size, 1)} per rank)" if experts_per_layer else
+            f"expert parallelism: DeepSpeed's AutoEP over groups of {size} ranks (the toolkit finds no experts here)")
     if block.get("preset_model"):
         line += f", preset {block['preset_model']}"
     if allow_string_keys():

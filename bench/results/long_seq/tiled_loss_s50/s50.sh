@@ -1,4 +1,6 @@
-# s50: tiled loss on/off (GPUs 2,3 side by side), the Trainer path against the raw loop at SP=4, fp8 weak scaling
+# s50, the first command of the call (source .whl/setup.sh; bash THIS): tiled loss on/off (GPUs 2,3 side by side),
+# the Trainer path against the raw loop at SP=4. The call then ran the fp8 rows:
+#   PER_GPU=32 bash bench/scaling_rows.sh /tmp/o50/s50 llama-1b-seq2048 2:fp8,3:fp8
 o=/tmp/o50; mkdir -p $o
 T=(train.path=raw model.name=llama-3.2-1b data.seq_len=32768 data.num_samples=12 train.micro_batch_size=1 train.grad_accum=1
    train.max_steps=6 train.precision=bf16 train.export=false train.warmup_steps=1 train.log_every=1 train.lr=1e-4
