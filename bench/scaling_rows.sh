@@ -8,8 +8,9 @@
 # bench/speed.py run. PER_GPU=K (default 32): K sequences per GPU per optimizer step on 1 and on N GPUs (weak
 # scaling: the same micro-batch and accumulation per GPU). A *-data100k workload trains on the 100k-row corpus
 # (bench/data_cache.py make, built here first).
-# -> OUT/NAME/*.json (one per row; NAME = OUT's last part, the run name the tables show), OUT/speed.json,
-#    OUT/speed.md (rows), OUT/scaling.md (efficiency per row), OUT/logs.tgz
+# -> OUT/speed.json, OUT/speed.md (rows), OUT/scaling.md (efficiency per row), OUT/logs.tgz (logs and, under
+#    s/NAME/, one JSON per row: NAME = OUT's last part, the run name the tables show). Four files: the device tool
+#    returns at most eight a call.
 set -uo pipefail
 out=$1 workload=$2 rows=$3
 per_gpu=${PER_GPU:-32}
@@ -58,7 +59,5 @@ python bench/speed.py table "$rows_dir"/*.json --json "$out/speed.json" --gpu "$
   --command "PER_GPU=$per_gpu bash bench/scaling_rows.sh OUT $workload $rows" > "$out/speed.md"
 cat "$out/speed.md"
 python bench/speed.py scaling "$out/speed.json" | tee "$out/scaling.md"
-mkdir -p "$out/$name"
-cp "$rows_dir"/*.json "$out/$name/"
 tar czf "$out/logs.tgz" --exclude='*.pt' --exclude='checkpoints' -C "$out" s 2>/dev/null
 rm -rf "$out/s"
