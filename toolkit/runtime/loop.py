@@ -308,9 +308,9 @@ def _tile_loss(p: RunSpec, model: Any, liger: Any) -> None:
     on, why = tiling.loss_decide(cfg.model.tiled_loss, fused_loss=bool(liger.kwargs.get("fused_linear_cross_entropy")),
                                  tokens=cfg.data.seq_len // cfg.train.sequence_parallel,
                                  causal_lm=cfg.model.task == "causal_lm", moe=moe.is_moe(p.model_config))
-    tile = tiled_loss_tile(p.model_config.vocab_size)
     if not on:
         return
+    tile = tiled_loss_tile(p.model_config.vocab_size)
     if not tiling.tile_loss(model, tile):
         if cfg.model.tiled_loss == "true":
             raise ValueError(f"model.tiled_loss=true: {type(model).__name__} has no decoder and output embeddings "

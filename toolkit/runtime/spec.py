@@ -233,10 +233,6 @@ def _single_gpu_zero3(ds: dict[str, Any], world: int) -> list[str]:
 
 def _run_checks(ds: dict[str, Any], cfg: Config, world: int) -> list[str]:
     from toolkit.config.checks import check_config
-    from toolkit.runtime.moe import autoep
-
-    if autoep.enabled(ds):
-        autoep.allow_string_keys()  # what the check would warn a script of one's own about, fixed for this run
 
     findings = check_config(ds, world_size=world, consumer=cfg.train.path,
                             micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum)

@@ -10,15 +10,23 @@ a script of one's own that it must do the same.
 
 from __future__ import annotations
 
+from typing import Any
+
 from toolkit.config.checks.base import Ctx, Finding, _err, _warn
 
 KEY = "expert_parallel"
 
 
+def enabled(ds: dict[str, Any]) -> bool:
+    """The config turns AutoEP on (an `expert_parallel` block with enabled true)."""
+    block = ds.get(KEY)
+    return isinstance(block, dict) and bool(block.get("enabled", False))
+
+
 def rule_expert_parallel(c: Ctx) -> list[Finding]:
-    block = c.raw.get(KEY)
-    if not isinstance(block, dict) or not block.get("enabled", False):
+    if not enabled(c.raw):
         return []
+    block = c.raw[KEY]
     out: list[Finding] = []
     try:
         from deepspeed.module_inject.auto_ep_config import parse_autoep_config, validate_autoep_config

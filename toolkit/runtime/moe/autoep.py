@@ -15,12 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from toolkit.config.checks.expert_parallel import registry_takes_no_default
+from toolkit.config.checks.expert_parallel import enabled, registry_takes_no_default
 
-
-def enabled(ds: dict[str, Any]) -> bool:
-    block = ds.get("expert_parallel")
-    return isinstance(block, dict) and bool(block.get("enabled", False))
+__all__ = ["allow_string_keys", "enabled", "nothing_replaced", "prepare", "replaced"]
 
 
 def allow_string_keys() -> bool:
