@@ -33,12 +33,12 @@ from toolkit.plan import max_seq  # noqa: E402
 from toolkit.plan import planner as pl  # noqa: E402
 
 
-def planner_longest(c: pc.Config, gpu_mem: float, host_mem: float) -> tuple[int, int]:
+def planner_longest(c: pc.Config, gpu_mem: float, host_mem: float, tiled_mlp: str = "auto") -> tuple[int, int]:
     """The planner's longest length for this exact choice (stage, offload, micro 1, checkpointing), and its edge
     (the longest whose peak alone fits: toolkit/plan/max_seq.py)."""
     w = dataclasses.replace(pc.workload(c), seq_len=1024 * c.sp)  # search() resolves tiled MLPs per length
     hw = pl.Hardware(c.gpus, 1, gpu_mem, host_mem or None)
-    rows = max_seq.search(w, hw, "auto", stages=(c.stage,), offloads=(c.offload,), micro_batches=(c.micro,),
+    rows = max_seq.search(w, hw, tiled_mlp, stages=(c.stage,), offloads=(c.offload,), micro_batches=(c.micro,),
                           grad_ckpt=(c.ckpt,), zero_sizes=(c.zero_sizes,))
     if not rows:
         raise SystemExit("the planner fits no length for this choice")
@@ -74,13 +74,17 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=420.0, help="seconds for all trials; none starts past it")
     ap.add_argument("--timeout", type=int, default=200, help="seconds per trial")
     ap.add_argument("--port", type=int, default=29900)
+    ap.add_argument("--include", default=None, help="localhost:I[,J]: the GPUs of every trial (default: the first)")
+    ap.add_argument("--tiled-mlp", choices=("auto", "false"), default="auto",
+                    help="auto: model.tiled_mlp=true from 65,536 tokens, as the run's auto; false: never")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    base = pc.Config("probe", a.model, 0, 1, 1, a.stage, gpus=a.gpus, ckpt=True, lora=a.lora, tiled=True, rope=a.rope,
+    base = pc.Config("probe", a.model, 0, 1, 1, a.stage, gpus=a.gpus, ckpt=True, lora=a.lora,
+                     tiled=a.tiled_mlp == "auto", rope=a.rope,
                      act_offload=a.act_offload, sp=a.sp)
     gpu_mem = a.gpu_limit + pl.CUDA_CONTEXT_GIB
-    planned, edge = planner_longest(base, gpu_mem, a.host_mem)
+    planned, edge = planner_longest(base, gpu_mem, a.host_mem, a.tiled_mlp)
     step = 1024 * a.sp
     doc: dict[str, Any] = {"command": "python bench/max_seq_probe.py " + " ".join(sys.argv[1:]),
                            "device": pc._device_name(), "planner_longest": planned, "planner_edge": edge, "step": step,
@@ -89,9 +93,10 @@ def main() -> int:
     good, bad = 0, 0
     seq = a.start or planned
     while seq and time.perf_counter() - t0 < a.budget:
-        c = dataclasses.replace(base, name=f"probe-sp{a.sp}-{seq}", seq=seq, tiled=seq >= 65536)
+        c = dataclasses.replace(base, name=f"probe-sp{a.sp}-{seq}", seq=seq,
+                                tiled=a.tiled_mlp == "auto" and seq >= 65536)
         print(f"trial {seq}", flush=True)
-        row = pc.run_one(c, out, 1, a.port + len(doc["trials"]), None, False, gpu_mem, a.timeout, False,
+        row = pc.run_one(c, out, 1, a.port + len(doc["trials"]), a.include, False, gpu_mem, a.timeout, False,
                          a.gpu_limit, a.host_mem)
         result = outcome(row, out, c.name)
         peaks = (row.get("measured") or {}).get("per_rank", {}).values()

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Issue 34's rows on one multi-GPU host (N = every GPU nvidia-smi lists), from the repo root, one device command:
 #   bash bench/multi_gpu_rows.sh OUT [PARTS]    PARTS: comma-separated of sp, data, moe (default sp,data)
+#   GPUS=2,3 in the environment: these GPUs only (N = 2), so another job can use the others meanwhile;
+#   MOE_VARIANTS=raw: the moe part without the bare loop's row
 # (Runs s40 and s41 ran it as bench/two_gpu_rows.sh, on 2 GPUs, at commit 9497ac3.)
 # 1. Sequence parallelism: llama-3.2-1b at 16,384 tokens, bf16, ZeRO-2, 20 steps, one sequence per step:
 #    train.sequence_parallel=N on all GPUs against the same job on GPU 0 alone -> OUT/sp.json (per-step losses,
@@ -14,7 +16,9 @@
 set -uo pipefail
 out=$1
 parts=",${2:-sp,data},"
-n=$(nvidia-smi -L | wc -l)
+ids=${GPUS:-$(seq -s, 0 $(($(nvidia-smi -L | wc -l) - 1)))}
+n=$(tr , '\n' <<< "$ids" | wc -l)
+first=${ids%%,*}
 gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $n"
 work=/tmp/dc
 mkdir -p "$out/s"
@@ -31,9 +35,9 @@ if [[ $parts == *,sp,* ]]; then
 C=(train.path=raw model.name=llama-3.2-1b data.seq_len=16384 data.num_samples=40 train.micro_batch_size=1
    train.grad_accum=1 train.max_steps=20 train.precision=bf16 train.export=false train.warmup_steps=2 train.lr=1e-4
    train.log_every=1)
-timeout --kill-after=10 170 deepspeed --include localhost:0 --master_port 29610 toolkit/train.py \
+timeout --kill-after=10 170 deepspeed --include "localhost:$first" --master_port 29610 toolkit/train.py \
   --ds ds_configs/zero2.json "${C[@]}" train.run_dir="$out/s/sp1" > "$out/s/sp1.log" 2>&1; echo "sp1 rc=$?"
-timeout --kill-after=10 170 deepspeed --num_gpus "$n" --master_port 29611 toolkit/train.py \
+timeout --kill-after=10 170 deepspeed --include "localhost:$ids" --master_port 29611 toolkit/train.py \
   --ds ds_configs/zero2.json "${C[@]}" train.sequence_parallel="$n" train.run_dir="$out/s/sp$n" > "$out/s/sp$n.log" 2>&1
 echo "sp$n rc=$?"
 cp "$out/s/sp1/metrics.jsonl" "$out/sp1.metrics.jsonl" 2>/dev/null
@@ -65,9 +69,9 @@ R="--data-dir $work --only llama-1b-seq2048,llama-1b-seq2048-data100k --stages 2
 # PER_GPU=K: weak scaling, K sequences per GPU per optimizer step on 1 and on N GPUs (default: 32 in all on both)
 R="$R${PER_GPU:+ --global-batch-per-gpu $PER_GPU}"
 # shellcheck disable=SC2086  # R is several options
-python bench/speed.py run --gpus "$n" --out "$out/s/rows" --port 29700 $R 2>&1 | tee -a "$out/s/run.log"
+python bench/speed.py run --include "localhost:$ids" --out "$out/s/rows" --port 29700 $R 2>&1 | tee -a "$out/s/run.log"
 # shellcheck disable=SC2086
-python bench/speed.py run --include localhost:0 --out "$out/s/rows" --port 29750 ${R/llama-1b-seq2048,/} 2>&1 | tee -a "$out/s/run.log"
+python bench/speed.py run --include "localhost:$first" --out "$out/s/rows" --port 29750 ${R/llama-1b-seq2048,/} 2>&1 | tee -a "$out/s/run.log"
 python bench/speed.py table "$out"/s/rows/*.json --json "$out/speed.json" --command "bash bench/multi_gpu_rows.sh OUT" \
   --gpu "$gpu" > "$out/speed.md"
 cat "$out/speed.md"
@@ -75,8 +79,8 @@ python bench/speed.py scaling "$out/speed.json" | tee "$out/scaling.md"
 fi
 
 if [[ $parts == *,moe,* ]]; then
-  python bench/speed.py run --gpus "$n" --out "$out/s/moe" --port 29800 --only qwen3-30b-a3b-l3-seq4096 --stages 3 \
-    --variants bare,raw --tune m8,autoep-m8 --tune-only --warmup 2 --steps 3 --timeout 170 2>&1 | tee -a "$out/s/run.log"
+  python bench/speed.py run --include "localhost:$ids" --out "$out/s/moe" --port 29800 --only qwen3-30b-a3b-l3-seq4096 --stages 3 \
+    --variants "${MOE_VARIANTS:-bare,raw}" --tune m8,autoep-m8 --tune-only --warmup 2 --steps 3 --timeout 170 2>&1 | tee -a "$out/s/run.log"
   python bench/speed.py table "$out"/s/moe/*.json --json "$out/moe.json" --command "bash bench/multi_gpu_rows.sh OUT moe" \
     --gpu "$gpu" > "$out/moe.md"
   cat "$out/moe.md"

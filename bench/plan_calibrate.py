@@ -289,6 +289,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     if a.only:
         wanted = a.only.split(",")
         configs = tuple(c for c in (SMOKE if smoke else CONFIGS + LONG) if c.name in wanted)
+    if a.set:  # e.g. train.stop_after=1, then train.resume=latest: a run longer than one device command
+        configs = tuple(dataclasses.replace(c, extra=(*c.extra, *a.set)) for c in configs)
     gpus = 2 if smoke else (a.gpus or _gpu_count())
     if not smoke and gpus == 0:
         print("error: no GPU found (nvidia-smi); use --smoke for the CPU test of this script", file=sys.stderr)
@@ -491,6 +493,8 @@ def main() -> int:
     r.add_argument("--gpu-limit", type=float, default=0.0,
                    help="memory.gpu_limit_gib of the runs (77: an 80 GB card on a bigger one); 0: the whole GPU")
     r.add_argument("--smoke", action="store_true", help="CPU test of this script: tiny model, DS_ACCELERATOR=cpu")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override for every configuration's run (repeatable)")
     r.set_defaults(func=cmd_run)
     t = sub.add_parser("table", help="the markdown table of a calibration.json")
     t.add_argument("json")

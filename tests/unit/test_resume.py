@@ -125,3 +125,20 @@ def test_resume_keeps_the_checkpoints_global_batch(tmp_path: Path) -> None:
     nvme = {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}
     with pytest.raises(ConfigError, match="NVMe"):
         _resume(cfg, 1, nvme)
+
+
+def test_the_fixed_batch_is_bounded_whatever_the_training_length() -> None:
+    """The save's proof batch: a 384K-token row's no-grad forward would not fit where its training step does."""
+    from toolkit.runtime.data import Collator
+    from toolkit.runtime.resume import FIXED_TOKENS, fixed_batch
+
+    n = FIXED_TOKENS + 100
+    plain = [{"input_ids": list(range(n)), "labels": list(range(n))} for _ in range(3)]
+    b = fixed_batch(plain, Collator(pad_id=0))
+    assert tuple(b["input_ids"].shape) == (2, FIXED_TOKENS) and b["labels"][0, -1] == FIXED_TOKENS - 1
+    packed = [{"input_ids": list(range(n)), "labels": list(range(n)), "seq_lens": [1000, 1000, n - 2000]}] * 2
+    b = fixed_batch(packed, Collator(pad_id=0))
+    assert tuple(b["input_ids"].shape) == (2, FIXED_TOKENS)
+    assert b["position_ids"][0, 2000:].tolist() == list(range(FIXED_TOKENS - 2000))  # the third document, cut
+    short = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}] * 2
+    assert fixed_batch(short, Collator(pad_id=0))["input_ids"].shape[1] == 3

@@ -200,9 +200,32 @@ def universal_config(ds: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- proof on a fixed batch
 
 
+# The proof needs every weight, not the training length: a whole long row's forward (no gradients, its full
+# logits) does not fit where its training step does (384K tokens of an 8B model: 200 GB of logits alone).
+FIXED_TOKENS = 2048
+
+
 def fixed_batch(rows: list[dict[str, Any]], collate: Any) -> dict[str, Any]:
-    """The first two samples of the data: the same batch on every rank and every rank count."""
-    return collate(rows[:2])
+    """The first FIXED_TOKENS of the first two samples: the same batch on every rank and every rank count."""
+    return collate([_head(r, FIXED_TOKENS) for r in rows[:2]])
+
+
+def _head(row: dict[str, Any], n: int) -> dict[str, Any]:
+    """A row's first n tokens: its per-token lists cut, a packed row's documents cut to fit (seq_lens)."""
+    ids = row["input_ids"]
+    if len(ids) <= n:
+        return row
+    out = {k: v[:n] if hasattr(v, "__len__") and not isinstance(v, str) and len(v) == len(ids) else v
+           for k, v in row.items()}
+    if "seq_lens" in row:
+        lens, left = [], n
+        for k in row["seq_lens"]:
+            if left <= 0:
+                break
+            lens.append(min(int(k), left))
+            left -= lens[-1]
+        out["seq_lens"] = lens
+    return out
 
 
 def batch_digest(batch: dict[str, Any]) -> str:
