@@ -312,3 +312,50 @@ def test_the_run_turns_the_fused_loss_off_where_toolkit_plan_says_its_logits_fit
     assert setting("train.micro_batch_size=2", "train.grad_accum=16", "model.liger_fused_loss=true") == ("true", "")
     dense = load_config(None, ["model.name=llama-1b", "data.seq_len=2048", "train.micro_batch_size=2"])
     assert moe.fused_loss_setting(dense, model_config(dense), ds, 1, compiled=False) == ("auto", "")
+
+
+def test_the_planner_models_autoep_within_the_measured_rows() -> None:
+    """bench/results/speed/s54moe, s56moe (four and two H200s, ZeRO-3, micro 8): each row's peak and speed against
+    `toolkit plan`'s for the same run, with and without AutoEP (autoep_size = the GPUs, read from its DeepSpeed block)."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from toolkit.plan import planner as pl
+    from toolkit.plan.shapes import load_shape
+
+    root = Path(__file__).resolve().parents[2] / "bench" / "results" / "speed"
+    shape = dataclasses.replace(load_shape("qwen3-30b-a3b"), num_layers=3)
+    rows = [json.loads(f.read_text()) for run in ("s54moe", "s56moe") for f in sorted((root / run).glob("*-raw-*.json"))]
+    assert {(r["gpus"], r["variant"]) for r in rows} >= {(4, "raw-autoep-m8"), (2, "raw-autoep-m8"), (2, "raw-m8")}
+    for r in rows:
+        n = r["gpus"]
+        ds = {"zero_optimization": {"stage": 3}}
+        if "autoep" in r["variant"]:
+            ds["expert_parallel"] = {"enabled": True, "autoep_size": n}
+        w = pl.Workload(shape, 4096, r["global_batch"], compile="off", expert_parallel=pl.autoep_size(ds, n))
+        assert w.expert_parallel == (n if "autoep" in r["variant"] else 1)
+        c = pl.Choice(3, "none", 1.0, r["micro_batch"], r["grad_accum"], False, "speed")
+        p = pl.predict(w, c, pl.Hardware(n, 1, 139.0))
+        assert abs(p.peak_allocated_gib / r["peak_allocated_gib"] - 1) <= 0.03, (r["variant"], n, p.peak_allocated_gib)
+        measured_speed = r["window_tokens_per_s"] / n
+        assert abs(p.tokens_per_s_per_gpu / measured_speed - 1) <= 0.10, (r["variant"], n, p.tokens_per_s_per_gpu)
+
+
+def test_the_planner_refuses_autoep_it_cannot_model() -> None:
+    from toolkit.plan import planner as pl
+    from toolkit.plan.shapes import load_shape
+
+    moe_shape, dense = load_shape("qwen3-30b-a3b"), load_shape("llama-1b")
+    hw, z3 = pl.Hardware(4, 1, 80.0), pl.Choice(3, "none", 1.0, 1, 1, True, "speed")
+    for shape, ep, choice, says in ((dense, 4, z3, "needs a Mixture-of-Experts model"),
+                                    (moe_shape, 3, z3, "does not divide the model's 128 experts"),
+                                    (moe_shape, 8, z3, "does not divide the 4 ranks"),
+                                    (moe_shape, 4, pl.Choice(2, "none", 1.0, 1, 1, True, "speed"), "at ZeRO-3")):
+        with pytest.raises(ConfigError, match=says):
+            pl.predict(pl.Workload(shape, 1024, 4, expert_parallel=ep), choice, hw)
+    # the search leaves out what it cannot model; below ZeRO-3 a run's own plan is ZeRO's without AutoEP
+    w = pl.Workload(moe_shape, 1024, 4, expert_parallel=4)
+    assert {c.stage for c in pl.choices(w, hw)} == {3}
+    assert pl.autoep_size({"zero_optimization": {"stage": 2}, "expert_parallel": {"enabled": True}}, 4) == 1
+    assert pl.autoep_size({"zero_optimization": {"stage": 3}, "expert_parallel": {"enabled": True}}, 4) == 4

@@ -86,7 +86,21 @@ def test_a_partial_offload_writes_the_ratio(tmp_path: Path, capsys: pytest.Captu
     assert not [f for f in check_config({**chosen["ds_config"]}, world_size=1, consumer="raw") if f.level == "error"]
 
 
+def test_an_autoep_plan_writes_the_expert_parallel_block(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--model", "qwen3-30b-a3b", "--layers", "3", "--gpus", "4", "--seq", "4096", "--global-batch", "32",
+            "--gpu-mem", "139", "--expert-parallel", "4", "--json", "-o", str(tmp_path / "p")]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    ds = json.loads((tmp_path / "p" / "ds_config.json").read_text())
+    assert ds["expert_parallel"] == {"enabled": True, "autoep_size": 4, "preset_model": "qwen3_moe"}
+    assert data["chosen"]["stage"] == 3 and data["inputs"]["expert_parallel"] == 4
+    assert "--expert-parallel 4" in data["command"]
+    assert not [f for f in check_config(ds, world_size=4, consumer="raw") if f.level == "error"]
+
+
 @pytest.mark.parametrize("argv,message", [
+    (["--model", "llama-1b", "--gpus", "4", "--global-batch", "8", "--expert-parallel", "2"],
+     "needs a Mixture-of-Experts model"),
     (["--model", "no-such-model", "--gpus", "1"], "neither a preset"),
     (["--model", "llama-1b", "--gpus", "0"], "--gpus must be at least 1"),
     (["--model", "llama-3-70b", "--gpus", "1", "--gpu-mem", "24", "--host-mem", "64"], "nothing fits"),

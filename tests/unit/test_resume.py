@@ -142,3 +142,19 @@ def test_the_fixed_batch_is_bounded_whatever_the_training_length() -> None:
     assert b["position_ids"][0, 2000:].tolist() == list(range(FIXED_TOKENS - 2000))  # the third document, cut
     short = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}] * 2
     assert fixed_batch(short, Collator(pad_id=0))["input_ids"].shape[1] == 3
+
+
+def test_a_checkpoint_whose_proof_loss_was_not_finite_resumes_unverified(tmp_path: Path, capsys,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NaN at the save proves nothing either way (seen on a GPU: the 8B shape at 384K, bench/results/long_seq):
+    the resume says it is not verified instead of refusing the weights."""
+    import torch
+
+    from toolkit.runtime.resume import RESUMES, batch_digest, verify
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    batch = {"input_ids": torch.ones(1, 4, dtype=torch.long)}
+    ckpt = Checkpoint(tmp_path, tmp_path, 1, {"fixed_batch_loss": float("nan"), "fixed_batch": batch_digest(batch)})
+    verify(object(), batch, ckpt, tmp_path, "bf16", 1, 1, None)  # the model is never called
+    assert "not verified: the fixed-batch loss at the save was not finite" in capsys.readouterr().out
+    assert json.loads((tmp_path / RESUMES).read_text())["not_verified"].startswith("the fixed-batch loss")

@@ -32,12 +32,22 @@ def candidate_json(p: pl.Prediction) -> dict[str, Any]:
             "tokens_per_s_per_gpu": round(p.tokens_per_s_per_gpu, 1), "activation_offload": p.activation_offload}
 
 
-def ds_config_for(c: pl.Choice) -> dict[str, Any]:
-    """The chosen DeepSpeed JSON: a gen-config preset (training-owned values stay "auto") plus the ratio."""
+# AutoEP's preset_model for the model types the planner knows (deepspeed 0.19.8 auto_ep_presets: qwen3_moe also
+# covers Qwen2-MoE's fused layout; OLMoE needs its own layer pattern, so no preset is written for it)
+EP_PRESETS = {"qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen3_moe", "mixtral": "mixtral"}
+
+
+def ds_config_for(c: pl.Choice, expert_parallel: int = 1, model_type: str = "") -> dict[str, Any]:
+    """The chosen DeepSpeed JSON: a gen-config preset (training-owned values stay "auto") plus the ratio, and
+    AutoEP's block where the plan has it."""
     cfg = gen_config(c.stage, offload_optimizer="cpu" if c.offload != "none" else "none",
                      offload_param="cpu" if c.offload == "all" else "none")
     if c.offload != "none" and c.ratio < 1.0:
         cfg["zero_optimization"]["offload_optimizer"]["ratio"] = c.ratio
+    if expert_parallel > 1:
+        cfg["expert_parallel"] = {"enabled": True, "autoep_size": expert_parallel}
+        if model_type in EP_PRESETS:
+            cfg["expert_parallel"]["preset_model"] = EP_PRESETS[model_type]
     return cfg
 
 
@@ -94,7 +104,8 @@ def _workload(args: Any) -> tuple[pl.Workload, pl.Hardware]:
               (args.gpu_mem > 0, f"--gpu-mem must be positive, got {args.gpu_mem}"),
               (args.host_mem is None or args.host_mem > 0, f"--host-mem must be positive, got {args.host_mem}"),
               (args.lora_r >= 1, f"--lora-r must be at least 1, got {args.lora_r}"),
-              (args.sequence_parallel >= 1, f"--sequence-parallel must be at least 1, got {args.sequence_parallel}")]
+              (args.sequence_parallel >= 1, f"--sequence-parallel must be at least 1, got {args.sequence_parallel}"),
+              (args.expert_parallel >= 1, f"--expert-parallel must be at least 1, got {args.expert_parallel}")]
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
@@ -127,7 +138,8 @@ def _workload(args: Any) -> tuple[pl.Workload, pl.Hardware]:
     tiled = tiled_mlp_on(args.tiled_mlp, args.seq, args.sequence_parallel)[0]
     w = pl.Workload(shape, args.seq, args.global_batch, lora, not args.no_liger, args.attn, args.fused_loss,
                     args.compile, args.fp8_recipe if args.precision == "fp8" else None, args.doc_len,
-                    args.sequence_parallel, tiled, args.activation_offload, args.tiled_loss)
+                    args.sequence_parallel, tiled, args.activation_offload, args.tiled_loss,
+                    expert_parallel=args.expert_parallel)
     hw = pl.Hardware(args.gpus, args.nodes, args.gpu_mem, args.host_mem)
     return w, hw
 
@@ -214,6 +226,7 @@ def render(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predictio
         f"sequence {w.seq_len}" + (f" packed with documents of {w.doc_len:g} tokens (token-weighted)" if w.doc_len else "")
         + (f" over {w.sequence_parallel} ranks each (sequence parallelism)" if w.sequence_parallel > 1 else "")
         + (", MLPs tiled" if w.tiled_mlp else "")
+        + (f", experts over {w.expert_parallel} ranks (AutoEP)" if w.expert_parallel > 1 else "")
         + f", global batch {w.global_batch} ({w.global_batch * w.sequence_parallel // hw.world} per rank), "
         f"attention {w.attn}, Liger {'on where supported' if w.liger else 'off'}, train.compile={w.compile} "
         f"(auto: compiled; eager at ZeRO-3 under LoRA), " + (f"float8 matmuls ({w.fp8})" if w.fp8 else "bf16"),
@@ -282,7 +295,8 @@ def plan_json(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predic
                    "lora": None if w.lora is None else {"r": w.lora.r, "targets": list(w.lora.targets)},
                    "liger": w.liger, "fused_loss": w.fused_loss, "attn": w.attn, "compile": w.compile,
                    "fp8": w.fp8, "task": w.shape.task, "doc_len": w.doc_len,
-                   "sequence_parallel": w.sequence_parallel, "tiled_mlp": w.tiled_mlp,
+                   "sequence_parallel": w.sequence_parallel, "expert_parallel": w.expert_parallel,
+                   "tiled_mlp": w.tiled_mlp,
                    "activation_offload": w.activation_offload},
         "constants": {"cuda_context_gib": pl.CUDA_CONTEXT_GIB, "alloc_margin": pl.ALLOC_MARGIN,
                       "host_baseline_gib": pl.HOST_BASELINE_GIB},
@@ -295,7 +309,7 @@ def plan_json(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predic
             "host_rank_gib": chosen.host_rank_gib,
             "host_breakdown_gib": chosen.host,
             "step_time_s": chosen.step_time_s,
-            "ds_config": ds_config_for(chosen.choice),
+            "ds_config": ds_config_for(chosen.choice, w.expert_parallel, w.shape.model_type),
             "train_overrides": train_overrides(args, chosen, out_dir),
         }
     return data
@@ -316,7 +330,9 @@ def command(args: Any) -> str:
         parts += ["--lora", "--lora-r", str(args.lora_r), "--lora-targets", args.lora_targets]
     flags = (("--grad-ckpt", args.grad_ckpt), ("--no-liger", args.no_liger))
     parts += [f for f, on in flags if on]
-    for flag, value, default in (("--sequence-parallel", args.sequence_parallel, 1), ("--tiled-mlp", args.tiled_mlp, "auto"),
+    for flag, value, default in (("--sequence-parallel", args.sequence_parallel, 1),
+                                 ("--expert-parallel", getattr(args, "expert_parallel", 1), 1),
+                                 ("--tiled-mlp", args.tiled_mlp, "auto"),
                                  ("--tiled-loss", args.tiled_loss, "auto"),
                                  ("--activation-offload", args.activation_offload, "auto"),
                                  ("--rope-factor", f"{args.rope_factor:g}", "1"), ("--fused-loss", args.fused_loss, "auto"), ("--attn", args.attn, "sdpa"),
@@ -426,6 +442,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--attn", choices=("sdpa", "eager", "flash_attention_2"), default="sdpa")
     p.add_argument("--sequence-parallel", type=int, default=1, metavar="N",
                    help="train.sequence_parallel: each row over N ranks (activations / N; global batch counts groups)")
+    p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
+                   help="DeepSpeed AutoEP (the config's expert_parallel, autoep_size N): each rank holds 1/N of the "
+                        "experts whole; ZeRO-3 choices only")
     p.add_argument("--tiled-mlp", choices=("auto", "true", "false"), default="auto",
                    help="model.tiled_mlp (auto: on from 65,536 tokens of a row per rank)")
     p.add_argument("--tiled-loss", choices=("auto", "true", "false"), default="auto",

@@ -206,6 +206,11 @@ class Workload:
     tiled_loss: str = "auto"
     """model.tiled_loss (auto, true, false), resolved per choice as the run does (toolkit/plan/speedups.py): without
     Liger's fused loss, the logits exist one tile of tokens at a time."""
+    expert_parallel: int = 1
+    """DeepSpeed AutoEP's autoep_size (the run's `expert_parallel` section; ZeRO-3 only here): each rank holds
+    num_experts / N whole experts instead of a ZeRO-3 shard of every expert, the same bytes when N is the rank count,
+    and gathers none of them, so the MoE block's gathered parameters and its whole-block gradient before the
+    reduce-scatter leave the peak. Speed as ZeRO-3's (measured 0.96-0.98x of it on 2 and 4 H200s, moe.md)."""
 
     @property
     def attended(self) -> float:
@@ -548,6 +553,9 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
             return plain
     n = hw.world
     stage, lora = c.stage, w.lora
+    ep = w.expert_parallel
+    if ep > 1:
+        _check_expert_parallel(s, ep, n, stage)
     offload_opt = c.offload in ("optimizer", "all") and stage >= 1
     offload_param = c.offload == "all" and stage == 3
     ratio = c.ratio if (offload_opt and stage == 3) else (1.0 if offload_opt else 0.0)
@@ -658,8 +666,10 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     # the adapters' size: the buffers are allocated whole). q-z2-lora-s2048-m4 (calibration.md) measured
     # 9.29 GiB besides parameters and states at its peak where 2-byte buckets predicted 7.31.
     buckets = 2 * (4.0 if autocast else 2.0) * sizes.reduce_bucket if stage in (1, 2) else 0.0
-    gathered = _gathered_bytes(s, n, sizes, offload_param) if stage == 3 else 0.0
-    if stage == 3 and n > 1 and s.num_experts and lora is None:
+    # AutoEP's experts stay on their ranks: nothing of them is gathered (only the rest of each layer)
+    local = replace(s, layer_params=tuple(x for x in s.layer_params if ".experts." not in x[0])) if ep > 1 else s
+    gathered = _gathered_bytes(local, n, sizes, offload_param) if stage == 3 else 0.0
+    if stage == 3 and n > 1 and s.num_experts and lora is None and ep == 1:
         # a Mixture-of-Experts block is one ZeRO-3 leaf: its whole bf16 gradient exists before its reduce-scatter
         # (3 x hidden x expert intermediate per expert; Qwen3-30B-A3B: 1.13 GiB a layer)
         gathered += 2.0 * s.num_experts * 3 * h * s.expert_intermediate
@@ -860,6 +870,8 @@ def choices(w: Workload, hw: Hardware, *, stages: Iterable[int] = (0, 1, 2, 3),
     for stage in stages:
         if stage == 0 and w.sequence_parallel > 1:
             continue  # refused: DeepSpeed's Ulysses crashes at ZeRO-0
+        if stage != 3 and w.expert_parallel > 1:
+            continue  # AutoEP is modelled at ZeRO-3 only
         for off in offloads:
             if (off == "optimizer" and stage == 0) or (off == "all" and stage != 3):
                 continue
@@ -869,6 +881,19 @@ def choices(w: Workload, hw: Hardware, *, stages: Iterable[int] = (0, 1, 2, 3),
                         for zs in zero_sizes:
                             out.append(Choice(stage, off, ratio, m, per_rank // m, ck, zs))
     return out
+
+
+def _check_expert_parallel(s: ModelShape, ep: int, world: int, stage: int) -> None:
+    """AutoEP's own rules (deepspeed/module_inject/auto_ep: autoep_size divides the experts and the ranks), and the
+    planner's: it models AutoEP at ZeRO-3, where the toolkit measured it."""
+    if not s.num_experts:
+        raise ConfigError(f"expert parallelism (AutoEP) needs a Mixture-of-Experts model; {s.model_type!r} has no experts")
+    if s.num_experts % ep:
+        raise ConfigError(f"autoep_size {ep} does not divide the model's {s.num_experts} experts")
+    if world % ep:
+        raise ConfigError(f"autoep_size {ep} does not divide the {world} ranks")
+    if stage != 3:
+        raise ConfigError("toolkit plan models AutoEP at ZeRO-3 (where it was measured), not at ZeRO-" + str(stage))
 
 
 def per_rank_batch(global_batch: int, world: int) -> int:
@@ -948,6 +973,18 @@ def choice_from_ds(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, gra
     return Choice(stage, offload, ratio, micro_batch, grad_accum, grad_ckpt, zero_sizes)
 
 
+def autoep_size(ds: dict[str, Any], world_size: int) -> int:
+    """The AutoEP degree the planner models for a DeepSpeed dict: its autoep_size at ZeRO-3 (all the ranks where the
+    dict leaves it out or to "auto"), else 1 (below ZeRO-3 the plan is ZeRO's without AutoEP: an over-estimate)."""
+    from toolkit.config.ds_config import zero_stage
+
+    ep = ds.get("expert_parallel") or {}
+    if not ep.get("enabled") or zero_stage(ds) != 3:
+        return 1
+    size = ep.get("autoep_size", "auto")
+    return world_size if size in (None, "auto") else int(size)
+
+
 def run_settings(cfg: Any, compiled: bool) -> dict[str, Any]:
     """fitting_micro_batches' keyword arguments as a run's config (toolkit/config/schema.py Config) sets them; compiled:
     whether the run compiles its layers (train.compile with auto resolved)."""
@@ -985,7 +1022,8 @@ def fitting_micro_batches(model_config: Any, ds_config: dict[str, Any], world_si
     hw = Hardware(gpus_per_node=gpn, nodes=max(1, world_size // gpn), gpu_mem_gib=gpu_mem_gib)
     adapters = Lora() if lora is True else (lora or None)
     w = Workload(shape, seq_len, per_rank_batch * world_size, adapters, liger, attn, fused_loss, compile, fp8,
-                 tiled_mlp=tiled_mlp, activation_offload=activation_offload, tiled_loss=tiled_loss)
+                 tiled_mlp=tiled_mlp, activation_offload=activation_offload, tiled_loss=tiled_loss,
+                 expert_parallel=autoep_size(ds_config, world_size))
     out = []
     for m in sorted(divisors(per_rank_batch), reverse=True):
         c = choice_from_ds(ds_config, micro_batch=m, grad_accum=per_rank_batch // m, grad_ckpt=grad_ckpt,

@@ -265,8 +265,9 @@ def verify(model: Any, batch: dict[str, Any], ckpt: Checkpoint, run_dir: Path, p
     Rank 0 appends the evidence to resumes.jsonl. Every rank sees the same loss, so every rank raises."""
     saved = ckpt.record.get("fixed_batch_loss")
     same_batch = ckpt.record.get("fixed_batch") == batch_digest(batch)
-    why_not = None if saved is not None and same_batch else (
-        "the checkpoint has no fixed-batch loss (an older toolkit)" if saved is None else "the data changed")
+    why_not = None if saved is not None and saved == saved and same_batch else (
+        "the checkpoint has no fixed-batch loss (an older toolkit)" if saved is None else
+        "the fixed-batch loss at the save was not finite" if saved != saved else "the data changed")
     loaded = fixed_batch_loss(model, batch) if why_not is None else None
     # decided on the largest difference over the ranks, so every rank stops or none does (NaN counts as inf)
     diff = float("inf") if loaded is None or loaded != loaded else abs(loaded - saved)
