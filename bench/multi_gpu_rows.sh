@@ -17,10 +17,12 @@ set -uo pipefail
 out=$1
 parts=",${2:-sp,data},"
 ids=${GPUS:-$(seq -s, 0 $(($(nvidia-smi -L | wc -l) - 1)))}
+ids=${ids// /}
 n=$(tr , '\n' <<< "$ids" | wc -l)
 first=${ids%%,*}
-gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $n"
-work=/tmp/dc
+p=$((first * 1000))  # each copy (GPUS=0,1 beside GPUS=2,3) its own ports and corpus directory
+gpu="$(nvidia-smi -i "$first" --query-gpu=name --format=csv,noheader) x $n"
+work=/tmp/dc$first
 mkdir -p "$out/s"
 export PYTHONUNBUFFERED=1
 if [ "${TORCH_CUDA_ARCH_LIST:-}" != "${TORCH_CUDA_ARCH_LIST%a}" ]; then
@@ -35,9 +37,9 @@ if [[ $parts == *,sp,* ]]; then
 C=(train.path=raw model.name=llama-3.2-1b data.seq_len=16384 data.num_samples=40 train.micro_batch_size=1
    train.grad_accum=1 train.max_steps=20 train.precision=bf16 train.export=false train.warmup_steps=2 train.lr=1e-4
    train.log_every=1)
-timeout --kill-after=10 170 deepspeed --include "localhost:$first" --master_port 29610 toolkit/train.py \
+timeout --kill-after=10 170 deepspeed --include "localhost:$first" --master_port $((p + 29610)) toolkit/train.py \
   --ds ds_configs/zero2.json "${C[@]}" train.run_dir="$out/s/sp1" > "$out/s/sp1.log" 2>&1; echo "sp1 rc=$?"
-timeout --kill-after=10 170 deepspeed --include "localhost:$ids" --master_port 29611 toolkit/train.py \
+timeout --kill-after=10 170 deepspeed --include "localhost:$ids" --master_port $((p + 29611)) toolkit/train.py \
   --ds ds_configs/zero2.json "${C[@]}" train.sequence_parallel="$n" train.run_dir="$out/s/sp$n" > "$out/s/sp$n.log" 2>&1
 echo "sp$n rc=$?"
 cp "$out/s/sp1/metrics.jsonl" "$out/sp1.metrics.jsonl" 2>/dev/null
@@ -69,19 +71,19 @@ R="--data-dir $work --only llama-1b-seq2048,llama-1b-seq2048-data100k --stages 2
 # PER_GPU=K: weak scaling, K sequences per GPU per optimizer step on 1 and on N GPUs (default: 32 in all on both)
 R="$R${PER_GPU:+ --global-batch-per-gpu $PER_GPU}"
 # shellcheck disable=SC2086  # R is several options
-python bench/speed.py run --include "localhost:$ids" --out "$out/s/rows" --port 29700 $R 2>&1 | tee -a "$out/s/run.log"
+python bench/speed.py run --include "localhost:$ids" --out "$out/s/rows" --port $((p + 29700)) $R 2>&1 | tee -a "$out/s/run.log"
 # shellcheck disable=SC2086
-python bench/speed.py run --include "localhost:$first" --out "$out/s/rows" --port 29750 ${R/llama-1b-seq2048,/} 2>&1 | tee -a "$out/s/run.log"
-python bench/speed.py table "$out"/s/rows/*.json --json "$out/speed.json" --command "bash bench/multi_gpu_rows.sh OUT" \
+python bench/speed.py run --include "localhost:$first" --out "$out/s/rows" --port $((p + 29750)) ${R/llama-1b-seq2048,/} 2>&1 | tee -a "$out/s/run.log"
+python bench/speed.py table "$out"/s/rows/*.json --json "$out/speed.json" --command "GPUS=$ids PER_GPU=${PER_GPU:-} bash bench/multi_gpu_rows.sh OUT data" \
   --gpu "$gpu" > "$out/speed.md"
 cat "$out/speed.md"
 python bench/speed.py scaling "$out/speed.json" | tee "$out/scaling.md"
 fi
 
 if [[ $parts == *,moe,* ]]; then
-  python bench/speed.py run --include "localhost:$ids" --out "$out/s/moe" --port 29800 --only qwen3-30b-a3b-l3-seq4096 --stages 3 \
+  python bench/speed.py run --include "localhost:$ids" --out "$out/s/moe" --port $((p + 29800)) --only qwen3-30b-a3b-l3-seq4096 --stages 3 \
     --variants "${MOE_VARIANTS:-bare,raw}" --tune m8,autoep-m8 --tune-only --warmup 2 --steps 3 --timeout 170 2>&1 | tee -a "$out/s/run.log"
-  python bench/speed.py table "$out"/s/moe/*.json --json "$out/moe.json" --command "bash bench/multi_gpu_rows.sh OUT moe" \
+  python bench/speed.py table "$out"/s/moe/*.json --json "$out/moe.json" --command "GPUS=$ids MOE_VARIANTS=${MOE_VARIANTS:-bare,raw} bash bench/multi_gpu_rows.sh OUT moe" \
     --gpu "$gpu" > "$out/moe.md"
   cat "$out/moe.md"
 fi

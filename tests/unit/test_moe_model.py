@@ -333,7 +333,8 @@ def test_the_planner_models_autoep_within_the_measured_rows() -> None:
         ds = {"zero_optimization": {"stage": 3}}
         if "autoep" in r["variant"]:
             ds["expert_parallel"] = {"enabled": True, "autoep_size": n}
-        w = pl.Workload(shape, 4096, r["global_batch"], compile="off", expert_parallel=pl.autoep_size(ds, n))
+        w = pl.Workload(shape, 4096, r["global_batch"], compile="off",
+                        expert_parallel=pl.autoep_size(ds, n, shape.num_experts))
         assert w.expert_parallel == (n if "autoep" in r["variant"] else 1)
         c = pl.Choice(3, "none", 1.0, r["micro_batch"], r["grad_accum"], False, "speed")
         p = pl.predict(w, c, pl.Hardware(n, 1, 139.0))
@@ -351,11 +352,16 @@ def test_the_planner_refuses_autoep_it_cannot_model() -> None:
     for shape, ep, choice, says in ((dense, 4, z3, "needs a Mixture-of-Experts model"),
                                     (moe_shape, 3, z3, "does not divide the model's 128 experts"),
                                     (moe_shape, 8, z3, "does not divide the 4 ranks"),
+                                    (moe_shape, 2, z3, "autoep_size equal to the ranks"),
                                     (moe_shape, 4, pl.Choice(2, "none", 1.0, 1, 1, True, "speed"), "at ZeRO-3")):
         with pytest.raises(ConfigError, match=says):
             pl.predict(pl.Workload(shape, 1024, 4, expert_parallel=ep), choice, hw)
     # the search leaves out what it cannot model; below ZeRO-3 a run's own plan is ZeRO's without AutoEP
     w = pl.Workload(moe_shape, 1024, 4, expert_parallel=4)
     assert {c.stage for c in pl.choices(w, hw)} == {3}
-    assert pl.autoep_size({"zero_optimization": {"stage": 2}, "expert_parallel": {"enabled": True}}, 4) == 1
-    assert pl.autoep_size({"zero_optimization": {"stage": 3}, "expert_parallel": {"enabled": True}}, 4) == 4
+    z3_ep = {"zero_optimization": {"stage": 3}, "expert_parallel": {"enabled": True, "autoep_size": 4}}
+    assert pl.autoep_size(z3_ep, 4, 128) == 4
+    assert pl.autoep_size({**z3_ep, "zero_optimization": {"stage": 2}}, 4, 128) == 1
+    assert pl.autoep_size(z3_ep, 4, 0) == 1  # a dense model: planned as it runs, without experts
+    assert pl.autoep_size(z3_ep, 8, 128) == 1  # groups smaller than the ranks: not modelled, ZeRO-3's plan
+    assert pl.autoep_size({**z3_ep, "expert_parallel": {"enabled": True}}, 4, 128) == 1  # DeepSpeed's default size

@@ -101,6 +101,10 @@ def test_an_autoep_plan_writes_the_expert_parallel_block(tmp_path: Path, capsys:
 @pytest.mark.parametrize("argv,message", [
     (["--model", "llama-1b", "--gpus", "4", "--global-batch", "8", "--expert-parallel", "2"],
      "needs a Mixture-of-Experts model"),
+    (["--model", "qwen3-30b-a3b", "--gpus", "4", "--global-batch", "8", "--stage", "2", "--expert-parallel", "4"],
+     "models AutoEP at ZeRO-3"),
+    (["--model", "olmoe-1b-7b", "--gpus", "4", "--global-batch", "8", "--expert-parallel", "4"],
+     "AutoEP has no preset for 'olmoe'"),
     (["--model", "no-such-model", "--gpus", "1"], "neither a preset"),
     (["--model", "llama-1b", "--gpus", "0"], "--gpus must be at least 1"),
     (["--model", "llama-3-70b", "--gpus", "1", "--gpu-mem", "24", "--host-mem", "64"], "nothing fits"),

@@ -142,6 +142,11 @@ def test_the_fixed_batch_is_bounded_whatever_the_training_length() -> None:
     assert b["position_ids"][0, 2000:].tolist() == list(range(FIXED_TOKENS - 2000))  # the third document, cut
     short = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}] * 2
     assert fixed_batch(short, Collator(pad_id=0))["input_ids"].shape[1] == 3
+    # a long prompt (synthetic rows mask their first quarter: all of the window from 8,192 tokens on) scores every
+    # token of the window instead of none (a loss over no label is NaN: what run s57's checkpoint recorded)
+    masked = [{"input_ids": list(range(4 * n)), "labels": [-100] * n + list(range(n, 4 * n))}] * 2
+    b = fixed_batch(masked, Collator(pad_id=0))
+    assert b["labels"][0].tolist() == list(range(FIXED_TOKENS))
 
 
 def test_a_checkpoint_whose_proof_loss_was_not_finite_resumes_unverified(tmp_path: Path, capsys,

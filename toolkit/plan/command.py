@@ -110,6 +110,13 @@ def _workload(args: Any) -> tuple[pl.Workload, pl.Hardware]:
         if not ok:
             raise ConfigError(msg)
     kind = _model_type(args.model)
+    if args.expert_parallel > 1 and args.stage is not None and args.stage != 3:
+        raise ConfigError(f"--expert-parallel: toolkit plan models AutoEP at ZeRO-3 (where it was measured), "
+                          f"not with --stage {args.stage}")
+    if args.expert_parallel > 1 and kind is not None and kind in pl.MOE_TYPES and kind not in EP_PRESETS:
+        raise ConfigError(f"--expert-parallel: DeepSpeed's AutoEP has no preset for {kind!r} (it has "
+                          f"{', '.join(sorted(set(EP_PRESETS.values())))}); its layers need expert_parallel's own "
+                          "layer pattern, which the plan does not write")
     if kind is not None and kind not in pl.ACTIVATION_MODELS:  # before any meta-device read
         raise ConfigError(f"toolkit plan has no activation model for model type {kind!r} "
                           f"(it knows {', '.join(sorted(pl.ACTIVATION_MODELS))})")

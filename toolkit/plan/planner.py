@@ -892,6 +892,9 @@ def _check_expert_parallel(s: ModelShape, ep: int, world: int, stage: int) -> No
         raise ConfigError(f"autoep_size {ep} does not divide the model's {s.num_experts} experts")
     if world % ep:
         raise ConfigError(f"autoep_size {ep} does not divide the {world} ranks")
+    if ep != world:  # smaller groups still gather each expert over the ranks that share it (auto_ep_layer.py)
+        raise ConfigError(f"toolkit plan models AutoEP with autoep_size equal to the ranks ({world}, as measured), "
+                          f"not {ep}")
     if stage != 3:
         raise ConfigError("toolkit plan models AutoEP at ZeRO-3 (where it was measured), not at ZeRO-" + str(stage))
 
@@ -973,16 +976,17 @@ def choice_from_ds(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, gra
     return Choice(stage, offload, ratio, micro_batch, grad_accum, grad_ckpt, zero_sizes)
 
 
-def autoep_size(ds: dict[str, Any], world_size: int) -> int:
-    """The AutoEP degree the planner models for a DeepSpeed dict: its autoep_size at ZeRO-3 (all the ranks where the
-    dict leaves it out or to "auto"), else 1 (below ZeRO-3 the plan is ZeRO's without AutoEP: an over-estimate)."""
+def autoep_size(ds: dict[str, Any], world_size: int, num_experts: int = 0) -> int:
+    """The AutoEP degree the planner models for a run's DeepSpeed dict: its autoep_size (DeepSpeed's default 1)
+    where the planner models it (ZeRO-3, a Mixture-of-Experts model, the size equal to the ranks and dividing the
+    experts), else 1: the plan of the same run without AutoEP, which over-estimates its peak."""
     from toolkit.config.ds_config import zero_stage
 
     ep = ds.get("expert_parallel") or {}
-    if not ep.get("enabled") or zero_stage(ds) != 3:
+    size = ep.get("autoep_size", 1)
+    if not ep.get("enabled") or zero_stage(ds) != 3 or not isinstance(size, int) or not num_experts:
         return 1
-    size = ep.get("autoep_size", "auto")
-    return world_size if size in (None, "auto") else int(size)
+    return size if size == world_size and num_experts % size == 0 else 1
 
 
 def run_settings(cfg: Any, compiled: bool) -> dict[str, Any]:
@@ -1023,7 +1027,7 @@ def fitting_micro_batches(model_config: Any, ds_config: dict[str, Any], world_si
     adapters = Lora() if lora is True else (lora or None)
     w = Workload(shape, seq_len, per_rank_batch * world_size, adapters, liger, attn, fused_loss, compile, fp8,
                  tiled_mlp=tiled_mlp, activation_offload=activation_offload, tiled_loss=tiled_loss,
-                 expert_parallel=autoep_size(ds_config, world_size))
+                 expert_parallel=autoep_size(ds_config, world_size, shape.num_experts))
     out = []
     for m in sorted(divisors(per_rank_batch), reverse=True):
         c = choice_from_ds(ds_config, micro_batch=m, grad_accum=per_rank_batch // m, grad_ckpt=grad_ckpt,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -28,6 +29,7 @@ from toolkit.config.ds_config import ConfigError
 from toolkit.launch import dist
 from toolkit.runtime import integrity
 from toolkit.runtime.checkpoint import COMPLETE, atomic_write, complete_checkpoints
+from toolkit.runtime.corpus import IGNORE_INDEX
 from toolkit.runtime.data import to_device
 
 # ZeRO-1/2/3 optimizer shards, one per data-parallel rank (bf16_ when DeepSpeed's BF16_Optimizer wrote them).
@@ -211,12 +213,17 @@ def fixed_batch(rows: list[dict[str, Any]], collate: Any) -> dict[str, Any]:
 
 
 def _head(row: dict[str, Any], n: int) -> dict[str, Any]:
-    """A row's first n tokens: its per-token lists cut, a packed row's documents cut to fit (seq_lens)."""
+    """A row's first n tokens: its per-token lists cut, a packed row's documents cut to fit (seq_lens). A window
+    of prompt only (a long row's labels start after it) scores every token instead: a loss over no label is NaN,
+    which proves nothing."""
     ids = row["input_ids"]
     if len(ids) <= n:
         return row
     out = {k: v[:n] if hasattr(v, "__len__") and not isinstance(v, str) and len(v) == len(ids) else v
            for k, v in row.items()}
+    labels = out.get("labels")
+    if isinstance(labels, (list, tuple)) and all(int(x) == IGNORE_INDEX for x in labels):
+        out["labels"] = list(out["input_ids"])
     if "seq_lens" in row:
         lens, left = [], n
         for k in row["seq_lens"]:
@@ -265,9 +272,10 @@ def verify(model: Any, batch: dict[str, Any], ckpt: Checkpoint, run_dir: Path, p
     Rank 0 appends the evidence to resumes.jsonl. Every rank sees the same loss, so every rank raises."""
     saved = ckpt.record.get("fixed_batch_loss")
     same_batch = ckpt.record.get("fixed_batch") == batch_digest(batch)
-    why_not = None if saved is not None and saved == saved and same_batch else (
+    why_not = None if saved is not None and math.isfinite(saved) and same_batch else (
         "the checkpoint has no fixed-batch loss (an older toolkit)" if saved is None else
-        "the fixed-batch loss at the save was not finite" if saved != saved else "the data changed")
+        "the fixed-batch loss at the save was not finite" if not math.isfinite(saved) else
+        "the proof batch changed (other data, or a toolkit that took another window of it)")
     loaded = fixed_batch_loss(model, batch) if why_not is None else None
     # decided on the largest difference over the ranks, so every rank stops or none does (NaN counts as inf)
     diff = float("inf") if loaded is None or loaded != loaded else abs(loaded - saved)
