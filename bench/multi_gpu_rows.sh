@@ -32,7 +32,7 @@ python bench/prebuild_ops.py fused_adam > "$out/s/prebuild.log" 2>&1 &
 [[ $parts == *,data,* ]] && python bench/data_cache.py make --work "$work" --files data100k > "$out/s/make.log" 2>&1
 wait
 
-if [[ $parts == *,sp,* ]]; then
+if [[ $parts == *,sp,* ]] && [ "$n" -gt 1 ]; then  # SP=N against SP=1 needs N > 1
 
 C=(train.path=raw model.name=llama-3.2-1b data.seq_len=16384 data.num_samples=40 train.micro_batch_size=1
    train.grad_accum=1 train.max_steps=20 train.precision=bf16 train.export=false train.warmup_steps=2 train.lr=1e-4

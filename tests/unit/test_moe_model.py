@@ -54,6 +54,8 @@ def test_deepspeeds_default_leaves_are_reported_with_the_live_budget() -> None:
     assert "ZeRO-3 leaves: none" in moe.describe(_model("tiny-qwen3-moe"), own)
     assert moe.describe(_model("tiny-qwen3-moe"), {"zero_optimization": {"stage": 2}}).endswith(
         "ZeRO-2: no leaf modules needed")
+    autoep = {**ds3, "expert_parallel": {"enabled": True, "autoep_size": 2}}  # the blocks are replaced, not leaves
+    assert "ZeRO-3 leaves: none (AutoEP replaces the blocks" in moe.describe(_model("tiny-qwen3-moe"), autoep)
 
 
 def test_the_planner_counts_total_parameters_for_states_and_active_ones_for_speed() -> None:
@@ -334,7 +336,7 @@ def test_the_planner_models_autoep_within_the_measured_rows() -> None:
         if "autoep" in r["variant"]:
             ds["expert_parallel"] = {"enabled": True, "autoep_size": n}
         w = pl.Workload(shape, 4096, r["global_batch"], compile="off",
-                        expert_parallel=pl.autoep_size(ds, n, shape.num_experts))
+                        expert_parallel=pl.autoep_size(ds, n, shape))
         assert w.expert_parallel == (n if "autoep" in r["variant"] else 1)
         c = pl.Choice(3, "none", 1.0, r["micro_batch"], r["grad_accum"], False, "speed")
         p = pl.predict(w, c, pl.Hardware(n, 1, 139.0))
@@ -360,8 +362,8 @@ def test_the_planner_refuses_autoep_it_cannot_model() -> None:
     w = pl.Workload(moe_shape, 1024, 4, expert_parallel=4)
     assert {c.stage for c in pl.choices(w, hw)} == {3}
     z3_ep = {"zero_optimization": {"stage": 3}, "expert_parallel": {"enabled": True, "autoep_size": 4}}
-    assert pl.autoep_size(z3_ep, 4, 128) == 4
-    assert pl.autoep_size({**z3_ep, "zero_optimization": {"stage": 2}}, 4, 128) == 1
-    assert pl.autoep_size(z3_ep, 4, 0) == 1  # a dense model: planned as it runs, without experts
-    assert pl.autoep_size(z3_ep, 8, 128) == 1  # groups smaller than the ranks: not modelled, ZeRO-3's plan
-    assert pl.autoep_size({**z3_ep, "expert_parallel": {"enabled": True}}, 4, 128) == 1  # DeepSpeed's default size
+    assert pl.autoep_size(z3_ep, 4, moe_shape) == 4
+    assert pl.autoep_size({**z3_ep, "zero_optimization": {"stage": 2}}, 4, moe_shape) == 1
+    assert pl.autoep_size(z3_ep, 4, dense) == 1  # a dense model: planned as it runs, without experts
+    assert pl.autoep_size(z3_ep, 8, moe_shape) == 1  # groups smaller than the ranks: not modelled, ZeRO-3's plan
+    assert pl.autoep_size({**z3_ep, "expert_parallel": {"enabled": True}}, 4, moe_shape) == 1  # DeepSpeed's default

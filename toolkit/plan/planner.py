@@ -976,17 +976,21 @@ def choice_from_ds(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, gra
     return Choice(stage, offload, ratio, micro_batch, grad_accum, grad_ckpt, zero_sizes)
 
 
-def autoep_size(ds: dict[str, Any], world_size: int, num_experts: int = 0) -> int:
-    """The AutoEP degree the planner models for a run's DeepSpeed dict: its autoep_size (DeepSpeed's default 1)
-    where the planner models it (ZeRO-3, a Mixture-of-Experts model, the size equal to the ranks and dividing the
-    experts), else 1: the plan of the same run without AutoEP, which over-estimates its peak."""
+def autoep_size(ds: dict[str, Any], world_size: int, shape: ModelShape) -> int:
+    """The AutoEP degree the planner models for a run's DeepSpeed dict: its autoep_size (DeepSpeed's default 1) where
+    the planner's rules take it (`_check_expert_parallel`), else 1: the plan of the same run without AutoEP, which
+    over-estimates its peak."""
     from toolkit.config.ds_config import zero_stage
 
     ep = ds.get("expert_parallel") or {}
     size = ep.get("autoep_size", 1)
-    if not ep.get("enabled") or zero_stage(ds) != 3 or not isinstance(size, int) or not num_experts:
+    if not ep.get("enabled") or not isinstance(size, int) or size <= 1:
         return 1
-    return size if size == world_size and num_experts % size == 0 else 1
+    try:
+        _check_expert_parallel(shape, size, world_size, zero_stage(ds))
+    except ConfigError:
+        return 1
+    return size
 
 
 def run_settings(cfg: Any, compiled: bool) -> dict[str, Any]:
@@ -1027,7 +1031,7 @@ def fitting_micro_batches(model_config: Any, ds_config: dict[str, Any], world_si
     adapters = Lora() if lora is True else (lora or None)
     w = Workload(shape, seq_len, per_rank_batch * world_size, adapters, liger, attn, fused_loss, compile, fp8,
                  tiled_mlp=tiled_mlp, activation_offload=activation_offload, tiled_loss=tiled_loss,
-                 expert_parallel=autoep_size(ds_config, world_size, shape.num_experts))
+                 expert_parallel=autoep_size(ds_config, world_size, shape))
     out = []
     for m in sorted(divisors(per_rank_batch), reverse=True):
         c = choice_from_ds(ds_config, micro_batch=m, grad_accum=per_rank_batch // m, grad_ckpt=grad_ckpt,
