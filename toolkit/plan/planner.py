@@ -980,11 +980,11 @@ def autoep_size(ds: dict[str, Any], world_size: int, shape: ModelShape) -> int:
     """The AutoEP degree the planner models for a run's DeepSpeed dict: its autoep_size (DeepSpeed's default 1) where
     the planner's rules take it (`_check_expert_parallel`), else 1: the plan of the same run without AutoEP, which
     over-estimates its peak."""
+    from toolkit.config.checks.expert_parallel import KEY, enabled
     from toolkit.config.ds_config import zero_stage
 
-    ep = ds.get("expert_parallel") or {}
-    size = ep.get("autoep_size", 1)
-    if not ep.get("enabled") or not isinstance(size, int) or size <= 1:
+    size = ds[KEY].get("autoep_size", 1) if enabled(ds) else 1
+    if not isinstance(size, int) or size <= 1:
         return 1
     try:
         _check_expert_parallel(shape, size, world_size, zero_stage(ds))

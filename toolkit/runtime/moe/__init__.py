@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from toolkit.config.checks import expert_parallel
 from toolkit.config.ds_config import ConfigError
 from toolkit.plan import experts
 from toolkit.plan import liger as liger_rules
@@ -165,7 +166,7 @@ def describe(model: torch.nn.Module, ds: dict[str, Any], liger: bool = False) ->
             f"backend {'liger fused MoE' if liger else e.backend}, {e.block_params / 1e6:,.2f}M parameters per block")
     if stage != 3:
         return line + f"; ZeRO-{stage}: no leaf modules needed"
-    if (ds.get("expert_parallel") or {}).get("enabled"):  # AutoEP swaps the blocks out during deepspeed.initialize
+    if expert_parallel.enabled(ds):  # AutoEP swaps the blocks out during deepspeed.initialize
         return line + "; ZeRO-3 leaves: none (AutoEP replaces the blocks; each rank keeps its own experts whole)"
     leaves = leaves_at_init(model, ds)
     if not leaves:
