@@ -76,7 +76,7 @@ def main() -> int:
     rc = train.main(args)
     if torch.cuda.is_available() and dist.rank() == 0:
         # (torch.cuda.max_memory_allocated is no use here: the toolkit resets it at every snapshot)
-        result = analyze(torch.cuda.memory._snapshot()) | {"args": args, "rc": rc}
+        result = analyze(torch.cuda.memory._snapshot(), top=60) | {"args": args, "rc": rc}
         out.write_text(json.dumps(result, indent=2))
         print(json.dumps(result, indent=2), flush=True)
     return rc
