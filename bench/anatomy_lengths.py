@@ -29,6 +29,14 @@ import plan_calibrate as pc  # noqa: E402
 from toolkit.plan import planner as pl  # noqa: E402
 
 
+def _classes(measured: dict, tokens: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for size, n in measured.get("sizes_at_peak", {}).items():
+        key = f"{int(size) / tokens:.1f}"
+        out[key] = round(out.get(key, 0.0) + int(size) * n / pl.GIB, 4)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -40,6 +48,7 @@ def main() -> int:
     ap.add_argument("--stage", type=int, default=2)
     ap.add_argument("--gpu-mem", type=float, default=26.65, help="the planner's --gpu-mem (its phases only)")
     ap.add_argument("--timeout", type=int, default=400)
+    ap.add_argument("--stacks", action="store_true", help="record Python stacks (sites); off: sizes only")
     a = ap.parse_args()
     out = Path(a.out)
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -61,8 +70,8 @@ def main() -> int:
                str(out / f"anatomy-{seq}.json"), "--ds", str(ds_file),
                *pc._overrides(c, 1, run_dir, plan_file, False)]
         log = (out / "logs" / f"{c.name}.log").open("w")
-        procs.append((seq, p, subprocess.Popen(cmd, cwd=pc.ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                                env=dict(os.environ) | {"PYTHONUNBUFFERED": "1"})))
+        env = dict(os.environ) | {"PYTHONUNBUFFERED": "1", "PEAK_ANATOMY_STACKS": "1" if a.stacks else "0"}
+        procs.append((seq, p, subprocess.Popen(cmd, cwd=pc.ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)))
     rows = {}
     for seq, p, proc in procs:
         try:
@@ -75,6 +84,11 @@ def main() -> int:
         rows[seq] = {"rc": rc, "peak_gib": measured and measured["peak_gib"],
                      "peak_event_site": measured and measured["peak_event_site"],
                      "sites": {f"{r['site']} [{r['phase']}]": r["gib"] for r in (measured or {}).get("live_at_peak", [])},
+                     # live tensors by bytes per token of this length: a tensor that grows with the sequence keeps its
+                     # class at every length (4,096: a bf16 hidden state), a fixed one moves
+                     "per_token_classes": _classes(measured, seq) if measured else None,
+                     "to_peak_per_token": [round(x / seq, 1) for x in (measured or {}).get("to_peak", [])],
+                     "after_peak_per_token": [round(x / seq, 1) for x in (measured or {}).get("after_peak", [])],
                      "planner": {"peak_gib": p.peak_allocated_gib, "phase": p.phase, "gpu_gib": p.gpu}}
     doc: dict = {"command": "python bench/anatomy_lengths.py " + " ".join(sys.argv[1:]), "device": pc._device_name(),
                  "lengths": rows}

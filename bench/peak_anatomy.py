@@ -12,6 +12,7 @@ allocation): use a few steps.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -30,6 +31,11 @@ def _site(frames: list[dict[str, Any]]) -> tuple[str, str]:
                  for f in frames if any(o in f["filename"] for o in OURS)), "?")
     phase = next((PHASES[f["name"]] for f in frames if f["name"] in PHASES), "other")
     return site, phase
+
+
+def _signed(events: list[dict[str, Any]]) -> list[int]:
+    return [e.get("size", 0) * (1 if e["action"] == "alloc" else -1) for e in events
+            if e["action"] in ("alloc", "free_requested")]
 
 
 def analyze(snapshot: dict[str, Any], device: int = 0, top: int = 25) -> dict[str, Any]:
@@ -52,6 +58,10 @@ def analyze(snapshot: dict[str, Any], device: int = 0, top: int = 25) -> dict[st
         g[0] += size
         g[1] += 1
     rows = sorted(groups.items(), key=lambda kv: -kv[1][0])
+    sizes: dict[int, int] = defaultdict(int)  # tensor size -> count, at the peak (1 MiB and up)
+    for size, _ in peak_live.values():
+        if size >= 1 << 20:
+            sizes[size] += 1
     return {
         "events": len(events),  # equal to max_entries means the ring buffer dropped the start: invalid
         "peak_gib": peak / 2**30,
@@ -60,6 +70,12 @@ def analyze(snapshot: dict[str, Any], device: int = 0, top: int = 25) -> dict[st
         "live_at_peak": [{"site": s, "phase": p, "gib": round(b / 2**30, 4), "tensors": n}
                          for (s, p), (b, n) in rows[:top]],
         "rest_gib": round(sum(b for _, (b, _) in rows[top:]) / 2**30, 4),
+        "sizes_at_peak": {str(k): v for k, v in sorted(sizes.items(), key=lambda kv: -kv[0] * kv[1])},
+        # the allocations (+bytes) and frees (-bytes) up to the peak's own and the 10 after: without stacks,
+        # their sizes say the phase
+        "to_peak": _signed(events[max(0, peak_at - 40):peak_at + 1]),
+        "after_peak": _signed(events[peak_at + 1:peak_at + 11]),
+        "small_at_peak_gib": round(sum(b for b, _ in peak_live.values() if b < 1 << 20) / 2**30, 4),
     }
 
 
@@ -72,7 +88,11 @@ def main() -> int:
     argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher adds it
     out, args = Path(argv[0]), argv[1:]
     if torch.cuda.is_available() and dist.rank() == 0:
-        torch.cuda.memory._record_memory_history(max_entries=3_000_000, stacks="python")
+        # PEAK_ANATOMY_STACKS=0: no stacks (torch 2.13's Python tracer broke DeepSpeed's TiledMLP.apply inside a
+        # checkpoint's recompute: "SystemError: apply returned NULL"); the live tensors' sizes still say a lot
+        stacks = os.environ.get("PEAK_ANATOMY_STACKS", "1") != "0"
+        torch.cuda.memory._record_memory_history(max_entries=3_000_000, stacks="python",
+                                                 context="all" if stacks else None)
     rc = train.main(args)
     if torch.cuda.is_available() and dist.rank() == 0:
         # (torch.cuda.max_memory_allocated is no use here: the toolkit resets it at every snapshot)
