@@ -49,6 +49,9 @@ def main() -> int:
     ap.add_argument("--gpu-mem", type=float, default=26.65, help="the planner's --gpu-mem (its phases only)")
     ap.add_argument("--timeout", type=int, default=400)
     ap.add_argument("--stacks", action="store_true", help="record Python stacks (sites); off: sizes only")
+    ap.add_argument("--tiled-mlp", choices=("auto", "false"), default="auto", help="auto: on from 65,536 tokens")
+    ap.add_argument("--at-bytes-per-token", type=float, default=0.0,
+                    help="the live set just after the last allocation of this many bytes per token, not at the peak")
     a = ap.parse_args()
     out = Path(a.out)
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -57,8 +60,8 @@ def main() -> int:
         raise SystemExit("one GPU per length")
     procs = []
     for i, (seq, gpu) in enumerate(zip(lengths, gpus, strict=False)):
-        c = pc.Config(f"anat-{seq}", a.model, seq, 1, 1, a.stage, ckpt=True, lora=a.lora, tiled=seq >= 65536,
-                      rope=a.rope)
+        c = pc.Config(f"anat-{seq}", a.model, seq, 1, 1, a.stage, ckpt=True, lora=a.lora,
+                      tiled=seq >= 65536 and a.tiled_mlp == "auto", rope=a.rope)
         ds_file, run_dir = out / "ds" / f"{c.name}.json", out / "runs" / c.name
         ds_file.parent.mkdir(parents=True, exist_ok=True)
         (out / "logs").mkdir(exist_ok=True)
@@ -70,7 +73,8 @@ def main() -> int:
                str(out / f"anatomy-{seq}.json"), "--ds", str(ds_file),
                *pc._overrides(c, 1, run_dir, plan_file, False)]
         log = (out / "logs" / f"{c.name}.log").open("w")
-        env = dict(os.environ) | {"PYTHONUNBUFFERED": "1", "PEAK_ANATOMY_STACKS": "1" if a.stacks else "0"}
+        env = dict(os.environ) | {"PYTHONUNBUFFERED": "1", "PEAK_ANATOMY_STACKS": "1" if a.stacks else "0",
+                                  "PEAK_ANATOMY_AT_SIZE": str(int(a.at_bytes_per_token * seq))}
         procs.append((seq, p, subprocess.Popen(cmd, cwd=pc.ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)))
     rows = {}
     for seq, p, proc in procs:
