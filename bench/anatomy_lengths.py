@@ -52,6 +52,7 @@ def main() -> int:
     ap.add_argument("--tiled-mlp", choices=("auto", "false"), default="auto", help="auto: on from 65,536 tokens")
     ap.add_argument("--at-bytes-per-token", type=float, default=0.0,
                     help="the live set just after the last allocation of this many bytes per token, not at the peak")
+    ap.add_argument("--at-first", action="store_true", help="the first such allocation, not the last")
     a = ap.parse_args()
     out = Path(a.out)
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -74,7 +75,8 @@ def main() -> int:
                *pc._overrides(c, 1, run_dir, plan_file, False)]
         log = (out / "logs" / f"{c.name}.log").open("w")
         env = dict(os.environ) | {"PYTHONUNBUFFERED": "1", "PEAK_ANATOMY_STACKS": "1" if a.stacks else "0",
-                                  "PEAK_ANATOMY_AT_SIZE": str(int(a.at_bytes_per_token * seq))}
+                                  "PEAK_ANATOMY_AT_SIZE": str(int(a.at_bytes_per_token * seq)),
+                                  "PEAK_ANATOMY_AT_FIRST": "1" if a.at_first else "0"}
         procs.append((seq, p, subprocess.Popen(cmd, cwd=pc.ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)))
     rows = {}
     for seq, p, proc in procs:

@@ -38,9 +38,10 @@ def _signed(events: list[dict[str, Any]]) -> list[int]:
             if e["action"] in ("alloc", "free_requested")]
 
 
-def analyze(snapshot: dict[str, Any], device: int = 0, top: int = 25, at_size: int = 0) -> dict[str, Any]:
-    """The live tensors at the peak of allocated bytes, or (at_size) just after the last allocation within 2% of
-    that size."""
+def analyze(snapshot: dict[str, Any], device: int = 0, top: int = 25, at_size: int = 0,
+            first: bool = False) -> dict[str, Any]:
+    """The live tensors at the peak of allocated bytes, or (at_size) just after the last (first) allocation within
+    2% of that size."""
     events = snapshot["device_traces"][device]
     live: dict[int, tuple[int, int]] = {}  # addr -> (size, event index)
     total = peak = peak_at = 0
@@ -49,7 +50,8 @@ def analyze(snapshot: dict[str, Any], device: int = 0, top: int = 25, at_size: i
         if e["action"] == "alloc":
             live[e["addr"]] = (e["size"], i)
             total += e["size"]
-            if (total > peak and not at_size) or (at_size and abs(e["size"] - at_size) <= at_size // 50):
+            if (total > peak and not at_size) or (at_size and abs(e["size"] - at_size) <= at_size // 50
+                                                  and not (first and peak_live)):
                 peak, peak_at = total, i
                 peak_live = dict(live)
         elif e["action"] == "free_requested" and e["addr"] in live:  # when torch's allocated stat drops
@@ -99,7 +101,8 @@ def main() -> int:
     if torch.cuda.is_available() and dist.rank() == 0:
         # (torch.cuda.max_memory_allocated is no use here: the toolkit resets it at every snapshot)
         at_size = int(os.environ.get("PEAK_ANATOMY_AT_SIZE", "0"))  # the live set at another moment than the peak
-        result = analyze(torch.cuda.memory._snapshot(), top=60, at_size=at_size) | {"args": args, "rc": rc}
+        first = os.environ.get("PEAK_ANATOMY_AT_FIRST", "0") == "1"
+        result = analyze(torch.cuda.memory._snapshot(), top=60, at_size=at_size, first=first) | {"args": args, "rc": rc}
         out.write_text(json.dumps(result, indent=2))
         print(json.dumps(result, indent=2), flush=True)
     return rc
