@@ -41,7 +41,7 @@ def _signed(events: list[dict[str, Any]]) -> list[int]:
 def analyze(snapshot: dict[str, Any], device: int = 0, top: int = 25, at_size: int = 0,
             first: bool = False) -> dict[str, Any]:
     """The live tensors at the peak of allocated bytes, or (at_size) just after the last (first) allocation within
-    2% of that size."""
+    0.1% of that size."""
     events = snapshot["device_traces"][device]
     live: dict[int, tuple[int, int]] = {}  # addr -> (size, event index)
     total = peak = peak_at = 0
@@ -50,7 +50,7 @@ def analyze(snapshot: dict[str, Any], device: int = 0, top: int = 25, at_size: i
         if e["action"] == "alloc":
             live[e["addr"]] = (e["size"], i)
             total += e["size"]
-            if (total > peak and not at_size) or (at_size and abs(e["size"] - at_size) <= at_size // 50
+            if (total > peak and not at_size) or (at_size and abs(e["size"] - at_size) <= at_size // 1000
                                                   and not (first and peak_live)):
                 peak, peak_at = total, i
                 peak_live = dict(live)
