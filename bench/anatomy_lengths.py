@@ -52,6 +52,7 @@ def main() -> int:
     ap.add_argument("--tiled-mlp", choices=("auto", "false"), default="auto", help="auto: on from 65,536 tokens")
     ap.add_argument("--at-bytes-per-token", type=float, default=0.0,
                     help="the live set just after the last allocation of this many bytes per token, not at the peak")
+    ap.add_argument("--port", type=int, default=29700, help="master port of the first length (+1 for each next)")
     ap.add_argument("--at-first", action="store_true", help="the first such allocation, not the last")
     a = ap.parse_args()
     out = Path(a.out)
@@ -70,7 +71,7 @@ def main() -> int:
         plan_file = out / f"{c.name}.plan.json"
         p = pc.predict(c, a.gpu_mem, False)
         plan_file.write_text(json.dumps(pc.plan_record(c, p, "bench/anatomy_lengths.py"), indent=1))
-        cmd = ["deepspeed", "--master_port", str(29700 + i), "--include", f"localhost:{gpu}", "bench/peak_anatomy.py",
+        cmd = ["deepspeed", "--master_port", str(a.port + i), "--include", f"localhost:{gpu}", "bench/peak_anatomy.py",
                str(out / f"anatomy-{seq}.json"), "--ds", str(ds_file),
                *pc._overrides(c, 1, run_dir, plan_file, False)]
         log = (out / "logs" / f"{c.name}.log").open("w")
