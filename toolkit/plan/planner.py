@@ -411,6 +411,30 @@ def layer_activation_bytes(shape: ModelShape, *, seq_len: int, attn: str, liger:
     return float(total)
 
 
+def attention_backward_bytes(shape: ModelShape, *, lora: Lora | None, autocast: bool) -> float:
+    """Bytes per token a checkpointed Llama-like layer holds while its attention runs backward (sdpa/flash), besides
+    the layers' checkpointed inputs. Counted from the live tensors at that moment on an H100 (bench/results/long_seq/
+    anatomy.md: llama-3.2-1b, LoRA on q/v and full fine-tune, 16K-171K tokens, torch 2.11):
+      kept by the recomputed layer: the q/k/v projections' input (2h: full fine-tune; under LoRA in autocast a copy
+        per adapter, as layer_activation_bytes counts), q, k, v, the output, the fp32 log-sum-exp, lora_A's outputs;
+      gradients: the residual stream's (2h), the attention output's (2q, o_proj's backward), dq, dk, dv, and the
+        kernel's fp32 workspace, 8q + 4 x heads (16,512 bytes a token for 32 heads of 64).
+    """
+    h = shape.hidden_size
+    q, kv, heads = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, shape.num_heads
+    qkv = ("q_proj", "k_proj", "v_proj")
+    if lora is None:
+        inputs = 2 * h
+    elif autocast:
+        inputs = 2 * h * sum(n in lora.targets for n in qkv) + (2 * q if "o_proj" in lora.targets else 0)
+    else:
+        inputs = 2 * h if any(n in lora.targets for n in qkv) else 0
+    adapters = 2 * lora.r * sum(n in lora.targets for n in (*qkv, "o_proj")) if lora is not None else 0
+    kept = inputs + 2 * q + 4 * kv + 2 * q + 4 * heads + adapters
+    grads = 2 * h + 2 * q + 2 * q + 4 * kv + 8 * q + 4 * heads
+    return float(kept + grads)
+
+
 def _layernorm_layer_bytes(shape: ModelShape, *, seq_len: int, attn: str, compiled: bool) -> float:
     """Bytes a GPT-2 block or a BERT layer saves for backward, per token (bf16, full fine-tune, dropout 0.1 as
     the presets have it), counted from what autograd keeps in transformers' modules:
@@ -683,10 +707,16 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
         big = max(gpu_groups) if gpu_groups else 0
         step = (6.0 * big) if not offload_opt else 4.0 * big  # flat + fp32 grad / torch AdamW's sqrt temp
 
+    # the top layer's backward: its recomputed activations with its MLP's gradients (all layers' saved
+    # activations without checkpointing), the loss's kept tensors, the reduce buckets
+    top_act, top_loss, top_buckets = saved + recompute + mlp_bwd, kept_loss, buckets
+    if c.grad_ckpt and s.model_type in LLAMA_LIKE:
+        top_act, top_loss, top_buckets = _checkpointed_top(
+            s, lora, w.attn, tokens=tokens, kept=kept, offloaded=bool(offloaded), autocast=autocast, fused=fused,
+            mlp=recompute + mlp_bwd, kept_loss=kept_loss, buckets=buckets, stage=stage)
     phases = {
         "backward start": persistent + held + saved + loss_bwd + gathered,
-        "top layer backward": persistent + held + saved + kept_loss + recompute + mlp_bwd + buckets + head_grad
-        + gathered,
+        "top layer backward": persistent + held + top_act + top_loss + top_buckets + head_grad + gathered,
         "optimizer step": persistent + step,  # step includes the gradients it consumes
     }
     if flce:
@@ -698,11 +728,11 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     if phase == "optimizer step":
         categories["step"] = step
     else:
-        categories["activations"] = saved + (recompute + mlp_bwd if phase == "top layer backward" else 0.0)
-        categories["loss"] = loss_bwd if phase == "backward start" else loss_fwd if phase == "forward end" else kept_loss
+        categories["activations"] = top_act if phase == "top layer backward" else saved
+        categories["loss"] = loss_bwd if phase == "backward start" else loss_fwd if phase == "forward end" else top_loss
         categories["gathered"] = gathered
         if phase == "top layer backward":
-            categories["buckets"] = buckets
+            categories["buckets"] = top_buckets
             categories["head grad"] = head_grad
     gpu = {k: v / GIB for k, v in categories.items() if v}
     peak_gib = peak / GIB
@@ -736,6 +766,36 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
         peak_allocated_gib=peak_gib, gpu_need_gib=need, host={k: v / GIB for k, v in host.items()},
         host_rank_gib=host_rank, host_build_rank_gib=host_build, host_node_gib=host_node, fits_gpu=fits_gpu, fits_host=fits_host,
         step_time_s=step_s, tokens_per_s_per_gpu=tps, activation_offload=offloaded)
+
+
+def _checkpointed_top(s: ModelShape, lora: Lora | None, attn: str, *, tokens: int, kept: int, offloaded: bool,
+                      autocast: bool, fused: bool, mlp: float, kept_loss: float, buckets: float,
+                      stage: int) -> tuple[float, float, float]:
+    """(activations, loss, buckets) at the peak of a checkpointed Llama-like model's backward: the top layer's MLP
+    or attention backward, or the layer below's once ZeRO-1/2's buckets exist. From the live tensors on an H100
+    (bench/results/long_seq/anatomy.md):
+      - the final norm's input and the fused loss's input gradient are gone once the top layer's backward runs;
+        a trained head's gradient, computed in the fused loss's forward, stays;
+      - Liger's first RMSNorm keeps the layer's input itself, which the checkpoint already keeps;
+      - ZeRO-1/2 allocate their reduce buckets at the first gradient to reduce: in the top layer's MLP backward
+        (full fine-tune, adapters on the MLP), else after its attention backward (LoRA on q/v): the layer below,
+        one input fewer, then holds them.
+    """
+    h = s.hidden_size
+    # the checkpointed inputs, and the step's int64 ids, labels and positions and RoPE's bf16 cos and sin
+    inputs = (kept * 2.0 * h + 3 * 8 + 2 * 2 * s.head_dim) * tokens
+    mlp_live = mlp - (2.0 * h * tokens if fused else 0.0)
+    attn_live = attention_backward_bytes(s, lora=lora, autocast=autocast) * tokens if attn != "eager" else 0.0
+    layer = max(mlp_live, attn_live)
+    head = kept_loss - 2.0 * h * tokens if kept_loss else 0.0
+    mlp_targets = ("gate_proj", "up_proj", "down_proj")
+    early = lora is None or any(t in lora.targets for t in mlp_targets) or stage not in (1, 2)
+    if early or not buckets:
+        return inputs + layer, head, buckets
+    below = inputs - (0.0 if offloaded else 2.0 * h * tokens) + layer
+    if below + buckets >= inputs + layer:
+        return below, head, buckets
+    return inputs + layer, head, 0.0
 
 
 def _activation_offload(w: Workload, c: Choice, hw: Hardware, tokens: int) -> str:
