@@ -9,6 +9,7 @@ Trials start at the planner's answer, grow by --grow while they train, then bise
     python bench/max_seq_probe.py --out OUT --model llama-3.2-1b --rope 8 --lora --stage 2 --gpu-limit 24
     python bench/max_seq_probe.py --out OUT --model llama-3.2-1b --rope 8 --lora --stage 2 --gpu-limit 24 \\
         --gpus 2 --sp 2 --start 229376 --budget 300     # one trial where the start trains: a lower bound
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python bench/max_seq_probe.py ...   # as far as the edge
 
 OUT/max_seq.json: the planner's answer and every trial (length, trained or out of memory, peaks, the planner's
 peak at that length); the measured longest is the longest length that trained below the shortest that did not.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -88,7 +90,9 @@ def main() -> int:
     step = 1024 * a.sp
     doc: dict[str, Any] = {"command": "python bench/max_seq_probe.py " + " ".join(sys.argv[1:]),
                            "device": pc._device_name(), "planner_longest": planned, "planner_edge": edge, "step": step,
-                           "planner_gpu_mem_gib": gpu_mem, "trials": []}
+                           "planner_gpu_mem_gib": gpu_mem,
+                           # expandable_segments:True lets trials reach the planner's edge (fragmentation otherwise)
+                           "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "trials": []}
     t0 = time.perf_counter()
     good, bad = 0, 0
     seq = a.start or planned
