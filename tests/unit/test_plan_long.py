@@ -171,19 +171,37 @@ def test_long_sequence_peaks_match_every_committed_probe() -> None:
                 p = pl.predict(replace(w, seq_len=t["seq"], tiled_mlp=on), c, hw)
                 errors.append(((p.peak_allocated_gib - t["peak_allocated_gib"]) / t["peak_allocated_gib"], f.name))
     assert len(errors) >= 14
-    assert all(abs(e) <= 0.01 for e, _ in errors), errors
+    # under-predicting is what lets --max-seq name a length that fails: half a percent at most
+    assert all(-0.005 <= e <= 0.01 for e, _ in errors), errors
 
 
 def test_max_seq_edge_is_within_one_step_of_the_longest_measured_with_expandable_segments() -> None:
     """With PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (bench/results/long_seq/max_seq_probe.md) the probes
-    resolved the longest length to one step at SP=1 and SP=2: the planner's edge is the first length that failed."""
+    resolved the longest length to one step at SP=1 and SP=2: the planner's edge is the first length that failed, one
+    step past the longest that trained."""
     expandable = [f for f in PROBES if json.loads(f.read_text()).get("pytorch_cuda_alloc_conf") == "expandable_segments:True"
                   or "expandable" in f.name]
-    assert len(expandable) == 2
+    assert len(expandable) >= 2
     for f in expandable:
         doc = json.loads(f.read_text())
         assert doc["resolved"], f
         w, c, hw, tiled = _probe(doc)
         edge = search(w, hw, tiled, stages=(c.stage,), offloads=("none",), micro_batches=(1,), grad_ckpt=(True,),
                       zero_sizes=("speed",))[0].edge
-        assert 0 <= edge - doc["measured_longest"] <= doc["step"], (f.name, edge, doc["measured_longest"])
+        assert edge == doc["measured_longest"] + doc["step"] == doc["shortest_failed"], (f.name, edge)
+
+
+def test_buckets_at_the_top_layers_attention_backward_only_with_gradients_before_it() -> None:
+    """ZeRO-2 allocates its reduce buckets at the first gradient (bench/results/long_seq/anatomy.md): LoRA on q/v
+    gives none before the top layer's attention backward, so the layer below (one input fewer) holds them; an o_proj
+    adapter's gradient comes first (its backward runs before the kernel's), so the top layer holds them."""
+    hw = pl.Hardware(1, 1, 80.0, None)
+    c = pl.Choice(2, "none", 1.0, 1, 1, True, "speed")
+    seq, h = 131072, load_shape("llama-3.2-1b").hidden_size
+    qv = pl.predict(_w(seq, lora=pl.Lora(targets=("q_proj", "v_proj")), tiled_mlp=True), c, hw)
+    qvo = pl.predict(_w(seq, lora=pl.Lora(targets=("q_proj", "v_proj", "o_proj")), tiled_mlp=True), c, hw)
+    assert qv.phase == qvo.phase == "top layer backward"
+    assert qv.gpu["buckets"] == qvo.gpu["buckets"] > 0
+    # the o_proj adapter adds its input copy (2q) and two rank-r outputs; the q/v run holds one 2h input fewer
+    extra = (2 * 2048 + 2 * 8) * seq / pl.GIB
+    assert qvo.gpu["activations"] - qv.gpu["activations"] == pytest.approx(extra + 2 * h * seq / pl.GIB, rel=1e-3)

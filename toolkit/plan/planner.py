@@ -778,19 +778,21 @@ def _checkpointed_top(s: ModelShape, lora: Lora | None, attn: str, *, tokens: in
         a trained head's gradient, computed in the fused loss's forward, stays;
       - Liger's first RMSNorm keeps the layer's input itself, which the checkpoint already keeps;
       - ZeRO-1/2 allocate their reduce buckets at the first gradient to reduce: in the top layer's MLP backward
-        (full fine-tune, adapters on the MLP), else after its attention backward (LoRA on q/v): the layer below,
-        one input fewer, then holds them.
+        (full fine-tune, adapters on the MLP) or o_proj's, else after its attention backward (LoRA on q/k/v): the
+        layer below, one input fewer, then holds them.
     """
     h = s.hidden_size
     # the checkpointed inputs, and the step's int64 ids, labels and positions and RoPE's bf16 cos and sin
     inputs = (kept * 2.0 * h + 3 * 8 + 2 * 2 * s.head_dim) * tokens
     mlp_live = mlp - (2.0 * h * tokens if fused else 0.0)
+    # eager attention's score-sized backward tensors are not modelled here (nor were they before): its MLP phase only
     attn_live = attention_backward_bytes(s, lora=lora, autocast=autocast) * tokens if attn != "eager" else 0.0
     layer = max(mlp_live, attn_live)
     head = kept_loss - 2.0 * h * tokens if kept_loss else 0.0
-    mlp_targets = ("gate_proj", "up_proj", "down_proj")
-    early = lora is None or any(t in lora.targets for t in mlp_targets) or stage not in (1, 2)
-    if early or not buckets:
+    # adapters whose gradient comes before the top layer's attention kernel runs backward: the MLP's and o_proj's
+    before_attention = ("gate_proj", "up_proj", "down_proj", "o_proj")
+    early = lora is None or any(t in lora.targets for t in before_attention)
+    if early or not buckets or s.num_layers < 2:
         return inputs + layer, head, buckets
     below = inputs - (0.0 if offloaded else 2.0 * h * tokens) + layer
     if below + buckets >= inputs + layer:
