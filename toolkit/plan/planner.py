@@ -713,7 +713,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     if c.grad_ckpt and s.model_type in LLAMA_LIKE:
         top_act, top_loss, top_buckets = _checkpointed_top(
             s, lora, w.attn, tokens=tokens, kept=kept, offloaded=bool(offloaded), autocast=autocast, fused=fused,
-            mlp=recompute + mlp_bwd, kept_loss=kept_loss, buckets=buckets, stage=stage)
+            mlp=recompute + mlp_bwd, kept_loss=kept_loss, buckets=buckets)
     phases = {
         "backward start": persistent + held + saved + loss_bwd + gathered,
         "top layer backward": persistent + held + top_act + top_loss + top_buckets + head_grad + gathered,
@@ -769,8 +769,8 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
 
 
 def _checkpointed_top(s: ModelShape, lora: Lora | None, attn: str, *, tokens: int, kept: int, offloaded: bool,
-                      autocast: bool, fused: bool, mlp: float, kept_loss: float, buckets: float,
-                      stage: int) -> tuple[float, float, float]:
+                      autocast: bool, fused: bool, mlp: float, kept_loss: float,
+                      buckets: float) -> tuple[float, float, float]:
     """(activations, loss, buckets) at the peak of a checkpointed Llama-like model's backward: the top layer's MLP
     or attention backward, or the layer below's once ZeRO-1/2's buckets exist. From the live tensors on an H100
     (bench/results/long_seq/anatomy.md):
