@@ -27,6 +27,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent))
 import plan_calibrate as pc  # noqa: E402
 
 from toolkit.plan import planner as pl  # noqa: E402
+from toolkit.plan.speedups import tiled_mlp_on  # noqa: E402
 
 
 def _classes(measured: dict, tokens: int) -> dict[str, float]:
@@ -49,7 +50,7 @@ def main() -> int:
     ap.add_argument("--gpu-mem", type=float, default=26.65, help="the planner's --gpu-mem (its phases only)")
     ap.add_argument("--timeout", type=int, default=400)
     ap.add_argument("--stacks", action="store_true", help="record Python stacks (sites); off: sizes only")
-    ap.add_argument("--tiled-mlp", choices=("auto", "false"), default="auto", help="auto: on from 65,536 tokens")
+    ap.add_argument("--tiled-mlp", choices=("auto", "false"), default="auto", help="auto: as the run's auto (on from 65,536 tokens)")
     ap.add_argument("--at-bytes-per-token", type=float, default=0.0,
                     help="the live set just after the last allocation of this many bytes per token, not at the peak")
     ap.add_argument("--port", type=int, default=29700, help="master port of the first length (+1 for each next)")
@@ -63,7 +64,7 @@ def main() -> int:
     procs = []
     for i, (seq, gpu) in enumerate(zip(lengths, gpus, strict=False)):
         c = pc.Config(f"anat-{seq}", a.model, seq, 1, 1, a.stage, ckpt=True, lora=a.lora,
-                      tiled=seq >= 65536 and a.tiled_mlp == "auto", rope=a.rope)
+                      tiled=tiled_mlp_on(a.tiled_mlp, seq, 1)[0], rope=a.rope)
         ds_file, run_dir = out / "ds" / f"{c.name}.json", out / "runs" / c.name
         ds_file.parent.mkdir(parents=True, exist_ok=True)
         (out / "logs").mkdir(exist_ok=True)

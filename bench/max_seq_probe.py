@@ -33,6 +33,7 @@ import plan_calibrate as pc  # noqa: E402
 
 from toolkit.plan import max_seq  # noqa: E402
 from toolkit.plan import planner as pl  # noqa: E402
+from toolkit.plan.speedups import tiled_mlp_on  # noqa: E402
 
 
 def planner_longest(c: pc.Config, gpu_mem: float, host_mem: float, tiled_mlp: str = "auto") -> tuple[int, int]:
@@ -78,7 +79,7 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=29900)
     ap.add_argument("--include", default=None, help="localhost:I[,J]: the GPUs of every trial (default: the first)")
     ap.add_argument("--tiled-mlp", choices=("auto", "false"), default="auto",
-                    help="auto: model.tiled_mlp=true from 65,536 tokens, as the run's auto; false: never")
+                    help="auto: model.tiled_mlp=true from 65,536 tokens per rank, as the run's auto; false: never")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -98,7 +99,7 @@ def main() -> int:
     seq = a.start or planned
     while seq and time.perf_counter() - t0 < a.budget:
         c = dataclasses.replace(base, name=f"probe-sp{a.sp}-{seq}", seq=seq,
-                                tiled=a.tiled_mlp == "auto" and seq >= 65536)
+                                tiled=tiled_mlp_on(a.tiled_mlp, seq, a.sp)[0])
         print(f"trial {seq}", flush=True)
         row = pc.run_one(c, out, 1, a.port + len(doc["trials"]), a.include, False, gpu_mem, a.timeout, False,
                          a.gpu_limit, a.host_mem)

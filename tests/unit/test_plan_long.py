@@ -14,6 +14,7 @@ from toolkit.config.ds_config import ConfigError
 from toolkit.plan import planner as pl
 from toolkit.plan.max_seq import search
 from toolkit.plan.shapes import load_shape
+from toolkit.plan.speedups import tiled_mlp_on
 
 
 def _w(seq: int = 65536, **kw: object) -> pl.Workload:
@@ -167,7 +168,7 @@ def test_long_sequence_peaks_match_every_committed_probe() -> None:
         w, c, hw, tiled = _probe(doc)
         for t in doc["trials"]:
             if t["result"] == "trained":
-                on = tiled == "auto" and t["seq"] >= 65536
+                on = tiled_mlp_on(tiled, t["seq"], w.sequence_parallel)[0]  # as the probe resolved it
                 p = pl.predict(replace(w, seq_len=t["seq"], tiled_mlp=on), c, hw)
                 errors.append(((p.peak_allocated_gib - t["peak_allocated_gib"]) / t["peak_allocated_gib"], f.name))
     assert len(errors) >= 14
