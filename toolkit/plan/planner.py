@@ -673,11 +673,12 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
         # liger fused_linear_cross_entropy: grad_input and (trained head) grad_weight are computed in
         # forward and kept; chunks of chunk_size x V logits; the fp32 matmul per chunk for grad_weight
         chunk = 1 << math.ceil(math.log2(max(1, math.ceil(tokens / math.ceil(vocab / h)))))
-        kept_loss = 2.0 * h * tokens + (2.0 * vocab * h if full else 0.0)
+        kept_head = 2.0 * vocab * h if full else 0.0  # the trained head's gradient outlives the input's
+        kept_loss = 2.0 * h * tokens + kept_head
         loss_fwd = kept_loss + 6.0 * chunk * vocab + (4.0 * vocab * h if full else 0.0)
         loss_bwd = kept_loss
     else:
-        kept_loss = 0.0
+        kept_loss = kept_head = 0.0
         loss_fwd = 0.0
         # a classifier (BERT) has a logit per class: nothing vocabulary-sized; tiled: one tile's, recomputed
         logit_tokens = min(tokens, tiled_loss_tile(vocab)) if tiled_loss else tokens
@@ -713,7 +714,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     if c.grad_ckpt and s.model_type in LLAMA_LIKE:
         top_act, top_loss, top_buckets = _checkpointed_top(
             s, lora, w.attn, tokens=tokens, kept=kept, offloaded=bool(offloaded), autocast=autocast, fused=fused,
-            mlp=recompute + mlp_bwd, kept_loss=kept_loss, buckets=buckets)
+            mlp=recompute + mlp_bwd, kept_head=kept_head, buckets=buckets)
     phases = {
         "backward start": persistent + held + saved + loss_bwd + gathered,
         "top layer backward": persistent + held + top_act + top_loss + top_buckets + head_grad + gathered,
@@ -769,7 +770,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
 
 
 def _checkpointed_top(s: ModelShape, lora: Lora | None, attn: str, *, tokens: int, kept: int, offloaded: bool,
-                      autocast: bool, fused: bool, mlp: float, kept_loss: float,
+                      autocast: bool, fused: bool, mlp: float, kept_head: float,
                       buckets: float) -> tuple[float, float, float]:
     """(activations, loss, buckets) at the peak of a checkpointed Llama-like model's backward: the top layer's MLP
     or attention backward, or the layer below's once ZeRO-1/2's buckets exist. From the live tensors on an H100
@@ -788,16 +789,15 @@ def _checkpointed_top(s: ModelShape, lora: Lora | None, attn: str, *, tokens: in
     # eager attention's score-sized backward tensors are not modelled here (nor were they before): its MLP phase only
     attn_live = attention_backward_bytes(s, lora=lora, autocast=autocast) * tokens if attn != "eager" else 0.0
     layer = max(mlp_live, attn_live)
-    head = kept_loss - 2.0 * h * tokens if kept_loss else 0.0
     # adapters whose gradient comes before the top layer's attention kernel runs backward: the MLP's and o_proj's
     before_attention = ("gate_proj", "up_proj", "down_proj", "o_proj")
     early = lora is None or any(t in lora.targets for t in before_attention)
     if early or not buckets or s.num_layers < 2:
-        return inputs + layer, head, buckets
+        return inputs + layer, kept_head, buckets
     below = inputs - (0.0 if offloaded else 2.0 * h * tokens) + layer
     if below + buckets >= inputs + layer:
-        return below, head, buckets
-    return inputs + layer, head, 0.0
+        return below, kept_head, buckets
+    return inputs + layer, kept_head, 0.0
 
 
 def _activation_offload(w: Workload, c: Choice, hw: Hardware, tokens: int) -> str:
