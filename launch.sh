@@ -397,7 +397,7 @@ if ((multi_node)); then
 fi
 if ((ssh_launch)) && [[ ${launcher:-pdsh} == pdsh ]]; then
     # pdsh returns when its ssh to every host has: a host whose network is gone sends no reset, and ssh
-    # would wait on it forever (the ranks there end on their own: toolkit/runtime/watchdog.py). With these
+    # would wait on it forever (the ranks there end on their own: toolkit/runtime/faults/watchdog.py). With these
     # options ssh gives up on a host that has not answered for 20 s.
     export PDSH_SSH_ARGS_APPEND="${PDSH_SSH_ARGS_APPEND:+$PDSH_SSH_ARGS_APPEND }-o ServerAliveInterval=5 -o ServerAliveCountMax=4"
 fi

@@ -59,7 +59,7 @@ def _measure(b: int, s: int, rng: random.Random) -> list[dict[str, Any]]:
 
     from toolkit.runtime.attention import kernels
     from toolkit.runtime.attention.interface import attention_forward
-    from toolkit.runtime.data import document_boundaries
+    from toolkit.runtime.data.batches import document_boundaries
 
     dev = torch.device("cuda")
     module = torch.nn.Module().train()

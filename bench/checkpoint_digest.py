@@ -1,4 +1,4 @@
-"""What the checkpoint digests cost (toolkit/runtime/integrity.py): hashing rate, a shard written with and
+"""What the checkpoint digests cost (toolkit/runtime/faults/integrity.py): hashing rate, a shard written with and
 without the digest, and the read-back at resume, on a directory you name (the disk checkpoints go to).
 
     python bench/checkpoint_digest.py --dir /tmp --gib 1 --out bench/results/checkpoint_digest.json
@@ -41,7 +41,7 @@ def main() -> None:
     import torch
     import xxhash
 
-    from toolkit.runtime import integrity
+    from toolkit.runtime.faults import integrity
 
     n = int(args.gib * (1 << 30))
     state = {"exp_avg": torch.randn(n // 8), "exp_avg_sq": torch.randn(n // 8)}

@@ -1,5 +1,5 @@
 """Padding waste of the batching a run chooses, on a real corpus: pad positions / computed positions over
-one epoch, through the toolkit's own rows (runtime/corpus.py cache) and sample order (runtime/data.py).
+one epoch, through the toolkit's own rows (runtime/data/corpus.py cache) and sample order (runtime/data/batches.py).
 
     python bench/data_cache.py make --work /tmp/dc --files data100k
     python bench/padding.py --work /tmp/dc --out bench/results/padding.json
@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def waste(rows, order, micro: int, world: int) -> dict[str, float]:
-    from toolkit.runtime.data import ShardedBatches, row_lengths
+    from toolkit.runtime.data.batches import ShardedBatches, row_lengths
 
     lengths = row_lengths(rows)
     tokens = positions = 0
@@ -37,7 +37,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from toolkit.config.schema import load_config
-    from toolkit.runtime.data import EpochOrder, build_rows, row_lengths
+    from toolkit.runtime.data.batches import EpochOrder, build_rows, row_lengths
 
     p = argparse.ArgumentParser()
     p.add_argument("--work", type=Path, required=True)

@@ -197,7 +197,7 @@ def run_hf(suite: str, out: Path, only: list[str]) -> None:
     from toolkit.config import ds_config as dc
     from toolkit.config.models import PRESETS
     from toolkit.config.schema import load_config
-    from toolkit.runtime.data import Collator, ListDataset, build_rows
+    from toolkit.runtime.data.batches import Collator, ListDataset, build_rows
     from toolkit.runtime.model import apply_lora, model_config
 
     class NvmlPeak(TrainerCallback):

@@ -6,7 +6,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 # name -> module that defines it
-_LAZY = {"ToolkitCallback": "toolkit.runtime.hf_callback", "NonFiniteError": "toolkit.runtime.guards"}
+_LAZY = {"ToolkitCallback": "toolkit.runtime.hf_callback", "NonFiniteError": "toolkit.runtime.faults.guards"}
 __all__ = ["NonFiniteError", "ToolkitCallback", "__version__"]
 
 

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             dist.quiet_libraries()
             # no cap yet: capping creates a CUDA context, and this parent keeps the probes' GPU free of one
             dist.init_distributed(cfg.train.collective_timeout_s)
-            from toolkit.runtime.autotune import resolve
+            from toolkit.runtime.speed.autotune import resolve
 
             record = resolve(inputs, sys.argv[1:])
             dist.limit_gpu_memory(cfg.memory.gpu_limit_gib)
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if not auto_micro:
         dist.quiet_libraries()
         dist.init_distributed(p.cfg.train.collective_timeout_s, p.cfg.memory.gpu_limit_gib)
-    from toolkit.runtime.loop import run
+    from toolkit.runtime.loops.run import run
 
     return run(p)
 

@@ -1,4 +1,4 @@
-"""train.micro_batch_size=auto on 2 CPU ranks through the real launcher (toolkit/runtime/autotune.py).
+"""train.micro_batch_size=auto on 2 CPU ranks through the real launcher (toolkit/runtime/speed/autotune.py).
 
 CPU runs never run out of memory, so the test injects one: a probe child above micro 2 raises torch's
 OutOfMemoryError on its last rank before the engine starts, while rank 0 waits for it in a collective.

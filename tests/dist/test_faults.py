@@ -14,7 +14,7 @@ import pytest
 from _jsonl import lines
 from _net import free_port
 
-from toolkit.runtime.watchdog import EXIT_LOST
+from toolkit.runtime.faults.watchdog import EXIT_LOST
 
 ROOT = Path(__file__).resolve().parents[2]
 

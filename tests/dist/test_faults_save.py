@@ -27,7 +27,7 @@ from _jsonl import lines
 from _net import free_port
 from _small_disk import SmallDisk, problem
 
-from toolkit.runtime import integrity
+from toolkit.runtime.faults import integrity
 
 ROOT = Path(__file__).resolve().parents[2]
 WIDE = dict(model_type="llama", vocab_size=1000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2,

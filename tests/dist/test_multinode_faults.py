@@ -4,7 +4,7 @@ and rank 2 on node1, default timeouts (collective_timeout_s 600, heartbeat_timeo
 
 - node1 dies: every process of it is killed at once (its PID 1), mid-step.
 - node1 is cut off: its network interface goes down mid-step; nothing resets a connection, so only
-  heartbeats (toolkit/runtime/watchdog.py) and ssh's keepalive (launch.sh) can tell.
+  heartbeats (toolkit/runtime/faults/watchdog.py) and ssh's keepalive (launch.sh) can tell.
 Either way node0's ranks exit non-zero, the launcher returns non-zero, status.json names rank 2 and
 node1, and no process of the job is left on either host.
 """
@@ -26,7 +26,7 @@ from _hosts import Cluster, missing_tools, namespace_problem
 from _jsonl import lines
 from _net import free_port
 
-from toolkit.runtime.watchdog import EXIT_LOST
+from toolkit.runtime.faults.watchdog import EXIT_LOST
 
 pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parents[2]

@@ -65,8 +65,8 @@ def test_a_run_reads_its_deepspeed_json_once(tmp_path: Path) -> None:
     # auto: the choice comes from the cache, keyed exactly as the run keys it
     sys.path.insert(0, str(ROOT))
     from toolkit.config.schema import load_config
-    from toolkit.runtime import autotune
     from toolkit.runtime.spec import read_inputs
+    from toolkit.runtime.speed import autotune
 
     run = tmp_path / "auto"
     common = [f"train.run_dir={run}", "train.micro_batch_size=auto", "train.global_batch_size=4"]

@@ -238,7 +238,7 @@ def test_a_rerun_into_the_same_dir_is_refused_and_appends_nothing(runs: Path, pa
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("path", PATHS)
 def test_checkpoints_are_complete_and_the_newest_n_kept(runs: Path, path: str) -> None:
-    from toolkit.runtime.checkpoint import COMPLETE, complete_checkpoints
+    from toolkit.runtime.faults.checkpoint import COMPLETE, complete_checkpoints
 
     root = runs / f"{path}-keep" / "checkpoints"
     assert [s for s, _ in complete_checkpoints(root, PREFIX[path])] == [4, 6]
@@ -253,7 +253,7 @@ def test_checkpoints_are_complete_and_the_newest_n_kept(runs: Path, path: str) -
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("path", PATHS)
 def test_nan_or_inf_stops_the_run_at_that_step_naming_it(runs: Path, path: str) -> None:
-    from toolkit.runtime.data import EpochOrder
+    from toolkit.runtime.data.batches import EpochOrder
 
     d = runs / f"{path}-nan"
     status = json.loads((d / "status.json").read_text())

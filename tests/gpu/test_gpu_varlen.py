@@ -39,7 +39,7 @@ def _model(attn: str) -> torch.nn.Module:
 
 
 def _batch(seed: int, rows: int = 4, width: int = 512) -> tuple[list[dict], dict]:
-    from toolkit.runtime.data import Collator
+    from toolkit.runtime.data.batches import Collator
 
     rng = random.Random(seed)
     docs, blocks = [], []

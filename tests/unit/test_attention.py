@@ -13,7 +13,7 @@ from toolkit.config.ds_config import ConfigError
 from toolkit.config.schema import load_config, packing
 from toolkit.runtime.attention import plan
 from toolkit.runtime.attention.interface import NAME, PACKED, register, watch_boundaries
-from toolkit.runtime.data import (
+from toolkit.runtime.data.batches import (
     Collator,
     EpochOrder,
     ShardedBatches,
@@ -202,8 +202,8 @@ def test_plan_doc_len_speeds_up_long_packed_rows_and_refuses_nonsense(capsys) ->
 def test_a_packed_batch_is_normalized_as_the_padded_batch_of_the_same_samples(attn: str) -> None:
     """The loops divide the summed token loss by the label count of the whole window (num_items_in_batch): the
     same samples packed or padded give the same count and, in fp32, the same loss."""
-    from toolkit.runtime.corpus import pack_batch
-    from toolkit.runtime.loop import _label_count
+    from toolkit.runtime.data.corpus import pack_batch
+    from toolkit.runtime.loops.raw import _label_count
 
     model = _tiny()
     if attn == "sdpa":

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from toolkit.runtime.checkpoint import COMPLETE, atomic_write, complete_checkpoints, mark_complete, prune
+from toolkit.runtime.faults.checkpoint import (
+    COMPLETE,
+    atomic_write,
+    complete_checkpoints,
+    mark_complete,
+    prune,
+)
 
 
 def _ckpt(root: Path, step: int, complete: bool) -> Path:
@@ -57,7 +63,7 @@ def test_a_run_dir_holding_another_run_is_refused_with_the_fixes(tmp_path: Path)
     import pytest
 
     from toolkit.config.ds_config import ConfigError
-    from toolkit.runtime.checkpoint import claim_run_dir
+    from toolkit.runtime.faults.checkpoint import claim_run_dir
 
     d = _run(tmp_path / "mine")
     with pytest.raises(ConfigError, match=r"train.resume=latest.*train.run_dir.*train.overwrite=true"):
@@ -74,7 +80,7 @@ def test_a_run_dir_holding_another_run_is_refused_with_the_fixes(tmp_path: Path)
 
 
 def test_the_default_run_dir_moves_the_earlier_run_aside_intact(tmp_path: Path) -> None:
-    from toolkit.runtime.checkpoint import claim_run_dir
+    from toolkit.runtime.faults.checkpoint import claim_run_dir
 
     d = _run(tmp_path / "default")
     for _ in range(2):  # twice in a row: two earlier runs kept side by side

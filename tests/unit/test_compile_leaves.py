@@ -1,4 +1,4 @@
-"""Which models compile their decoder layers as ZeRO-3 leaf modules (toolkit/runtime/compile.py leaves_safe):
+"""Which models compile their decoder layers as ZeRO-3 leaf modules (toolkit/runtime/speed/compile.py leaves_safe):
 a leaf's gradients are reduced in its full backward hook, which torch calls early when no input of the module
 needs a gradient, so only models whose input embeddings train qualify."""
 
@@ -17,7 +17,7 @@ def _tiny():
 
 
 def test_full_fine_tune_layers_can_be_leaves() -> None:
-    from toolkit.runtime.compile import leaves_safe
+    from toolkit.runtime.speed.compile import leaves_safe
 
     assert leaves_safe(_tiny())
 
@@ -25,7 +25,7 @@ def test_full_fine_tune_layers_can_be_leaves() -> None:
 def test_frozen_embeddings_and_lora_keep_hooks_per_submodule() -> None:
     from peft import LoraConfig, get_peft_model
 
-    from toolkit.runtime.compile import leaves_safe
+    from toolkit.runtime.speed.compile import leaves_safe
 
     frozen = _tiny()
     frozen.get_input_embeddings().weight.requires_grad_(False)
@@ -35,7 +35,7 @@ def test_frozen_embeddings_and_lora_keep_hooks_per_submodule() -> None:
 
 
 def test_plain_linear_is_set_unless_the_user_chose() -> None:
-    from toolkit.runtime.compile import plain_linear
+    from toolkit.runtime.speed.compile import plain_linear
 
     ds: dict = {"zero_optimization": {"stage": 3}}
     assert plain_linear(ds) is None and ds["zero_optimization"]["memory_efficient_linear"] is False
@@ -73,7 +73,7 @@ class _Model(torch.nn.Module):
 
 
 def test_leaves_stop_a_model_that_passes_hidden_states_by_keyword() -> None:
-    from toolkit.runtime.compile import leaves_safe, mark_leaves
+    from toolkit.runtime.speed.compile import leaves_safe, mark_leaves
 
     model = _Model()
     assert leaves_safe(model)  # the embeddings train: the premise holds, the call does not
@@ -86,7 +86,7 @@ def test_leaves_stop_a_model_that_passes_hidden_states_by_keyword() -> None:
 
 
 def test_leaves_check_once_and_leave_positional_models_alone() -> None:
-    from toolkit.runtime.compile import mark_leaves
+    from toolkit.runtime.speed.compile import mark_leaves
 
     model = _Model()
     mark_leaves(model, list(model.layers))

@@ -1,5 +1,5 @@
-"""Data files tokenized once into a memory-mapped cache (toolkit/runtime/corpus.py), their formats, packing
-that keeps samples apart, the held-out split and the eval batches (toolkit/runtime/evaluate.py). One process,
+"""Data files tokenized once into a memory-mapped cache (toolkit/runtime/data/corpus.py), their formats, packing
+that keeps samples apart, the held-out split and the eval batches (toolkit/runtime/loops/evaluate.py). One process,
 no process group: the builder is this process."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from conftest import write_tokenizer
 
 from toolkit.config.ds_config import ConfigError
 from toolkit.config.schema import load_config
-from toolkit.runtime import corpus
-from toolkit.runtime.data import Collator, Rows, build_rows, split_eval
-from toolkit.runtime.evaluate import rank_batches
+from toolkit.runtime.data import corpus
+from toolkit.runtime.data.batches import Collator, Rows, build_rows, split_eval
+from toolkit.runtime.loops.evaluate import rank_batches
 
 
 @pytest.fixture()
@@ -109,7 +109,7 @@ def test_bad_rows_and_settings_get_one_line_with_counts(tmp_path: Path, tok, cap
 
 
 def test_columns_that_do_not_fit_the_format_are_refused_before_launch(tmp_path: Path) -> None:
-    from toolkit.runtime.data import check_data_file
+    from toolkit.runtime.data.batches import check_data_file
 
     src = _jsonl(tmp_path / "x.jsonl", [{"question": "a", "answer": "b"}])
     with pytest.raises(ConfigError, match=r"data.format=messages needs 'messages'"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toolkit.runtime.data import EpochOrder, ListDataset, ShardedBatches
+from toolkit.runtime.data.batches import EpochOrder, ListDataset, ShardedBatches
 
 
 def _ids(batch: list[dict[str, int]]) -> list[int]:

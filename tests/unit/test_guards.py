@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toolkit.runtime.guards import NonFiniteError, NonFiniteGuard
+from toolkit.runtime.faults.guards import NonFiniteError, NonFiniteGuard
 
 
 def test_names_the_first_bad_step_only_when_checked() -> None:

@@ -1,4 +1,4 @@
-"""Checkpoint digests (toolkit/runtime/integrity.py), one process: taken while writing, equal to the file's,
+"""Checkpoint digests (toolkit/runtime/faults/integrity.py), one process: taken while writing, equal to the file's,
 and a flipped byte, a truncated or a missing file each named by resume.check_intact with the way back."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from toolkit.runtime import integrity, resume
-from toolkit.runtime.checkpoint import COMPLETE, mark_complete
+from toolkit.runtime.faults import integrity, resume
+from toolkit.runtime.faults.checkpoint import COMPLETE, mark_complete
 
 
 class _TorchEngine:  # the part of DeepSpeed's TorchCheckpointEngine the wrapper uses

@@ -293,27 +293,24 @@ def test_the_fused_loss_is_off_for_small_moe_micro_batches_whose_logits_fit() ->
     assert two.fits and eight.fits
 
 
-def test_the_run_turns_the_fused_loss_off_where_toolkit_plan_says_its_logits_fit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """moe.fused_loss_setting on a CUDA machine (faked: 80 GiB), the reduced Qwen3-30B-A3B shape at ZeRO-2."""
+def test_the_run_turns_the_fused_loss_off_where_toolkit_plan_says_its_logits_fit() -> None:
+    """moe.fused_loss_setting on a CUDA machine of 80 GiB, the reduced Qwen3-30B-A3B shape at ZeRO-2."""
     import json
-    import types
     from pathlib import Path
 
     ds = json.loads((Path(__file__).resolve().parents[2] / "ds_configs" / "zero2.json").read_text())
-    monkeypatch.setattr(moe.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(moe.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(moe.torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=80 * 2**30))
+    gpu = 80 * 2**30
 
     def setting(*over: str) -> tuple[str, str]:
         cfg = load_config(None, ["model.name=qwen3-30b-a3b", "model.num_layers=3", "data.seq_len=4096", *over])
-        return moe.fused_loss_setting(cfg, model_config(cfg), ds, 1, compiled=False)
+        return moe.fused_loss_setting(cfg, model_config(cfg), ds, 1, False, False, gpu)
 
     off, why = setting("train.micro_batch_size=2", "train.grad_accum=16")
     assert off == "false" and "8,192 tokens" in why
     assert setting("train.micro_batch_size=8", "train.grad_accum=4") == ("auto", "")  # 32,768 tokens: it stays
     assert setting("train.micro_batch_size=2", "train.grad_accum=16", "model.liger_fused_loss=true") == ("true", "")
     dense = load_config(None, ["model.name=llama-1b", "data.seq_len=2048", "train.micro_batch_size=2"])
-    assert moe.fused_loss_setting(dense, model_config(dense), ds, 1, compiled=False) == ("auto", "")
+    assert moe.fused_loss_setting(dense, model_config(dense), ds, 1, False, False, gpu) == ("auto", "")
 
 
 def test_the_planner_models_autoep_within_the_measured_rows() -> None:

@@ -234,7 +234,7 @@ def test_checkpointing_and_the_fused_loss_lower_the_peak() -> None:
     fused = _predict("llama-1b", 2048, 8, 1, 2, 2)
     assert fused.fused_loss and not plain.fused_loss and fused.peak_allocated_gib < plain.peak_allocated_gib
     z3, z3_plain = _predict("llama-1b", 2048, 16, 1, 2, 3), _predict("llama-1b", 2048, 16, 1, 2, 3, fused="false")
-    assert z3.fused_loss and not z3_plain.fused_loss and z3_plain.liger  # toolkit/runtime/kernels.py: on unless false
+    assert z3.fused_loss and not z3_plain.fused_loss and z3_plain.liger  # toolkit/runtime/speed/kernels.py: on unless false
     assert z3.peak_allocated_gib < z3_plain.peak_allocated_gib / 1.8  # measured 50.3 vs 96.4 GiB
 
 

@@ -1,4 +1,4 @@
-"""Pure parts of resume (toolkit/runtime/resume.py): finding the checkpoint, its rank count, the accumulation that
+"""Pure parts of resume (toolkit/runtime/faults/resume.py): finding the checkpoint, its rank count, the accumulation that
 keeps its global batch, and the DeepSpeed dict that loads a universal checkpoint. The real conversions and
 loads on 1, 2 and 4 ranks are tests/dist/test_resume_world.py."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from toolkit.config.ds_config import ConfigError
-from toolkit.runtime.checkpoint import mark_complete, prune
-from toolkit.runtime.resume import Checkpoint, find, reshard_for, tolerance, universal_config
+from toolkit.runtime.faults.checkpoint import mark_complete, prune
+from toolkit.runtime.faults.resume import Checkpoint, find, reshard_for, tolerance, universal_config
 
 
 def _raw_checkpoint(root: Path, step: int, ranks: int, complete: bool = True, **record: object) -> Path:
@@ -90,7 +90,7 @@ def test_prune_takes_a_checkpoints_universal_conversion_with_it(tmp_path: Path) 
 
 
 def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path: Path) -> None:
-    from toolkit.runtime.resume import set_aside_newer
+    from toolkit.runtime.faults.resume import set_aside_newer
 
     for step in (2, 4, 6):
         _raw_checkpoint(tmp_path, step, ranks=2)
@@ -105,7 +105,7 @@ def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path: Path) 
 
 
 def test_a_save_into_a_stale_directory_starts_empty(tmp_path: Path) -> None:
-    from toolkit.runtime.checkpoint import clear_stale
+    from toolkit.runtime.faults.checkpoint import clear_stale
 
     stale = _raw_checkpoint(tmp_path, 4, ranks=4)  # a killed 4-rank run's files, marked complete
     (stale.with_name("global_step4_universal")).mkdir()
@@ -129,8 +129,8 @@ def test_resume_keeps_the_checkpoints_global_batch(tmp_path: Path) -> None:
 
 def test_the_fixed_batch_is_bounded_whatever_the_training_length() -> None:
     """The save's proof batch: a 384K-token row's no-grad forward would not fit where its training step does."""
-    from toolkit.runtime.data import Collator
-    from toolkit.runtime.resume import FIXED_TOKENS, fixed_batch
+    from toolkit.runtime.data.batches import Collator
+    from toolkit.runtime.faults.resume import FIXED_TOKENS, fixed_batch
 
     n = FIXED_TOKENS + 100
     plain = [{"input_ids": list(range(n)), "labels": list(range(n))} for _ in range(3)]
@@ -155,7 +155,7 @@ def test_a_checkpoint_whose_proof_loss_was_not_finite_resumes_unverified(tmp_pat
     the resume says it is not verified instead of refusing the weights."""
     import torch
 
-    from toolkit.runtime.resume import RESUMES, batch_digest, verify
+    from toolkit.runtime.faults.resume import RESUMES, batch_digest, verify
 
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     batch = {"input_ids": torch.ones(1, 4, dtype=torch.long)}

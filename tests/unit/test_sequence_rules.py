@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from toolkit.config.checks.sequence import problems
-from toolkit.runtime.data import Collator
+from toolkit.runtime.data.batches import Collator
 from toolkit.runtime.sequence.ulysses import SequenceParallel, loss_multiplier
 
 
@@ -65,7 +65,7 @@ def test_packed_rows_keep_their_document_boundaries_whole() -> None:
 
 
 def test_a_slice_without_targets_counts_none() -> None:
-    from toolkit.runtime.evaluate import target_count
+    from toolkit.runtime.loops.evaluate import target_count
 
     batch = Collator(pad_id=0)([{"input_ids": list(range(8)), "labels": [-100] * 5 + [5, 6, 7]}])
     assert int(target_count(_sp(0).shard(batch))) == 0
@@ -93,8 +93,8 @@ def test_toolkit_check_says_the_sequence_parallel_rules(capsys: pytest.CaptureFi
 def test_tiled_mlps_give_the_plain_loss_and_gradients() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from toolkit.runtime.compile import decoder_layers
     from toolkit.runtime.sequence.tiling import tile_mlps
+    from toolkit.runtime.speed.compile import decoder_layers
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
@@ -114,7 +114,7 @@ def test_tiled_mlps_give_the_plain_loss_and_gradients() -> None:
 
 
 def test_tiling_auto_turns_on_where_a_rank_holds_a_long_slice() -> None:
-    from toolkit.runtime.sequence.tiling import decide
+    from toolkit.plan.speedups import tiled_mlp_on as decide
 
     assert decide("auto", 65_536, 1)[0] and not decide("auto", 65_536, 2)[0] and decide("auto", 262_144, 4)[0]
     assert decide("true", 64, 1) == (True, "model.tiled_mlp=true") and not decide("false", 10**6, 1)[0]
@@ -124,8 +124,8 @@ def test_tiling_auto_turns_on_where_a_rank_holds_a_long_slice() -> None:
 def test_an_mlp_with_dropout_is_not_tiled() -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from toolkit.runtime.compile import decoder_layers
     from toolkit.runtime.sequence.tiling import tile_mlps
+    from toolkit.runtime.speed.compile import decoder_layers
 
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=64))
     with pytest.raises(ValueError, match="has dropout"):
@@ -135,7 +135,7 @@ def test_an_mlp_with_dropout_is_not_tiled() -> None:
 def test_the_trainer_paths_order_gives_a_group_the_micro_batch_the_raw_loop_deals_to_it() -> None:
     """Accelerate deals batch i to rank i % world; GroupOrder repeats each micro-batch once per rank of a group, so
     ranks 2g and 2g+1 (group g) get the micro-batch ShardedBatches deals to data-parallel rank g."""
-    from toolkit.runtime.data import EpochOrder, ShardedBatches
+    from toolkit.runtime.data.batches import EpochOrder, ShardedBatches
     from toolkit.runtime.sequence.ulysses import GroupOrder
 
     order, micro, sp, groups = EpochOrder(24, seed=3, shuffle=True), 2, 2, 3

@@ -1,5 +1,5 @@
 """The compile and float8 decisions (toolkit/plan/speedups.py) and the float8 conversion and layer finding
-(toolkit/runtime/fp8.py, compile.py) on the CPU: conversion needs no GPU, and meta-device models keep it cheap.
+(toolkit/runtime/speed/fp8.py, compile.py) on the CPU: conversion needs no GPU, and meta-device models keep it cheap.
 The float8 matmuls themselves run in tests/gpu/test_gpu_compile.py."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from toolkit.plan.speedups import (
     fp8_support_error,
     leaves_blocked,
 )
-from toolkit.runtime import fp8
-from toolkit.runtime.compile import decoder_layers
+from toolkit.runtime.speed import fp8
+from toolkit.runtime.speed.compile import decoder_layers
 
 
 def _meta(preset: str, auto: type = AutoModelForCausalLM, **over: object) -> torch.nn.Module:
@@ -113,16 +113,17 @@ def test_fp8_is_refused_before_launch_in_one_line() -> None:
     }
     for needle, over in cases.items():
         with pytest.raises(ConfigError, match=re.escape(needle)):
-            fp8.check(load_config(None, over), on_cpu=True, local_rank=0)
+            fp8.check(load_config(None, over), capability=None)
     with pytest.raises(ConfigError, match=r"train\.fp8_recipe must be tensorwise or rowwise"):
         load_config(None, [*base, "train.fp8_recipe=delayed"])
 
 
 def test_fp8_trains_in_deepspeeds_bf16_mode_and_refuses_a_json_that_pins_fp16() -> None:
+    from toolkit.config.ds_config import precision_of
     from toolkit.config.schema import load_config
-    from toolkit.runtime.spec import _precision
+    from toolkit.runtime.resolved import precision_of_run
 
     cfg = load_config(None, ["train.precision=fp8"])
-    assert _precision(cfg, {"bf16": {"enabled": "auto"}}) == "bf16"
+    assert precision_of_run(cfg, precision_of({"bf16": {"enabled": "auto"}}), True)[0] == "bf16"
     with pytest.raises(ConfigError, match="pins fp16"):
-        _precision(cfg, {"fp16": {"enabled": True}})
+        precision_of_run(cfg, precision_of({"fp16": {"enabled": True}}), True)

@@ -1,4 +1,4 @@
-"""The watchdog's decisions in one process (toolkit/runtime/watchdog.py): rank 0 of a 2-rank job against a
+"""The watchdog's decisions in one process (toolkit/runtime/faults/watchdog.py): rank 0 of a 2-rank job against a
 real TCPStore, rank 1 played by the test writing its beats. The judge thread is replaced so that nothing
 here ends the test process; tests/dist/test_faults.py and test_multinode_faults.py run the real thing."""
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from torch.distributed import TCPStore
 
-from toolkit.runtime import watchdog
-from toolkit.runtime.watchdog import _PREFIX, Watchdog
+from toolkit.runtime.faults import watchdog
+from toolkit.runtime.faults.watchdog import _PREFIX, Watchdog
 
 
 def _port() -> int:

@@ -135,12 +135,12 @@ class TrainConfig:
     precision: str = "auto"
     """bf16, fp16, fp32, fp8, or auto: the DeepSpeed JSON's if it pins one, else bf16 on GPUs that support it, fp32
     on CPU. fp8: bf16 training (DeepSpeed's bf16 mode) with torchao float8 matmuls in the decoder layers' Linear
-    modules (toolkit/runtime/fp8.py); needs float8 tensor cores (SM 8.9+), compile, and no LoRA."""
+    modules (toolkit/runtime/speed/fp8.py); needs float8 tensor cores (SM 8.9+), compile, and no LoRA."""
     fp8_recipe: str = "tensorwise"
     """train.precision=fp8 scaling: tensorwise (one dynamic scale per tensor; fastest) or rowwise (one per row)."""
     micro_batch_size: Union[int, str] = 4  # noqa: UP007 (omegaconf reads typing.Union, not int | str)
     """Sequences per rank per forward, or auto: the fastest that fits train.global_batch_size, found by short
-    probe runs before training (toolkit/runtime/autotune.py), recorded in run_dir/micro_batch.json and reused."""
+    probe runs before training (toolkit/runtime/speed/autotune.py), recorded in run_dir/micro_batch.json and reused."""
     grad_accum: int = 1
     global_batch_size: int = 0
     """Sequences per optimizer step over all ranks (needed with micro_batch_size=auto); 0: micro x accum x ranks.
@@ -182,7 +182,7 @@ class TrainConfig:
     """A rank (or host) whose heartbeat through the rendezvous store stops for this long is lost, and the
     job ends on every host with its stacks in logs/rank{N}.log and the lost ranks in status.json; a training
     step past train.collective_timeout_s + twice the slowest step is a hang and ends it the same way
-    (toolkit/runtime/watchdog.py). 0: off."""
+    (toolkit/runtime/faults/watchdog.py). 0: off."""
     save_probe: bool = False
     """Save the final engine's logits on two samples (probe.pt) to verify the export against."""
     zero_sizes: str = "speed"
@@ -194,7 +194,7 @@ class TrainConfig:
     """torch: compile each decoder layer in place (inductor) before DeepSpeed starts, both paths; Liger then keeps
     only its fused loss. off: eager. auto: compile where it pays (toolkit/plan/speedups.py compile_on: every fp8
     run, and CUDA runs of at least 200 steps; eager at ZeRO-3 under LoRA); the run says which. The first
-    optimizer step pays the compile, 6-12 s on an H200 (toolkit/runtime/compile.py; docs/speed.md)."""
+    optimizer step pays the compile, 6-12 s on an H200 (toolkit/runtime/speed/compile.py; docs/speed.md)."""
     stop_after: int = 0
     """Stop (with a checkpoint) after this many steps, keeping the schedule of max_steps: for resume tests."""
     profile_steps: list[int] = field(default_factory=list)

@@ -251,7 +251,7 @@ class MetricsLogger:
         return rec
 
     def log_eval(self, step: int, rec: dict[str, Any]) -> None:
-        """The held-out loss (runtime/evaluate.py; already reduced over ranks): rank 0 writes its own line
+        """The held-out loss (runtime/loops/evaluate.py; already reduced over ranks): rank 0 writes its own line
         to metrics.jsonl (a line with eval_loss and no loss), TensorBoard's eval/ tags and the console."""
         if not self.is_main:
             return
@@ -341,6 +341,10 @@ def closing_summary(
             f"  tokens/s    {tps:,.0f} (all ranks, median after step 1)"
             + (f", MFU {100 * mfu:.1f}%" if mfu is not None else "")
         )
+    waste = [r["padding_waste"] for r in history if r.get("padding_waste") is not None]
+    if waste:  # the windows' shares, each of the same number of steps but the last
+        lines.append(f"  padding     {100 * sum(waste) / len(waste):.1f}% of computed positions (mean of the logged "
+                     "windows; data.packing and length-grouped batches keep it low)")
     gpu = {r: p["peak_allocated_gib"] for r, p in peaks.items() if p.get("peak_allocated_gib") is not None}
     rss = {r: p["host_rss_gib"] for r, p in peaks.items() if p.get("host_rss_gib") is not None}
     if gpu:

@@ -22,7 +22,7 @@ MEMORY_REQUIRED = ("phase", "step")
 NUMERIC_MEMORY = (*GPU_KEYS, "host_rss_gib", "alloc_retries", "oom_count")
 METRIC_KEYS = ("loss", "lr", "tokens_per_s", "samples_per_s", "step_time_s", "grad_norm", "mfu", "elapsed_s",
                "padding_waste")
-EVAL_KEYS = ("eval_loss", "eval_ppl", "eval_tokens")  # a held-out loss line (runtime/evaluate.py)
+EVAL_KEYS = ("eval_loss", "eval_ppl", "eval_tokens")  # a held-out loss line (runtime/loops/evaluate.py)
 # What toolkit/train.py writes into every run directory; a directory with none of them is not a run.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "memory/rank*.jsonl")
 

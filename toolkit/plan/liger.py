@@ -1,5 +1,5 @@
 """Which Liger kernels a run gets, and why not: a pure decision, shared by the planner (what a CUDA run
-would get) and the runtime (toolkit/runtime/kernels.py applies it). Testable without a GPU."""
+would get) and the runtime (toolkit/runtime/speed/kernels.py applies it). Testable without a GPU."""
 
 from __future__ import annotations
 

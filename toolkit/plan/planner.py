@@ -1055,17 +1055,15 @@ def autoep_size(ds: dict[str, Any], world_size: int, shape: ModelShape) -> int:
     return size
 
 
-def run_settings(cfg: Any, compiled: bool) -> dict[str, Any]:
-    """fitting_micro_batches' keyword arguments as a run's config (toolkit/config/schema.py Config) sets them; compiled:
-    whether the run compiles its layers (train.compile with auto resolved)."""
-    from toolkit.plan.speedups import tiled_mlp_on
-
+def run_settings(cfg: Any, compiled: bool, tiled_mlp: bool) -> dict[str, Any]:
+    """fitting_micro_batches' keyword arguments as a run's config (toolkit/config/schema.py Config) sets them; compiled,
+    tiled_mlp: train.compile and model.tiled_mlp as the run resolved them (toolkit/runtime/resolved.py)."""
     m, t = cfg.model, cfg.train
     return {"lora": Lora(cfg.lora.r, tuple(cfg.lora.target_modules)) if cfg.lora.enabled else None,
             "grad_ckpt": m.gradient_checkpointing, "liger": m.liger, "attn": m.attn_implementation,
             "zero_sizes": t.zero_sizes, "fused_loss": m.liger_fused_loss, "compile": "torch" if compiled else "off",
             "fp8": t.fp8_recipe if t.precision == "fp8" else None,
-            "tiled_mlp": tiled_mlp_on(m.tiled_mlp, cfg.data.seq_len, t.sequence_parallel)[0],
+            "tiled_mlp": tiled_mlp,
             "activation_offload": m.activation_offload, "tiled_loss": m.tiled_loss}
 
 

@@ -1,5 +1,5 @@
 """The compile, float8, MLP-tiling and activation-offload decisions, pure: which runs compile, which Linear modules
-float8 converts, and which GPUs can run it. Shared by the runtime (toolkit/runtime/compile.py, fp8.py, sequence/) and
+float8 converts, and which GPUs can run it. Shared by the runtime (toolkit/runtime/speed/compile.py, fp8.py, sequence/) and
 `toolkit plan`; testable without a GPU. The measurements behind each constant are in bench/results/fp8_compile.md.
 """
 
@@ -18,7 +18,7 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 # the decoder layers as leaf modules, llama-1b 1.06x (67.8k against 63.7k, run s26). The compile cost the first
 # step 6-10 s (GPT-2: 9.0 s against 2.7 s eager), which GPT-2's 45 ms a step saved pays back in 140 steps. float8
 # without compile ran at 0.41x of compiled float8 on llama-1b (32.4k against 79.4k, ../shared/anchors.md).
-# At ZeRO-3 without leaf modules (LoRA: the first layer's input needs no gradient, toolkit/runtime/compile.py
+# At ZeRO-3 without leaf modules (LoRA: the first layer's input needs no gradient, toolkit/runtime/speed/compile.py
 # leaves_safe) DeepSpeed's hooks split each compiled layer into a graph per module: 0.74x eager (run s23).
 COMPILE_AUTO_MIN_STEPS = 200
 
@@ -46,7 +46,7 @@ def compile_on(setting: str, *, cuda: bool, steps: int | None, fp8: bool, stage:
 
 
 def leaves_blocked(*, lora: bool, ds: dict | None = None) -> str | None:
-    """Why the decoder layers of a ZeRO-3 run cannot be leaf modules (toolkit/runtime/compile.py), or None.
+    """Why the decoder layers of a ZeRO-3 run cannot be leaf modules (toolkit/runtime/speed/compile.py), or None.
 
     LoRA: the first layer's input needs no gradient, and DeepSpeed would reduce a leaf's gradients before they
     exist. Parameters offloaded to NVMe: a leaf swaps in all its weights at once, and DeepSpeed's swapper holds

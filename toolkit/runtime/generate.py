@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from toolkit.config.ds_config import ConfigError
 from toolkit.config.schema import EvalConfig
 from toolkit.launch import dist
-from toolkit.runtime.jsonl import read_objects
+from toolkit.runtime.data.jsonl import read_objects
 
 if TYPE_CHECKING:
     from toolkit.runtime.spec import RunSpec
 
 T = TypeVar("T")
-IGNORE_INDEX = -100  # same value as toolkit.runtime.data.IGNORE_INDEX; not imported to keep this import light
+IGNORE_INDEX = -100  # same value as toolkit.runtime.data.batches.IGNORE_INDEX; not imported to keep this import light
 _UNGUARDED = "_toolkit_unguarded_generate"
 
 

@@ -35,8 +35,8 @@ from toolkit.observe.metrics import (
     flops_per_token,
     peak_flops_per_gpu,
 )
-from toolkit.runtime.checkpoint import RUN_ENTRIES, holds_a_run, versions
-from toolkit.runtime.guards import NonFiniteError
+from toolkit.runtime.faults.checkpoint import RUN_ENTRIES, holds_a_run, versions
+from toolkit.runtime.faults.guards import NonFiniteError
 
 
 def _precision(args: Any) -> str:

@@ -80,7 +80,7 @@ def build_tokenizer(cfg: Config) -> Any | None:
 def build_model(cfg: Config, mc: Any, frozen_bf16: bool = False, attn: str | None = None) -> Any:
     """Build (random init from a preset, or from_pretrained from a directory), then LoRA/checkpointing.
 
-    attn: the attention implementation to build with (toolkit/runtime/attention `for_run`); default
+    attn: the attention implementation to build with (the resolved record's attention plan, toolkit/runtime/resolved.py); default
     model.attn_implementation.
 
     frozen_bf16 (LoRA under adapter autocast, see ds_config.adapter_autocast): every parameter that

@@ -27,7 +27,8 @@ from toolkit.config.ds_config import (
 from toolkit.config.schema import Config
 from toolkit.launch import dist
 from toolkit.observe import trackers
-from toolkit.runtime.resume import Checkpoint, Reshard, find, reshard_for, universal_config
+from toolkit.runtime.faults.resume import Checkpoint, Reshard, find, reshard_for, universal_config
+from toolkit.runtime.resolved import Machine, Resolved, precision_of_run, resolve_run, tiled_mlp_choice
 
 
 @dataclass(frozen=True)
@@ -40,15 +41,17 @@ class RunInputs:
     world_size: int
 
 
-def read_inputs(cfg: Config) -> RunInputs:
+def read_inputs(cfg: Config, world_size: int | None = None) -> RunInputs:
+    """world_size: the launcher's (None), or the one `toolkit check --explain` is asked about."""
     from toolkit.runtime.model import model_config
 
-    return RunInputs(cfg, load_ds_config(cfg.train.ds_config), model_config(cfg), dist.world_size())
+    return RunInputs(cfg, load_ds_config(cfg.train.ds_config), model_config(cfg),
+                     dist.world_size() if world_size is None else world_size)
 
 
 @dataclass
 class RunSpec:
-    """Everything decided before the process group exists."""
+    """Everything decided before the process group exists; `resolved` holds every setting with its reason."""
 
     cfg: Config
     ds: dict[str, Any]  # resolved: no "auto" left
@@ -63,6 +66,13 @@ class RunSpec:
     reshard: Reshard | None = None  # ... written on another number of ranks: loaded as a universal checkpoint
     autotune: dict[str, Any] | None = None  # train.micro_batch_size=auto: the probes and the choice
     fp8: str | None = None  # train.precision=fp8: the float8 recipe (precision is then bf16, DeepSpeed's mode)
+    resolved: Resolved | None = None  # every auto and derived setting, decided once (toolkit/runtime/resolved.py)
+
+    @property
+    def run(self) -> Resolved:
+        """The record (always set by build_spec; Optional only for specs built by hand in tests)."""
+        assert self.resolved is not None, "RunSpec.resolved: built by build_spec"
+        return self.resolved
 
     @property
     def data_world(self) -> int:
@@ -70,35 +80,22 @@ class RunSpec:
         return self.world_size // self.cfg.train.sequence_parallel
 
 
-def _precision(cfg: Config, ds: dict[str, Any]) -> str:
-    pinned = precision_of(ds)
-    if cfg.train.precision == "fp8":  # float8 matmuls inside DeepSpeed's bf16 mode
-        if pinned not in (None, "bf16"):
-            raise ConfigError(f"train.precision=fp8 trains in DeepSpeed's bf16 mode; {cfg.train.ds_config} pins "
-                              f"{pinned}: set bf16.enabled to \"auto\" or true")
-        return "bf16"
-    if cfg.train.precision != "auto":
-        return cfg.train.precision
-    if pinned is not None:
-        return pinned
-    import torch
-
-    return "bf16" if (not dist.on_cpu() and torch.cuda.is_bf16_supported()) else "fp32"
-
-
-def build_spec(inputs: RunInputs) -> RunSpec:
-    """All input validation that can run before init_process_group: one clear error, no hang."""
-    from toolkit.runtime.data import check_data_file, steps_per_epoch
+def build_spec(inputs: RunInputs, machine: Machine | None = None) -> RunSpec:
+    """All input validation that can run before init_process_group: one clear error, no hang; then every setting
+    resolved once (toolkit/runtime/resolved.py). machine: what the decisions read of it (None: this one)."""
+    from toolkit.runtime.data.batches import check_data_file, steps_per_epoch
     from toolkit.runtime.model import hidden_size
 
     cfg, ds_raw, mc, world = inputs.cfg, inputs.ds_raw, inputs.model_config, inputs.world_size
     t = cfg.train
     trackers.check(cfg.metrics.report_to)  # a missing wandb/mlflow is one line here, not a rank-0 crash later
-    precision = _precision(cfg, ds_raw)
+    machine = machine or Machine.here(cfg, world)
+    precision_why = precision_of_run(cfg, precision_of(ds_raw), machine.cuda)
+    precision = precision_why[0]
     if t.precision == "fp8":
-        from toolkit.runtime import fp8
+        from toolkit.runtime.speed import fp8
 
-        fp8.check(cfg, dist.on_cpu(), dist.local_rank())
+        fp8.check(cfg, machine.capability, machine.gpu_name)
     autocast = adapter_autocast(ds_raw, precision, cfg.lora.enabled)
     if t.resume:
         _check_resume_mode(Path(t.run_dir), autocast)
@@ -139,8 +136,10 @@ def build_spec(inputs: RunInputs) -> RunSpec:
     if reshard:
         ds = universal_config(ds)
     world = inputs.world_size
+    record = resolve_run(cfg, ds, mc, world, precision=precision_why, adapter_autocast=autocast, total_steps=total,
+                     machine=machine)
     return RunSpec(cfg, ds, mc, Path(t.run_dir), world, precision, total, warnings, autocast, ckpt, reshard,
-                   fp8=t.fp8_recipe if t.precision == "fp8" else None)
+                   fp8=record.fp8, resolved=record)
 
 
 def _check_sequence_parallel(cfg: Config, mc: Any, ds: dict[str, Any], world: int) -> None:
@@ -154,9 +153,7 @@ def _check_sequence_parallel(cfg: Config, mc: Any, ds: dict[str, Any], world: in
     if t.sequence_parallel > 1 and getattr(text, "num_experts_per_tok", None):
         found.append("train.sequence_parallel with a Mixture-of-Experts model: not supported yet (the load-balancing "
                      "loss would see each rank's slice)")
-    from toolkit.runtime.sequence.tiling import decide
-
-    tiled, why = decide(cfg.model.tiled_mlp, cfg.data.seq_len, t.sequence_parallel)
+    tiled, why = tiled_mlp_choice(cfg)
     if tiled and t.precision == "fp8":
         found.append(f"train.precision=fp8 with tiled MLPs ({why}): not tested together here yet; set "
                      "model.tiled_mlp=false or train.precision=bf16")

@@ -1,6 +1,6 @@
 """Attention for training: which implementation a run uses, and the kernels behind the toolkit's own.
 
-- `plan(...)` decides, once per run, the `attn_implementation` the model is built with and whether the
+- `plan(...)` decides (toolkit/runtime/resolved.py calls it, once per run) the `attn_implementation` the model is built with and whether the
   collator hands packed rows' document boundaries to the model (`AttentionPlan`), and says so in one line.
 - `interface.py` is the toolkit's attention function (variable-length for packed rows, sdpa otherwise),
   registered with transformers' attention interface so both training paths and every family that
@@ -10,9 +10,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -56,21 +54,14 @@ def plan(attn: str, task: str, packing: bool, cuda: bool, varlen_ok: bool, seque
     return AttentionPlan("sdpa", False, f"attention: sdpa; packed rows use a block-diagonal mask ({why})")
 
 
-def for_run(cfg: Any) -> AttentionPlan:
-    """This run's plan (every rank decides the same), with the toolkit's attention registered when it is used."""
-    import torch
-
-    from toolkit.config.schema import packing
+def install(p: AttentionPlan, cuda: bool) -> str | None:
+    """Register the toolkit's attention where the run's plan uses it (toolkit/runtime/resolved.py decided the plan);
+    returns how the varlen kernel takes grouped kv heads on this GPU, or None."""
     from toolkit.launch import dist
     from toolkit.runtime.attention.interface import NAME, register
-    from toolkit.runtime.attention.kernels import prepare, varlen_available
+    from toolkit.runtime.attention.kernels import prepare
 
-    cuda = torch.cuda.is_available() and not dist.on_cpu()
-    p = plan(cfg.model.attn_implementation, cfg.model.task, packing(cfg)[0], cuda,
-             cuda and varlen_available(torch.device("cuda")), cfg.train.sequence_parallel)
-    if p.implementation == NAME:
-        register()
-        if p.boundaries and cuda:
-            gqa = prepare(dist.device())
-            p = dataclasses.replace(p, note=f"{p.note} (kv heads: {gqa})")
-    return p
+    if p.implementation != NAME:
+        return None
+    register()
+    return prepare(dist.device()) if p.boundaries and cuda else None

@@ -95,22 +95,23 @@ def is_moe(model_config: Any) -> bool:
                 or getattr(text, "n_routed_experts", 0))
 
 
-def fused_loss_setting(cfg: Any, model_config: Any, ds: dict[str, Any], world: int, compiled: bool) -> tuple[str, str]:
+def fused_loss_setting(cfg: Any, model_config: Any, ds: dict[str, Any], world: int, compiled: bool, tiled_mlp: bool,
+                       gpu_bytes: int) -> tuple[str, str]:
     """model.liger_fused_loss for this run and why it is off ("" when it is not turned off here): on a
-    Mixture-of-Experts model at small micro-batches whose logits fit this GPU, auto means off
-    (toolkit/plan/liger.py moe_fused_loss; the fit is toolkit plan's prediction for this run without it)."""
+    Mixture-of-Experts model at small micro-batches whose logits fit this GPU (gpu_bytes, 0 without CUDA), auto means
+    off (toolkit/plan/liger.py moe_fused_loss; the fit is toolkit plan's prediction for this run without it).
+    compiled, tiled_mlp: the run's resolved train.compile and model.tiled_mlp (toolkit/runtime/resolved.py)."""
     setting, t = cfg.model.liger_fused_loss, cfg.train
     micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else 0
     tokens = micro * cfg.data.seq_len
-    if (setting != "auto" or not micro or not is_moe(model_config) or not torch.cuda.is_available()
+    if (setting != "auto" or not micro or not is_moe(model_config) or not gpu_bytes
             or tokens > liger_rules.MOE_FUSED_LOSS_OFF_TOKENS):
         return setting, ""
-    from toolkit.launch import dist
-    from toolkit.plan.planner import CUDA_CONTEXT_GIB, fitting_micro_batches, run_settings
+    from toolkit.plan.planner import fitting_micro_batches, run_settings
 
-    gpu_gib = dist.gpu_memory_bytes(int(CUDA_CONTEXT_GIB * 2**30)) / 2**30  # a card, as the planner counts one
+    gpu_gib = gpu_bytes / 2**30  # a card, as the planner counts one
     # fp8 left out: the planner refuses float8 on MoE models (experts are not nn.Linear), the run converts the rest
-    settings = run_settings(cfg, compiled) | {"fused_loss": "false", "fp8": None}
+    settings = run_settings(cfg, compiled, tiled_mlp) | {"fused_loss": "false", "fp8": None}
     try:
         fit = micro in fitting_micro_batches(model_config, ds, world, cfg.data.seq_len, micro * t.grad_accum, gpu_gib,
                                              **settings)

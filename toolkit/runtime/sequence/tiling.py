@@ -21,9 +21,6 @@ from typing import Any
 
 import torch
 
-from toolkit.plan.speedups import tiled_loss_on as loss_decide  # noqa: F401  (the runtime's and the planner's)
-from toolkit.plan.speedups import tiled_mlp_on as decide  # noqa: F401  (the runtime's and the planner's decision)
-
 
 def tile_mlps(layers: list[Any], shards: int = 0) -> int:
     """Patch each decoder layer's `mlp` (after Liger has swapped it, before compile and DeepSpeed); returns how
@@ -93,7 +90,7 @@ def _tiled_loss_forward(plain: Any, tile_tokens: int) -> Any:
     from torch.utils.checkpoint import checkpoint
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    from toolkit.runtime.corpus import IGNORE_INDEX
+    from toolkit.runtime.data.corpus import IGNORE_INDEX
 
     def tile_sum(head: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         logits = head(x).float()

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from toolkit.runtime.corpus import IGNORE_INDEX
-from toolkit.runtime.data import document_boundaries
+from toolkit.runtime.data.batches import document_boundaries
+from toolkit.runtime.data.corpus import IGNORE_INDEX
 
 
 @dataclass

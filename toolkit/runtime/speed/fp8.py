@@ -22,8 +22,9 @@ from toolkit.config.ds_config import ConfigError
 from toolkit.plan.speedups import fp8_converts, fp8_support_error
 
 
-def check(cfg: Any, on_cpu: bool, local_rank: int) -> None:
-    """Before the process group: everything that would make a float8 run fail or silently not be one."""
+def check(cfg: Any, capability: tuple[int, int] | None, gpu: str = "") -> None:
+    """Before the process group: everything that would make a float8 run fail or silently not be one. capability:
+    the GPU's (SM major, minor), None without CUDA (toolkit/runtime/resolved.py Machine)."""
     if cfg.lora.enabled:
         raise ConfigError("train.precision=fp8 with lora.enabled: LoRA's adapter matmuls (rank "
                           f"{cfg.lora.r}) are far too small for float8 to pay, and its frozen base runs under "
@@ -33,7 +34,6 @@ def check(cfg: Any, on_cpu: bool, local_rank: int) -> None:
                           "float8 ran at 0.41x of compiled float8 on llama-1b); use train.compile=auto or torch")
     if cfg.model.task != "causal_lm":
         raise ConfigError(f"train.precision=fp8 is for causal_lm models (task {cfg.model.task!r})")
-    capability, gpu = (None, "") if on_cpu else _capability(local_rank)
     msg = fp8_support_error(capability, gpu)
     if msg:
         raise ConfigError(msg)
@@ -43,7 +43,7 @@ def check(cfg: Any, on_cpu: bool, local_rank: int) -> None:
         raise ConfigError(f"train.precision=fp8 needs torchao (pip install torchao): {type(e).__name__}: {e}") from None
 
 
-def _capability(local_rank: int) -> tuple[tuple[int, int] | None, str]:
+def gpu_capability(local_rank: int) -> tuple[tuple[int, int] | None, str]:
     """(SM major, minor) and the GPU's name; NVML first, so no CUDA context exists before the process group."""
     try:
         import pynvml
@@ -118,7 +118,7 @@ def hint(layers: list[Any], flops_per_token: float, hidden: int, local_rank: int
 
     from toolkit.plan.planner import fp8_gain
 
-    capability, _ = _capability(local_rank)
+    capability, _ = gpu_capability(local_rank)
     if fp8_support_error(capability) is not None or not layers:
         return None
     conv = sum(m.in_features * m.out_features for m in layers[0].modules()

@@ -1,5 +1,5 @@
 """Training data: an embedded learnable default, local files (tokenized once into a memory-mapped cache by
-runtime/corpus.py), a held-out split, collation (packed blocks included), ordering.
+runtime/data/corpus.py), a held-out split, collation (packed blocks included), ordering.
 
 Both training paths draw batches in the same order (`ShardedOrder`), so the raw loop and the HF
 Trainer see the same samples on the same ranks and their losses can be compared step by step.
@@ -20,7 +20,7 @@ from torch.utils.data import Dataset, Sampler
 
 from toolkit.config.ds_config import ConfigError
 from toolkit.config.schema import Config
-from toolkit.runtime.corpus import IGNORE_INDEX  # positions the loss skips (prompt tokens, padding)
+from toolkit.runtime.data.corpus import IGNORE_INDEX  # positions the loss skips (prompt tokens, padding)
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
 
@@ -85,7 +85,7 @@ def synthetic_classification(cfg: Config, vocab_size: int, num_labels: int) -> l
 
 def check_data_file(cfg: Config) -> None:
     """Cheap checks that run before any process-group work: missing file, wrong suffix, wrong columns."""
-    from toolkit.runtime.corpus import check_format, file_columns, resolve_format
+    from toolkit.runtime.data.corpus import check_format, file_columns, resolve_format
 
     for what, source in (("data.source", cfg.data.source), ("data.eval_source", cfg.data.eval_source)):
         if source is None or (what == "data.source" and source == "synthetic"):
@@ -126,7 +126,7 @@ class Rows(Sequence[dict[str, Any]]):
 
 
 def build_rows(cfg: Config, vocab_size: int, pad_id: int, tokenizer: Any) -> tuple[Rows, Rows | None]:
-    """(training rows, held-out rows or None). Files are tokenized once into the cache (runtime/corpus.py)."""
+    """(training rows, held-out rows or None). Files are tokenized once into the cache (runtime/data/corpus.py)."""
     if cfg.data.source == "synthetic":
         rows: Rows = Rows(synthetic_classification(cfg, vocab_size, cfg.model.num_labels)
                           if cfg.model.task == "seq_cls" else synthetic_causal(cfg, vocab_size, pad_id))
@@ -140,7 +140,7 @@ def build_rows(cfg: Config, vocab_size: int, pad_id: int, tokenizer: Any) -> tup
 
 
 def _corpus(cfg: Config, source: str, tokenizer: Any, what: str) -> Rows:
-    from toolkit.runtime.corpus import load_corpus
+    from toolkit.runtime.data.corpus import load_corpus
 
     if tokenizer is None:
         raise ConfigError(f"{what} is a file: set model.tokenizer to a local tokenizer directory "

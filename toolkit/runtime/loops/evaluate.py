@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from toolkit.launch import dist
-from toolkit.runtime.corpus import IGNORE_INDEX
-from toolkit.runtime.data import to_device
+from toolkit.runtime.data.batches import to_device
+from toolkit.runtime.data.corpus import IGNORE_INDEX
 
 
 def rank_batches(n: int, micro: int, rank: int, world: int) -> list[list[int]]:

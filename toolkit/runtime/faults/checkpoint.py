@@ -20,7 +20,7 @@ from typing import Any
 
 from toolkit.config.schema import Config, save_config
 from toolkit.launch import dist
-from toolkit.runtime import integrity
+from toolkit.runtime.faults import integrity
 
 PACKAGES = ("torch", "deepspeed", "transformers", "peft", "datasets", "accelerate", "liger-kernel")
 
@@ -149,7 +149,7 @@ def save_deepspeed_checkpoint(engine: Any, root: Path, step: int, keep: int,
     """All ranks call. DeepSpeed's own `save_checkpoint` writes `latest` on rank 0 as soon as rank 0's
     files are written, before the other ranks finish, and without a rename (../shared/notes/faults.md
     (c)); so `latest` is written here instead, after a barrier, atomically, with a completion marker
-    that holds a digest of every file (toolkit/runtime/integrity.py). A checkpoint that cannot fit is
+    that holds a digest of every file (toolkit/runtime/faults/integrity.py). A checkpoint that cannot fit is
     refused before a byte is written; a disk that fills during the save stops the run with one line
     (integrity.CheckpointError on every rank) and leaves no partial checkpoint and `latest` unchanged."""
     tag = f"global_step{step}"

@@ -27,10 +27,10 @@ from typing import Any
 
 from toolkit.config.ds_config import ConfigError
 from toolkit.launch import dist
-from toolkit.runtime import integrity
-from toolkit.runtime.checkpoint import COMPLETE, atomic_write, complete_checkpoints
-from toolkit.runtime.corpus import IGNORE_INDEX
-from toolkit.runtime.data import to_device
+from toolkit.runtime.data.batches import to_device
+from toolkit.runtime.data.corpus import IGNORE_INDEX
+from toolkit.runtime.faults import integrity
+from toolkit.runtime.faults.checkpoint import COMPLETE, atomic_write, complete_checkpoints
 
 # ZeRO-1/2/3 optimizer shards, one per data-parallel rank (bf16_ when DeepSpeed's BF16_Optimizer wrote them).
 _SHARD = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
@@ -85,7 +85,7 @@ def find(run_dir: Path, path: str, resume: str) -> Checkpoint:
 
 def check_intact(ckpt: Checkpoint, path: str) -> str | None:
     """All ranks, before anything is loaded or moved: every file of the checkpoint against the digest taken
-    when it was written (toolkit/runtime/integrity.py). Returns the refusal (one line, the same on every rank),
+    when it was written (toolkit/runtime/faults/integrity.py). Returns the refusal (one line, the same on every rank),
     naming the damaged file and the previous complete checkpoint with the setting that resumes it; None when
     the checkpoint is whole."""
     problems, note = integrity.verify(ckpt.dir, ckpt.record)

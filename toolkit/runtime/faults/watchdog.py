@@ -59,7 +59,7 @@ from typing import Any, NoReturn
 
 from toolkit.launch import dist
 from toolkit.observe import console
-from toolkit.runtime.checkpoint import atomic_write
+from toolkit.runtime.faults.checkpoint import atomic_write
 
 EXIT_LOST = 75  # sysexits EX_TEMPFAIL: the job lost a rank or host, or hung; train.resume=latest continues it
 FAILED_GRACE_S = 10.0  # how long a rank may take to fail on its own after another rank failed

@@ -79,7 +79,7 @@ def _data_identity(source: str) -> str:
 
 def _versions() -> str:
     from toolkit import __version__
-    from toolkit.runtime.checkpoint import versions
+    from toolkit.runtime.faults.checkpoint import versions
 
     v = versions()
     return f"toolkit {__version__}, torch {v['torch']}, deepspeed {v['deepspeed']}, liger {v['liger-kernel']}"
@@ -106,11 +106,13 @@ def candidates(inputs: RunInputs, per_rank: int, gpu_gib: float | None) -> list[
     if gpu_gib is None:
         return every
     from toolkit.plan.planner import fitting_micro_batches, run_settings
+    from toolkit.runtime.resolved import tiled_mlp_choice
 
     cfg = inputs.cfg
     try:
         fit = fitting_micro_batches(inputs.model_config, inputs.ds_raw, inputs.world_size, cfg.data.seq_len,
-                                    per_rank, gpu_gib, **run_settings(cfg, run_compiles(inputs)))
+                                    per_rank, gpu_gib, **run_settings(cfg, run_compiles(inputs),
+                                                                      tiled_mlp_choice(cfg)[0]))
     except Exception as e:  # a shape the planner refuses: the probes still find the answer
         print(f"micro_batch_size=auto: no prediction ({type(e).__name__}: {e}); probing every divisor", flush=True)
         return every
@@ -120,14 +122,12 @@ def candidates(inputs: RunInputs, per_rank: int, gpu_gib: float | None) -> list[
 
 
 def run_compiles(inputs: RunInputs) -> bool:
-    """Whether the run itself will compile its layers (train.compile with auto resolved for its step count)."""
-    from toolkit.config.ds_config import zero_stage
-    from toolkit.plan.speedups import compile_on, leaves_blocked
+    """Whether the run itself will compile its layers: the record's rule (toolkit/runtime/resolved.py), for the
+    steps known before the micro-batch is (train.max_steps; a run of one epoch counts as long)."""
+    from toolkit.runtime.resolved import compile_choice
 
     t = inputs.cfg.train
-    return compile_on(t.compile, cuda=not dist.on_cpu(), steps=t.max_steps or None, fp8=t.precision == "fp8",
-                      stage=zero_stage(inputs.ds_raw),
-                      no_leaves=leaves_blocked(lora=bool(inputs.cfg.lora.enabled), ds=inputs.ds_raw))[0]
+    return compile_choice(inputs.cfg, inputs.ds_raw, not dist.on_cpu(), t.max_steps or None)[0]
 
 
 def resolve(inputs: RunInputs, argv: list[str]) -> dict[str, Any]:
@@ -231,7 +231,7 @@ def _search(cfg: Config, argv: list[str], key: dict[str, Any], per_rank: int, or
 
 
 def _remember(record: dict[str, Any]) -> None:
-    from toolkit.runtime.checkpoint import atomic_write
+    from toolkit.runtime.faults.checkpoint import atomic_write
 
     try:
         CACHE.parent.mkdir(parents=True, exist_ok=True)

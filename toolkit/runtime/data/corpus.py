@@ -488,7 +488,7 @@ def _say_counts(info: dict[str, Any], cfg: Config, what: str) -> None:
 
 
 def file_columns(path: Path, what: str = "data.source") -> set[str]:
-    from toolkit.runtime.jsonl import read_objects
+    from toolkit.runtime.data.jsonl import read_objects
 
     if path.suffix == ".txt":
         return {"text"}

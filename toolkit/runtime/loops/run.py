@@ -1,0 +1,265 @@
+"""A run from its spec to its closing summary, for both paths: the run dir claimed, the resolved record printed and
+written, the data, the model as the record says (loops/build.py), the HF Trainer path (loops/trainer.py) or the raw
+loop (loops/raw.py), then generation, export and the summary.
+
+Shared by both paths: the resolved DeepSpeed dict, the model (built after the DeepSpeed config is alive, so ZeRO-3
+partitions it at construction), the batch order, the token-count loss normalization, the warmup+cosine schedule
+(transformers' own function), metrics, memory snapshots and export. Nothing here decides a setting: the record
+(toolkit/runtime/resolved.py) did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from toolkit.config.ds_config import ConfigError
+from toolkit.launch import dist
+from toolkit.observe import breakdown, console
+from toolkit.observe.memory import MemoryMonitor
+from toolkit.observe.metrics import closing_summary
+from toolkit.observe.profiling import StepProfiler
+from toolkit.runtime import attention, resolved
+from toolkit.runtime.data.batches import (
+    Collator,
+    EpochOrder,
+    ListDataset,
+    Rows,
+    build_rows,
+    document_note,
+    even_rows,
+    row_lengths,
+    steps_per_epoch,
+)
+from toolkit.runtime.faults import resume, watchdog
+from toolkit.runtime.faults.checkpoint import (
+    DEFAULT_RUN_DIR,
+    atomic_write,
+    claim_run_dir,
+    export_model,
+    write_run_files,
+    write_status,
+)
+from toolkit.runtime.faults.integrity import CheckpointError
+from toolkit.runtime.loops.build import build
+from toolkit.runtime.loops.raw import RawLoop
+from toolkit.runtime.loops.shared import evaluator, metrics_logger
+from toolkit.runtime.loops.state import RunState
+from toolkit.runtime.loops.trainer import run_trainer, training_args
+from toolkit.runtime.model import build_tokenizer
+from toolkit.runtime.sequence import ulysses
+from toolkit.runtime.speed import autotune
+from toolkit.runtime.speed import compile as compiling
+
+if TYPE_CHECKING:
+    from toolkit.runtime.spec import RunSpec
+
+
+def run(p: RunSpec) -> int:
+    cfg, r = p.cfg, p.run
+    rank = dist.rank()
+    gqa = attention.install(r.attention, r.machine.cuda)
+    refused = _claim_run_dir(p)
+    if refused is None:  # heartbeats from here on: a rank that dies, stops or hangs ends the job everywhere
+        watchdog.start(p.run_dir, cfg.train.heartbeat_timeout_s, cfg.train.collective_timeout_s)
+    if refused is None and p.resume_from:  # before anything is loaded or moved aside
+        refused = resume.check_intact(p.resume_from, cfg.train.path)
+        if refused:  # this run's own directory: its status says why the resume stopped
+            write_status(p.run_dir, "failed", error=refused, phase="resume", step=p.resume_from.step)
+    if refused:
+        watchdog.close()
+        if rank == 0:
+            print(f"error: {refused}", file=sys.stderr, flush=True)
+        return 1
+    if rank == 0:
+        _announce(p, gqa)
+    dist.barrier()
+    try:
+        with console.rank_log(p.run_dir, rank):  # the traceback goes to logs/rank{N}.log
+            try:
+                rc = _train(p)
+            finally:
+                ulysses.stop()  # sequence parallelism's process-wide state, for a next run in this process
+    except CheckpointError as e:  # a save that could not happen: the same one line on every rank
+        watchdog.failing(e)
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except BaseException as e:
+        watchdog.failing(e)  # ends this process instead when a peer is lost (watchdog.EXIT_LOST)
+        raise
+    watchdog.close()
+    return rc
+
+
+def _announce(p: RunSpec, gqa: str | None) -> None:
+    """Rank 0: the record as one block (and what changed since the run this one resumes), then the run's files."""
+    cfg, r = p.cfg, p.run
+    print("\n".join(r.lines()), flush=True)
+    if gqa:
+        print(f"  attention kv heads: {gqa}", flush=True)
+    if p.resume_from:
+        changed = resolved.saved_changes(p.run_dir, r)
+        if changed:
+            print(f"resume: these settings differ from the run being resumed ({resolved.RECORD}):\n  "
+                  + "\n  ".join(changed), flush=True)
+    write_run_files(p.run_dir, cfg, p.ds, r.versions() | {"path": cfg.train.path})
+    atomic_write(p.run_dir / resolved.RECORD, json.dumps(r.to_dict(), indent=1) + "\n")
+    write_status(p.run_dir, "running")
+    note = breakdown.copy_plan(cfg.train.plan, p.run_dir)
+    if note:
+        print(note, flush=True)
+    if p.resume_from:
+        note = resume.set_aside_newer(p.resume_from, cfg.train.path)
+        if note:
+            print(note, flush=True)
+    if p.autotune:  # train.micro_batch_size=auto: the probes and the choice, reused by a later run
+        atomic_write(p.run_dir / autotune.RECORD, json.dumps(p.autotune, indent=1) + "\n")
+
+
+def _claim_run_dir(p: RunSpec) -> str | None:
+    """Rank 0 decides (nothing is written yet), every rank learns the outcome: the refusal, or None."""
+    outcome: list[str | None] = [None, None]  # [note, error]
+    if dist.rank() == 0:
+        t = p.cfg.train
+        try:
+            outcome[0] = claim_run_dir(p.run_dir, resume=bool(t.resume), overwrite=t.overwrite,
+                                       default=Path(t.run_dir) == Path(DEFAULT_RUN_DIR))
+        except ConfigError as e:
+            outcome[1] = str(e)
+    note, error = dist.broadcast_object(outcome)
+    if note and dist.rank() == 0:
+        print(note, flush=True)
+    return error
+
+
+def _train(p: RunSpec) -> int:
+    cfg, r = p.cfg, p.run
+    rank = dist.rank()
+    # Python/NumPy/torch RNGs: dropout and PEFT's LoRA init draw from them. The HF Trainer seeds on
+    # its own; the raw loop relied on this call, which was missing.
+    dist.seed_all(cfg.train.seed)
+    mem = MemoryMonitor(p.run_dir, rank, p.world_size, dist.local_rank(), every=cfg.memory.every,
+                        spread_warn_gib=cfg.memory.spread_warn_gib, tensorboard=cfg.metrics.tensorboard)
+    tokenizer = build_tokenizer(cfg)
+    pad_id = tokenizer.pad_token_id if tokenizer is not None else p.model_config.pad_token_id or 0
+    rows, eval_rows = build_rows(cfg, p.model_config.vocab_size, pad_id, tokenizer)
+    rows = even_rows(rows, cfg.train.micro_batch_size * cfg.train.grad_accum, p.data_world)
+    if cfg.train.max_steps == 0:  # one epoch of the data actually loaded
+        p.total_steps = steps_per_epoch(len(rows), cfg, p.data_world)
+
+    autotune.inject_fault_for_tests(cfg.train.micro_batch_size)
+    keep_alive = _deepspeed_config_alive(p)  # must exist before the model under ZeRO-3
+    built = build(p)
+    model, sp = built.model, built.sp
+    metrics = metrics_logger(p, model)
+    metrics.memory_reading = mem.reading  # every rank's memory for wandb / mlflow (metrics.report_to)
+    mem.phase_boundary("model_loaded", 0)
+    attn = r.attention
+    collator = Collator(pad_id=pad_id, task=cfg.model.task, drop_full_mask=True, boundaries=attn.boundaries,
+                        whole_rows=attn.whole_rows, multiple_of=cfg.train.sequence_parallel)
+    note = document_note(rows) if rank == 0 else None
+    if note:
+        print(note, flush=True)
+    lengths = None if r.packing or not cfg.data.shuffle else row_lengths(rows)
+    if lengths is not None and rank == 0:
+        print("batches grouped by length (as HF's group_by_length): rows of similar length share a micro-batch",
+              flush=True)
+    order = EpochOrder(len(rows), cfg.train.seed, cfg.data.shuffle, lengths=lengths,
+                       group=cfg.train.micro_batch_size * p.data_world)
+    state = RunState(
+        profiler=StepProfiler(p.run_dir, rank, list(cfg.train.profile_steps)),
+        # whole on every rank under sequence parallelism: no boundaries, so the attention is not sharded
+        fixed_batch=resume.fixed_batch(rows, Collator(pad_id=pad_id, task=cfg.model.task,
+                                                      boundaries=attn.boundaries and sp is None)),
+        evaluate=evaluator(p, eval_rows, collator, metrics, sp), sp=sp, aux_coef=built.aux_coef)
+    watchdog.follow(lambda: (state.phase, state.step))
+    metrics.engine_starting(f"ZeRO-{r.stage}, {cfg.train.path} path, {p.world_size} ranks")
+    step, stopped = 0, False
+    try:
+        with mem.oom_guard(lambda: (state.phase, state.step)):
+            if cfg.train.path == "trainer":
+                engine, step, stopped = run_trainer(p, keep_alive, model, ListDataset(rows), collator, order,
+                                                    metrics, mem, state)
+            else:
+                engine, step, stopped = RawLoop(p, model, ListDataset(rows), collator, order, metrics, mem,
+                                                state).train()
+            state.profiler.close(step)
+            state.phase = "final"
+            _finish(p, engine, tokenizer, rows, pad_id, stopped)
+            if cfg.train.path == "raw":  # the Trainer path's final snapshot comes from MemoryCallback
+                mem.phase_boundary("final", step)
+            breakdown.finish(p.run_dir, rank, mem.run_peaks)
+    except BaseException as e:
+        # A peer that died shows up here as a collective error: the watchdog names it in status.json and
+        # ends this process; otherwise rank 0 writes what it saw.
+        watchdog.failing(e)
+        write_status(p.run_dir, "failed", error=f"{type(e).__name__}: {e}"[:2000], phase=state.phase,
+                     step=state.step)
+        raise
+    finally:
+        with contextlib.suppress(Exception):  # a failed run keeps the window it recorded (no-op when closed)
+            state.profiler.close(state.step)
+        metrics.close()
+        mem.close()
+        state.preempt.close()
+    write_status(p.run_dir, "preempted" if state.preempted else "stopped" if stopped else "completed",
+                 steps=step)
+    if rank == 0:
+        print(closing_summary(metrics.history, p.run_dir, step, p.total_steps, mem.rank_peaks,
+                              cfg.metrics.tensorboard,
+                              "SIGTERM: preempted, checkpoint written" if state.preempted else "train.stop_after"),
+              flush=True)
+    return 0
+
+
+def _deepspeed_config_alive(p: RunSpec) -> Any:
+    """Trainer path: TrainingArguments owns an HfTrainerDeepSpeedConfig; raw path: HfDeepSpeedConfig.
+
+    transformers consults a weak reference to it when building a model, so the object must stay
+    referenced until the engine exists; otherwise ZeRO-3 silently builds the full model per rank.
+    """
+    if p.cfg.train.path == "trainer":
+        return training_args(p)
+    from transformers.integrations import HfDeepSpeedConfig
+
+    return HfDeepSpeedConfig(p.ds)
+
+
+def _finish(p: RunSpec, engine: Any, tokenizer: Any, rows: Rows, pad_id: int, stopped: bool) -> None:
+    cfg = p.cfg
+    if cfg.train.save_probe:
+        _save_probe(p, engine, rows, pad_id)
+    if stopped:
+        return
+    if cfg.eval.generate:
+        from toolkit.runtime.generate import run_eval_generation
+
+        # Every rank calls it: under ZeRO-3 each forward is a collective, like the export below.
+        with compiling.eager():  # compiled layers decode eagerly (toolkit/runtime/speed/compile.py)
+            run_eval_generation(p, engine, tokenizer, rows)
+    if not cfg.train.export:
+        return
+    out = p.run_dir / ("adapter" if cfg.lora.enabled else "export")
+    t0 = time.perf_counter()
+    export_model(engine, out, tokenizer)
+    if dist.rank() == 0:
+        print(f"exported {out} in {time.perf_counter() - t0:.1f}s", flush=True)
+
+
+@torch.no_grad()
+def _save_probe(p: RunSpec, engine: Any, rows: Rows, pad_id: int) -> None:
+    """Logits of the trained engine on two fixed samples, to compare with the exported weights."""
+    collate = Collator(pad_id=pad_id, task=p.cfg.model.task)
+    inputs = {k: v for k, v in collate(rows[:2]).items() if k != "labels"}  # packed rows: position_ids, no mask
+    engine.eval()
+    out = engine(**{k: v.to(dist.device()) for k, v in inputs.items()})
+    if dist.rank() == 0:
+        torch.save({**inputs, "logits": out.logits.float().cpu()}, p.run_dir / "probe.pt")
+    engine.train()

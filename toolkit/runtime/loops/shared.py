@@ -1,0 +1,89 @@
+"""What both paths call the same way: the metrics logger, the held-out evaluator, and the checks after the engine
+exists and after the first step."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from toolkit.launch import dist
+from toolkit.observe.memory import MemoryMonitor
+from toolkit.observe.metrics import (
+    MetricsLogger,
+    TokenCounter,
+    attention_width,
+    count_params,
+    flops_per_token,
+    peak_flops_per_gpu,
+)
+from toolkit.runtime.data.batches import Collator, Rows
+from toolkit.runtime.loops.evaluate import evaluate
+from toolkit.runtime.loops.state import Evaluator
+from toolkit.runtime.model import check_first_loss, check_zero3_leaves, is_preset
+from toolkit.runtime.moe import autoep
+
+if TYPE_CHECKING:
+    from toolkit.runtime.spec import RunSpec
+
+
+def evaluator(p: RunSpec, rows: Rows | None, collate: Collator, metrics: MetricsLogger, sp: Any = None
+              ) -> Evaluator | None:
+    """eval(engine, step, final): the held-out loss every train.eval_every steps and at the end; None
+    without held-out data. Every rank calls it (ZeRO-3 forwards are collectives)."""
+    if rows is None:
+        return None
+    every = p.cfg.train.eval_every
+
+    def run(engine: Any, step: int, final: bool) -> None:
+        if final or (every and step % every == 0 and step < p.total_steps):
+            metrics.log_eval(step, evaluate(engine, rows, collate, p.cfg.train.micro_batch_size, p.cfg.model.task,
+                                            sp))
+
+    return run
+
+
+def metrics_logger(p: RunSpec, model: Any) -> MetricsLogger:
+    """MFU needs FLOPs per token (counted on the built model: ZeRO-3 shards report their full size)
+    and the GPU's peak, known for bf16/fp16 on the GPUs in metrics.GPU_PEAK_TFLOPS or from
+    metrics.peak_tflops; otherwise the lines carry mfu=null."""
+    total, trainable = count_params(model)
+    mc = p.model_config
+    layers = int(getattr(mc, "num_hidden_layers", None) or mc.n_layer)
+    fpt = flops_per_token(total, trainable, layers, attention_width(mc), p.cfg.data.seq_len)
+    name = None if dist.on_cpu() else torch.cuda.get_device_name(dist.local_rank())
+    peak = peak_flops_per_gpu(name, p.precision, p.cfg.metrics.peak_tflops)
+    return MetricsLogger(p.run_dir, p.total_steps, TokenCounter(), flops_per_token=fpt,
+                         peak_flops=None if peak is None else peak * p.world_size,
+                         tensorboard=p.cfg.metrics.tensorboard, report_to=tuple(p.cfg.metrics.report_to),
+                         run_config=p.cfg.to_dict())
+
+
+def first_step(p: RunSpec, step: int, loss: float, mem: MemoryMonitor) -> None:
+    mem.phase_boundary("first_step", step)
+    first_loss_check(p, loss)
+
+
+def leaf_check(model: Any) -> None:
+    """After the engine exists (DeepSpeed marks ZeRO-3 leaf modules during initialize), before step 1."""
+    msg = check_zero3_leaves(model)
+    if msg:
+        raise RuntimeError(msg)
+
+
+def autoep_check(p: RunSpec, model: Any) -> None:
+    """After the engine exists: the MoE layers DeepSpeed's AutoEP replaced (none is an error: its preset did not
+    match the model, and the run would train without expert parallelism)."""
+    if not autoep.enabled(p.ds):
+        return
+    n = autoep.replaced(model)
+    if n == 0:
+        raise RuntimeError(autoep.nothing_replaced(p.ds, model))
+    if dist.rank() == 0:
+        print(f"AutoEP: {n} MoE layers replaced by DeepSpeed's AutoEPMoELayer", flush=True)
+
+
+def first_loss_check(p: RunSpec, loss: float) -> None:
+    msg = check_first_loss(loss, p.model_config.vocab_size, p.cfg.model.task, not is_preset(p.cfg.model.name))
+    if msg:
+        raise RuntimeError(msg)

@@ -1,0 +1,267 @@
+"""The resolved record: every `auto` and every derived setting of a run, decided once, each with its reason.
+
+`spec.build_spec()` calls `resolve_run()` before the process group exists. The two training paths, the planner's
+run settings and `toolkit check --explain` read the record; none of them decides again. Rank 0 prints it as one
+block at the start of a run (`Resolved.lines`) and writes it to run_dir/resolved.json (`Resolved.to_dict`); a
+resumed run compares it with the saved one (`changes`).
+
+The rules themselves are pure and shared with `toolkit plan` (toolkit/plan/speedups.py, liger.py, experts.py,
+attention.plan); what they read of the machine is read once, into `Machine`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from toolkit.config.ds_config import ConfigError, zero_stage
+from toolkit.config.schema import Config, packing
+from toolkit.launch import dist
+from toolkit.plan.experts import ExpertsChoice
+from toolkit.plan.liger import LigerChoice
+from toolkit.plan.speedups import compile_on, leaves_blocked, tiled_loss_on, tiled_loss_tile, tiled_mlp_on
+from toolkit.runtime.attention import AttentionPlan
+from toolkit.runtime.sequence.offload import Plan as OffloadPlan
+
+RECORD = "resolved.json"
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the decisions read of the machine the run is on, read once (`here`), or given (tests, `toolkit check`)."""
+
+    cuda: bool
+    """A CUDA GPU trains (not DS_ACCELERATOR=cpu)."""
+    varlen: bool
+    """torch's variable-length attention kernel is there (CUDA, torch 2.10+)."""
+    liger_types: tuple[str, ...] | None
+    """Model types Liger patches; None: liger-kernel not importable (or no CUDA)."""
+    gpu_bytes: int
+    """One GPU as the run may use it: the whole card, or memory.gpu_limit_gib plus the planner's CUDA context."""
+    host_bytes: float | None
+    """This host's memory (or the container's limit); None if unknown."""
+    ranks_per_node: int
+    capability: tuple[int, int] | None = None
+    """The GPU's (SM major, minor); None without CUDA. float8 needs 8.9+ (speedups.fp8_support_error)."""
+    gpu_name: str = ""
+
+    @classmethod
+    def here(cls, cfg: Config, world_size: int) -> Machine:
+        import torch
+
+        from toolkit.plan.planner import CUDA_CONTEXT_GIB
+        from toolkit.runtime.sequence.offload import host_memory_bytes
+        from toolkit.runtime.speed.kernels import supported_model_types
+
+        cuda = torch.cuda.is_available() and not dist.on_cpu()
+        gpu = 0
+        varlen = False
+        if cuda:
+            from toolkit.runtime.attention.kernels import varlen_available
+
+            varlen = varlen_available(torch.device("cuda"))
+            total = torch.cuda.get_device_properties(dist.local_rank() % torch.cuda.device_count()).total_memory
+            limit = cfg.memory.gpu_limit_gib
+            # dist.gpu_memory_bytes's rule, before the cap exists: the cap plus a context outside it
+            gpu = total if limit <= 0 else min(total, min(total, int(limit * 2**30)) + int(CUDA_CONTEXT_GIB * 2**30))
+        types = supported_model_types() if cuda else None
+        capability, name = (None, "")
+        if cuda:
+            from toolkit.runtime.speed.fp8 import gpu_capability as sm
+
+            capability, name = sm(dist.local_rank())
+        local = os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE")
+        return cls(cuda, varlen, tuple(sorted(types)) if types is not None else None, gpu, host_memory_bytes(),
+                   int(local) if local else world_size, capability and (int(capability[0]), int(capability[1])), name)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A run's settings as it will run them, each with the reason (the `*_why` fields and the plans' notes)."""
+
+    world_size: int
+    stage: int
+    precision: str
+    precision_why: str
+    fp8: str | None
+    """train.precision=fp8: the float8 recipe (precision is then bf16, DeepSpeed's mode)."""
+    adapter_autocast: bool
+    micro_batch: int
+    grad_accum: int
+    batch_why: str
+    total_steps: int | None
+    """None until a data file is tokenized (train.max_steps=0: one epoch)."""
+    packing: bool
+    packing_why: str
+    attention: AttentionPlan
+    compile: bool
+    compile_why: str
+    compile_note: str | None
+    """ZeRO-3 under compile: what was done to DeepSpeed's linear (speed.compile.plain_linear), or None."""
+    zero3_leaves: bool
+    """The decoder layers may be ZeRO-3 leaf modules when compiled (speedups.leaves_blocked)."""
+    tiled_mlp: bool
+    tiled_mlp_why: str
+    tiled_loss: bool
+    tiled_loss_why: str
+    tiled_loss_tile: int
+    liger: LigerChoice
+    experts: ExpertsChoice | None
+    activation_offload: OffloadPlan
+    machine: Machine
+
+    def lines(self) -> list[str]:
+        """The block a run prints at its start (and `toolkit check --explain`)."""
+        world = f"{self.world_size} rank{'s' * (self.world_size > 1)}"
+        out = [f"resolved settings ({RECORD} in the run dir; `toolkit check --explain` shows them without launching):",
+               f"  ZeRO-{self.stage}, {world}, {self.precision} ({self.precision_why})"
+               + (f", float8 {self.fp8}" if self.fp8 else "")
+               + (", LoRA adapters in fp32 under autocast" if self.adapter_autocast else ""),
+               f"  batch: {self.batch_why}",
+               f"  {self.packing_why}; {self.attention.note}",
+               f"  {self.liger.describe()}"]
+        if self.experts is not None:
+            out.append(f"  {self.experts.describe()}")
+        out.append(f"  torch.compile: {'on' if self.compile else 'off'} ({self.compile_why})")
+        if self.compile_note:
+            out.append(f"  {self.compile_note}")
+        out.append(f"  MLP tiled over the sequence: {'on' if self.tiled_mlp else 'off'} ({self.tiled_mlp_why})")
+        tile = f"; tiles of {self.tiled_loss_tile:,} tokens" if self.tiled_loss else ""
+        out.append(f"  logits and loss tiled over the sequence: {'on' if self.tiled_loss else 'off'} "
+                   f"({self.tiled_loss_why}{tile})")
+        out.append(f"  {self.activation_offload.describe()}")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["liger"]["external_head"] = self.liger.external_head
+        return d
+
+    def versions(self) -> dict[str, Any]:
+        """The decisions versions.json has always carried (toolkit report and older tools read them there)."""
+        return {"world_size": self.world_size, "precision": self.precision, "adapter_autocast": self.adapter_autocast,
+                "liger": self.liger.kwargs, "liger_note": self.liger.describe(), "packing": self.packing,
+                "attention": self.attention.implementation, "attention_note": self.attention.note,
+                "tiled_mlp": self.tiled_mlp, "activation_offload": self.activation_offload.describe(),
+                "compile": self.compile, "compile_note": self.compile_why, "fp8": self.fp8,
+                "experts_note": self.experts.describe() if self.experts else None}
+
+
+def changes(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:
+    """What differs between a saved record and this run's, one `key: before -> now` per leaf (the machine's
+    figures included: another GPU or host is worth a line too)."""
+    out = []
+    for key in sorted(set(saved) | set(now)):
+        a, b = saved.get(key), now.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += changes(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return out
+
+
+def precision_of_run(cfg: Config, pinned: str | None, machine_cuda: bool) -> tuple[str, str]:
+    """(DeepSpeed's precision mode, why): train.precision, the JSON's pinned mode, or auto for the machine."""
+    t = cfg.train
+    if t.precision == "fp8":  # float8 matmuls inside DeepSpeed's bf16 mode
+        if pinned not in (None, "bf16"):
+            raise ConfigError(f"train.precision=fp8 trains in DeepSpeed's bf16 mode; {t.ds_config} pins "
+                              f"{pinned}: set bf16.enabled to \"auto\" or true")
+        return "bf16", "train.precision=fp8: float8 matmuls in DeepSpeed's bf16 mode"
+    if t.precision != "auto":
+        return t.precision, f"train.precision={t.precision}"
+    if pinned is not None:
+        return pinned, f"train.precision=auto: {t.ds_config} enables {pinned}"
+    if not machine_cuda:
+        return "fp32", "train.precision=auto: CPU ranks"
+    import torch
+
+    if torch.cuda.is_bf16_supported():
+        return "bf16", "train.precision=auto: the GPU supports bf16"
+    return "fp32", "train.precision=auto: the GPU has no bf16"
+
+
+def compile_choice(cfg: Config, ds: dict[str, Any], cuda: bool, steps: int | None) -> tuple[bool, str]:
+    """train.compile with auto resolved (speedups.compile_on); also what `train.micro_batch_size=auto` probes run."""
+    return compile_on(cfg.train.compile, cuda=cuda, steps=steps, fp8=cfg.train.precision == "fp8",
+                      stage=zero_stage(ds), no_leaves=leaves_blocked(lora=bool(cfg.lora.enabled), ds=ds))
+
+
+def tiled_mlp_choice(cfg: Config) -> tuple[bool, str]:
+    return tiled_mlp_on(cfg.model.tiled_mlp, cfg.data.seq_len, cfg.train.sequence_parallel)
+
+
+def resolve_run(cfg: Config, ds: dict[str, Any], model_config: Any, world: int, *, precision: tuple[str, str],
+            adapter_autocast: bool, total_steps: int | None, machine: Machine) -> Resolved:
+    """The one place a run's settings are decided. ds: the resolved DeepSpeed dict (under compile at ZeRO-3 this
+    sets memory_efficient_linear in it, before the model is built). ConfigError: a choice that cannot run here."""
+    from toolkit.runtime import attention, moe
+    from toolkit.runtime.model import hidden_size
+    from toolkit.runtime.speed.compile import plain_linear
+
+    t, m = cfg.train, cfg.model
+    stage = zero_stage(ds)
+    fp8 = t.fp8_recipe if t.precision == "fp8" else None
+    compiled, compile_why = compile_choice(cfg, ds, machine.cuda, total_steps)
+    tiled, tiled_why = tiled_mlp_choice(cfg)
+    if tiled and compiled and t.compile == "auto":  # correct compiled (tests), speed not measured
+        compiled, compile_why = False, ("train.compile=auto with tiled MLPs: their compiled speed is not measured "
+                                        "yet; train.compile=torch compiles")
+    compile_note = plain_linear(ds) if compiled and stage == 3 else None
+    from toolkit.plan.liger import choose
+
+    fused = moe.fused_loss_setting(cfg, model_config, ds, world, compiled, tiled, machine.gpu_bytes)
+    liger = choose(m.liger, cuda=machine.cuda, model_type=model_config.model_type, task=m.task, stage=stage,
+                   supported=frozenset(machine.liger_types) if machine.liger_types is not None else None,
+                   fused_loss=fused[0], compiled=compiled, fused_off_reason=fused[1])
+    experts = moe.choose_path(cfg, model_config, liger)
+    if experts is not None:
+        liger = moe.with_experts(liger, experts, model_config.model_type)
+    packed, packing_why = packing(cfg)
+    attn = attention.plan(m.attn_implementation, m.task, packed, machine.cuda, machine.cuda and machine.varlen,
+                          t.sequence_parallel)
+    loss_on, loss_why = tiled_loss_on(m.tiled_loss, fused_loss=bool(liger.kwargs.get("fused_linear_cross_entropy")),
+                                      tokens=cfg.data.seq_len // t.sequence_parallel, causal_lm=m.task == "causal_lm",
+                                      moe=moe.is_moe(model_config))
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    micro = t.micro_batch_size
+    offloading = _activation_offload(cfg, text, hidden_size(text), micro, machine)
+    ranks = world // t.sequence_parallel
+    groups = f"{ranks} sequence-parallel groups" if t.sequence_parallel > 1 else f"{ranks} rank{'s' * (ranks > 1)}"
+    batch_why = (f"micro {micro} x grad_accum {t.grad_accum} x {groups} = {micro * t.grad_accum * ranks} sequences "
+                 f"of {cfg.data.seq_len:,} tokens; {total_steps if total_steps is not None else 'one epoch of'} steps")
+    return Resolved(world, stage, precision[0], precision[1], fp8, adapter_autocast, micro, t.grad_accum, batch_why,
+                    total_steps, packed, packing_why, attn, compiled, compile_why, compile_note,
+                    stage == 3 and leaves_blocked(lora=bool(cfg.lora.enabled), ds=ds) is None, tiled, tiled_why,
+                    loss_on, loss_why, tiled_loss_tile(model_config.vocab_size), liger, experts, offloading, machine)
+
+
+def _activation_offload(cfg: Config, text: Any, hidden: int, micro: int, machine: Machine) -> OffloadPlan:
+    """model.activation_offload: one micro-batch's tokens on a rank against its GPU, then pinned or pageable host
+    buffers against its host (speedups.activation_offload_on / offload_pinned, which `toolkit plan` also uses)."""
+    from toolkit.plan.speedups import activation_offload_on, offload_pinned
+
+    setting = cfg.model.activation_offload
+    layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+    tokens = micro * cfg.data.seq_len // cfg.train.sequence_parallel
+    on, why = activation_offload_on(setting, grad_ckpt=cfg.model.gradient_checkpointing, cuda=machine.cuda,
+                                    layers=layers, hidden=hidden, tokens=tokens, gpu_bytes=machine.gpu_bytes)
+    if not on:
+        return OffloadPlan(False, why)
+    pinned, pinned_why = offload_pinned(layers=layers, layer_bytes=2.0 * hidden * tokens,
+                                        ranks_per_node=machine.ranks_per_node, host_bytes=machine.host_bytes,
+                                        setting=setting)
+    return OffloadPlan(True, why, pinned, pinned_why, layers)
+
+
+def saved_changes(run_dir: Any, now: Resolved) -> list[str]:
+    """A resumed run's record against the one its run dir holds: the differences, [] when none or none saved."""
+    import json
+    from pathlib import Path
+
+    path = Path(run_dir) / RECORD
+    with contextlib.suppress(OSError, ValueError):
+        return changes(json.loads(path.read_text()), json.loads(json.dumps(now.to_dict())))
+    return []
