@@ -98,17 +98,17 @@ def tree_hash(root):  # what code ran: the tree's toolkit/ sources
 runs = []
 for d in sorted(work.iterdir(), key=lambda p: int(p.name.split("-")[0])):
     i, arm = d.name.split("-", 1)
-    row = {"run": int(i), "arm": arm}
+    spec = json.loads(next(d.glob("*.json")).read_text()) if list(d.glob("*.json")) else {}  # speed.py's row
+    row = {"run": int(i), "arm": arm, "rc": spec.get("rc"), "wall_s": spec.get("wall_s")}
     metrics = sorted(d.glob("*/metrics.jsonl"))
     if not metrics:
-        row["error"] = "no metrics.jsonl"
+        row["error"] = "no metrics.jsonl" + (f" ({spec['error']})" if spec.get("error") else "")
         runs.append(row)
         continue
     lines = [json.loads(x) for x in metrics[0].read_text().splitlines() if x.strip()]
     steps = [r for r in lines if r.get("tokens_per_s") is not None]  # eval lines carry no tokens_per_s
     timed = [r for r in steps if r["step"] > warmup]
-    spec = json.loads(next(d.glob("*.json")).read_text()) if list(d.glob("*.json")) else {}
-    row |= {"rc": spec.get("rc"), "wall_s": spec.get("wall_s"), "steps_timed": len(timed),
+    row |= {"steps_timed": len(timed),
             "tokens_per_s": [round(r["tokens_per_s"], 1) for r in timed],
             "step_time_s": [round(r["step_time_s"], 4) for r in timed],
             "median_tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in timed), 1) if timed else None,

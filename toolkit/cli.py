@@ -64,6 +64,14 @@ def _cmd_gen_config(args: argparse.Namespace) -> int:
 def _cmd_check(args: argparse.Namespace) -> int:
     from toolkit.config.checks import run_check
 
+    if args.explain:
+        from toolkit.runtime.spec import explain
+
+        return explain(args.config, args.file, args.overrides, args.world_size, args.json)
+    if args.overrides or args.config:
+        print("error: --config and section.key=value overrides go with --explain", file=sys.stderr)
+        return 2
+
     if args.model and args.sequence_parallel > 1:  # the model's heads, for the sequence-parallel rules
         from toolkit.config.schema import load_config
         from toolkit.runtime.model import model_config
@@ -135,7 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "ZeRO stage and, with --model, the model's heads and --seq-len")
     c.add_argument("--model", default=None, help="with --sequence-parallel: model.name (a preset or a local directory)")
     c.add_argument("--seq-len", type=_positive_int, default=None, help="with --sequence-parallel: data.seq_len")
-    c.add_argument("--json", action="store_true", help="print findings as a JSON list")
+    c.add_argument("--json", action="store_true", help="print findings as a JSON list (with --explain: the record)")
+    c.add_argument("--explain", action="store_true",
+                   help="resolve the whole run as toolkit/train.py would for this DeepSpeed config, --config, the "
+                        "overrides and --world-size, on this machine, and print every setting with its reason "
+                        "(the block a run prints first; --json: its resolved.json); nothing is launched")
+    c.add_argument("--config", default=None, help="with --explain: the training YAML")
+    c.add_argument("overrides", nargs="*", help="with --explain: section.key=value, as toolkit/train.py takes them")
     c.set_defaults(func=_cmd_check)
 
     r = sub.add_parser("report", help="tables and a plot of one run, or several runs compared",
@@ -164,7 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # `toolkit check DS --explain --world-size 2 train.lr=1e-4`: overrides after an option are positionals argparse
+    # has already closed; they are the explain's overrides, anything else stays an error
+    args, extra = parser.parse_known_args(argv)
+    if extra and not (getattr(args, "explain", False) and all("=" in x and not x.startswith("-") for x in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -20,6 +20,7 @@ import argparse
 from toolkit.config.ds_config import ConfigError
 from toolkit.config.schema import load_config
 from toolkit.launch import dist
+from toolkit.observe import console
 from toolkit.runtime.spec import build_spec, read_inputs
 
 
@@ -35,6 +36,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     notes = dist.prepare_env()  # before deepspeed is imported anywhere
+    console.quiet_third_party()  # Liger's warnings about kernel backends for other hardware: the rank logs only
     main_rank = dist.rank() == 0
     try:
         cfg = load_config(args.config, args.overrides)

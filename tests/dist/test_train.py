@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -167,6 +168,27 @@ def test_every_stage_and_offload_completes(runs: Path, path: str, stage: str) ->
     assert resolved["train_batch_size"] == 4 * 1 * 2
     # random init starts near ln(vocab): uninitialized ZeRO-3 weights would start far above it
     assert abs(losses(d)[0] - math.log(1000)) <= 0.1 * math.log(1000)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["trainer-chat-varlen", "raw-lora-bf16-zero3", "raw-chat-gc-lora-varlen",
+                                  "trainer-zero3_offload"])
+def test_toolkit_check_explain_prints_the_record_the_run_wrote(runs: Path, name: str) -> None:
+    """`toolkit check DS --explain --json` for a run's config and world size resolves, without launching, exactly the
+    record the run wrote to resolved.json (and the block it printed first is the same record's lines)."""
+    argv = next(r["argv"] for r in _runs_argv(runs) if r["name"] == name)
+    ds, overrides = argv[1], argv[2:]
+    out = subprocess.run([sys.executable, "-m", "toolkit", "check", ds, "--explain", "--json", "--world-size", "2",
+                          *overrides], capture_output=True, text=True, timeout=240, cwd=ROOT,
+                         env=os.environ | {"DS_ACCELERATOR": "cpu", "TOOLKIT_CACHE": str(runs / "cache")})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    printed = json.loads(out.stdout[out.stdout.index("{"):])
+    assert printed == json.loads((runs / name / "resolved.json").read_text())
+    assert f"  torch.compile: off ({printed['compile_why']})" in (runs / "launch.log").read_text()
+
+
+def _runs_argv(runs: Path) -> list[dict]:
+    return json.loads((runs / "launch.json").read_text())
 
 
 @pytest.mark.timeout(60)

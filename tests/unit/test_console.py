@@ -52,3 +52,21 @@ def test_rank_log_keeps_the_traceback(tmp_path: Path) -> None:
         raise ValueError("boom")
     text = log_path(tmp_path, 0).read_text()
     assert "Traceback" in text and "ValueError: boom" in text
+
+
+def test_liger_backend_warnings_reach_the_rank_log_not_the_console(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                                                    ) -> None:
+    """Liger logs a warning per kernel backend it cannot import (cutedsl, ascend) on every rank: held until the rank
+    log exists, then written there; nothing on the console."""
+    import logging
+
+    from toolkit.observe import console
+
+    console.quiet_third_party()
+    logging.getLogger("liger_kernel.backends.registry").warning("Backend impl '_cutedsl' could not be imported")
+    with console.rank_log(tmp_path, 0):
+        logging.getLogger("liger_kernel.backends.registry").warning("Backend impl '_ascend' could not be imported")
+    out = capsys.readouterr()
+    assert "Backend impl" not in out.out + out.err
+    log = console.log_path(tmp_path, 0).read_text()
+    assert "'_cutedsl' could not" in log and "'_ascend' could not" in log

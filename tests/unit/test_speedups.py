@@ -121,9 +121,11 @@ def test_fp8_is_refused_before_launch_in_one_line() -> None:
 def test_fp8_trains_in_deepspeeds_bf16_mode_and_refuses_a_json_that_pins_fp16() -> None:
     from toolkit.config.ds_config import precision_of
     from toolkit.config.schema import load_config
-    from toolkit.runtime.resolved import precision_of_run
+    from toolkit.runtime.resolved import Machine, precision_of_run
 
     cfg = load_config(None, ["train.precision=fp8"])
-    assert precision_of_run(cfg, precision_of({"bf16": {"enabled": "auto"}}), True)[0] == "bf16"
+    gpu = Machine(cuda=True, varlen=True, liger_types=(), gpu_bytes=80 * 2**30, host_bytes=None, ranks_per_node=1,
+                  bf16=True)
+    assert precision_of_run(cfg, precision_of({"bf16": {"enabled": "auto"}}), gpu)[0] == "bf16"
     with pytest.raises(ConfigError, match="pins fp16"):
-        precision_of_run(cfg, precision_of({"fp16": {"enabled": True}}), True)
+        precision_of_run(cfg, precision_of({"fp16": {"enabled": True}}), gpu)

@@ -3,12 +3,13 @@
 Every warning raised while ``rank_log`` is active is appended, in full, to
 ``run_dir/logs/rank{N}.log``; only the ones a user can act on are also printed. A failure's
 traceback is appended too, so the rank that broke says why even when its console output was lost
-among the other ranks'.
+among the other ranks'. Records of the third-party loggers in NOISY_LOGGERS go there too, never to the screen.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import re
@@ -34,6 +35,40 @@ KNOWN_NOISE: tuple[re.Pattern[str], ...] = (
     # accelerate on CPU sets OMP/MKL threads to 2 per process itself and says so on every rank.
     re.compile(r"OMP_NUM_THREADS/MKL_NUM_THREADS unset"),
 )
+
+
+# Third-party loggers whose records need nothing from the user. Liger (0.8) logs a warning for every kernel backend
+# it cannot import (cutedsl, ascend, cutile: other hardware or packages not installed) on every rank, before the
+# lines that matter. `quiet_third_party()` keeps their records (in memory until a rank log exists, then in it).
+NOISY_LOGGERS: tuple[str, ...] = ("liger_kernel",)
+
+
+class _RankLogHandler(logging.Handler):
+    """Records of NOISY_LOGGERS: held until `rank_log` names a file, then appended there, never printed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.path: Path | None = None
+        self.held: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = f"{record.levelname} {record.name}: {record.getMessage()}"
+        if self.path is None:
+            self.held.append(text)
+        else:
+            _append(self.path, text)
+
+
+_NOISE_HANDLER = _RankLogHandler()
+
+
+def quiet_third_party() -> None:
+    """Route NOISY_LOGGERS away from the console (idempotent); call before they are imported."""
+    for name in NOISY_LOGGERS:
+        log = logging.getLogger(name)
+        if _NOISE_HANDLER not in log.handlers:
+            log.addHandler(_NOISE_HANDLER)
+        log.propagate = False
 
 
 def is_third_party_noise(category: type[Warning], filename: str, message: Warning | str) -> bool:
@@ -90,6 +125,10 @@ def rank_log(run_dir: Path, rank: int) -> Iterator[Path]:
             previous(message, category, filename, lineno, file, line)
 
     warnings.showwarning = show
+    _NOISE_HANDLER.path = path
+    for text in _NOISE_HANDLER.held:
+        _append(path, text)
+    _NOISE_HANDLER.held.clear()
     try:
         yield path
     except BaseException:
@@ -97,3 +136,4 @@ def rank_log(run_dir: Path, rank: int) -> Iterator[Path]:
         raise
     finally:
         warnings.showwarning = previous
+        _NOISE_HANDLER.path = None

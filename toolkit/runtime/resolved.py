@@ -43,6 +43,8 @@ class Machine:
     host_bytes: float | None
     """This host's memory (or the container's limit); None if unknown."""
     ranks_per_node: int
+    bf16: bool = False
+    """The GPU computes in bf16 (what train.precision=auto picks there)."""
     capability: tuple[int, int] | None = None
     """The GPU's (SM major, minor); None without CUDA. float8 needs 8.9+ (speedups.fp8_support_error)."""
     gpu_name: str = ""
@@ -74,7 +76,8 @@ class Machine:
             capability, name = sm(dist.local_rank())
         local = os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE")
         return cls(cuda, varlen, tuple(sorted(types)) if types is not None else None, gpu, host_memory_bytes(),
-                   int(local) if local else world_size, capability and (int(capability[0]), int(capability[1])), name)
+                   int(local) if local else world_size, cuda and torch.cuda.is_bf16_supported(),
+                   capability and (int(capability[0]), int(capability[1])), name)
 
 
 @dataclass(frozen=True)
@@ -162,7 +165,7 @@ def changes(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> lis
     return out
 
 
-def precision_of_run(cfg: Config, pinned: str | None, machine_cuda: bool) -> tuple[str, str]:
+def precision_of_run(cfg: Config, pinned: str | None, machine: Machine) -> tuple[str, str]:
     """(DeepSpeed's precision mode, why): train.precision, the JSON's pinned mode, or auto for the machine."""
     t = cfg.train
     if t.precision == "fp8":  # float8 matmuls inside DeepSpeed's bf16 mode
@@ -174,11 +177,9 @@ def precision_of_run(cfg: Config, pinned: str | None, machine_cuda: bool) -> tup
         return t.precision, f"train.precision={t.precision}"
     if pinned is not None:
         return pinned, f"train.precision=auto: {t.ds_config} enables {pinned}"
-    if not machine_cuda:
+    if not machine.cuda:
         return "fp32", "train.precision=auto: CPU ranks"
-    import torch
-
-    if torch.cuda.is_bf16_supported():
+    if machine.bf16:
         return "bf16", "train.precision=auto: the GPU supports bf16"
     return "fp32", "train.precision=auto: the GPU has no bf16"
 

@@ -90,7 +90,7 @@ def build_spec(inputs: RunInputs, machine: Machine | None = None) -> RunSpec:
     t = cfg.train
     trackers.check(cfg.metrics.report_to)  # a missing wandb/mlflow is one line here, not a rank-0 crash later
     machine = machine or Machine.here(cfg, world)
-    precision_why = precision_of_run(cfg, precision_of(ds_raw), machine.cuda)
+    precision_why = precision_of_run(cfg, precision_of(ds_raw), machine)
     precision = precision_why[0]
     if t.precision == "fp8":
         from toolkit.runtime.speed import fp8
@@ -238,3 +238,26 @@ def _run_checks(ds: dict[str, Any], cfg: Config, world: int) -> list[str]:
         lines = "\n  ".join(f"{f.key}: {f.message}" for f in errors)
         raise ConfigError(f"{cfg.train.ds_config} will not run (toolkit check):\n  {lines}")
     return [f"warning: {f.key}: {f.message}" for f in findings if f.level == "warning"]
+
+
+def explain(config: str | None, ds: str, overrides: list[str], world_size: int, as_json: bool = False) -> int:
+    """`toolkit check DS --explain`: the run's resolved record for a training config and world size, on this
+    machine, without launching (the block a run prints first; --json: what it writes to resolved.json)."""
+    from toolkit.config.schema import load_config
+
+    notes = dist.prepare_env()  # the accelerator the run would pick (CPU ranks where no GPU is)
+    try:
+        cfg = load_config(config, overrides)
+        cfg.train.ds_config = ds
+        if cfg.train.micro_batch_size == "auto":
+            raise ConfigError("train.micro_batch_size=auto is found by probes at launch; give a number here (toolkit "
+                              "plan predicts which fit) to see the rest of the run's settings")
+        spec = build_spec(read_inputs(cfg, world_size))
+    except ConfigError as e:
+        print(f"error: {e}")
+        return 1
+    if as_json:
+        print(json.dumps(spec.run.to_dict(), indent=1))
+        return 0
+    print("\n".join([*notes, *spec.warnings, *spec.run.lines()]))
+    return 0
