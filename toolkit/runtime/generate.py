@@ -252,7 +252,6 @@ def eval_prompts(rows: list[dict[str, Any]], n: int) -> list[list[int]]:
 
 def run_eval_generation(p: RunSpec, engine: Any, tokenizer: Any | None, rows: list[dict[str, Any]]) -> None:
     """eval.generate at the end of training; all ranks call, rank 0 writes run_dir/generations.jsonl."""
-    from toolkit.config.ds_config import zero_stage
 
     cfg = p.cfg
     if cfg.model.task != "causal_lm":
