@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from toolkit import __version__
 from toolkit.config.ds_config import CONSUMERS, DEFAULT_TARGETS  # pure dict code: no torch, fast
@@ -95,8 +96,20 @@ def _cmd_env(args: argparse.Namespace) -> int:
     return run_env(args)
 
 
+class _Parser(argparse.ArgumentParser):
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        # `toolkit check DS --explain --world-size 2 train.lr=1e-4`: overrides after an option are positionals
+        # argparse has already closed; they are the explain's overrides, anything else stays an error
+        ns, extra = self.parse_known_args(args, namespace)
+        if extra and not (getattr(ns, "explain", False) and all("=" in x and not x.startswith("-") for x in extra)):
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        if extra:
+            ns.overrides = [*ns.overrides, *extra]
+        return ns
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="toolkit", description="DeepSpeed ZeRO training toolkit")
+    parser = _Parser(prog="toolkit", description="DeepSpeed ZeRO training toolkit")
     parser.add_argument("--version", action="version", version=f"toolkit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -178,13 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    # `toolkit check DS --explain --world-size 2 train.lr=1e-4`: overrides after an option are positionals argparse
-    # has already closed; they are the explain's overrides, anything else stays an error
-    args, extra = parser.parse_known_args(argv)
-    if extra and not (getattr(args, "explain", False) and all("=" in x and not x.startswith("-") for x in extra)):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if extra:
-        args.overrides = [*args.overrides, *extra]
+    args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -103,3 +103,22 @@ def test_packages_import_downwards() -> None:
 
 def test_cycle_finder_finds_a_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_runtime_folder_holds_more_than_twelve_modules() -> None:
+    """runtime/ is grouped by capability (data, faults, speed, loops, attention, sequence, moe): a folder that grows
+    past twelve modules wants a sub-package."""
+    folders = {p.parent for p in (PKG / "runtime").rglob("*.py")}
+    crowded = {str(f.relative_to(PKG)): n for f in folders if (n := len(list(f.glob("*.py")))) > 12}
+    assert crowded == {}
+
+
+def test_inside_runtime_nothing_points_up_to_the_loops() -> None:
+    """The two paths (runtime/loops) sit on top of runtime's other packages: nothing in runtime imports them, and the
+    record (runtime/resolved.py) imports none of the modules that apply it, so it decides without side effects."""
+    g = graph()
+    up = [f"{m} -> {d}" for m, deps in g.items() if m.startswith("toolkit.runtime.") and
+          not m.startswith("toolkit.runtime.loops") for d in deps if d.startswith("toolkit.runtime.loops")]
+    assert up == []
+    assert not {d for d in g["toolkit.runtime.resolved"] if d.startswith(("toolkit.runtime.loops",
+                                                                           "toolkit.runtime.faults"))}
