@@ -147,5 +147,5 @@ md += ["", f"new / old: **{doc['new_over_old']}x**" if doc["new_over_old"] else 
 (out / "refactor_ab.md").write_text("\n".join(md) + "\n")
 print("\n".join(md))
 EOF
-tar czf "$out/logs.tgz" --exclude='*.pt' --exclude='checkpoints' --exclude='*.safetensors' -C "$work" . "$out/prebuild.log" 2>/dev/null
+tar czf "$out/logs.tgz" --exclude='*.pt' --exclude='checkpoints' --exclude='*.safetensors' -C "$work" . -C "$out" prebuild.log 2>/dev/null
 rm -f "$out/prebuild.log"
