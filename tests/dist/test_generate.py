@@ -161,7 +161,7 @@ def _train_args(ds: Path, run_dir: Path, *extra: str) -> list[str]:
 
 
 def _expected_prompts() -> list[list[int]]:
-    """What loop._finish must use: the masked prefix of the first 3 training rows."""
+    """What loops/run.py _finish must use: the masked prefix of the first 3 training rows."""
     from toolkit.config.schema import load_config
     from toolkit.runtime.data.batches import build_rows, even_rows
     from toolkit.runtime.generate import eval_prompts

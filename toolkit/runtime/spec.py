@@ -2,9 +2,9 @@
 
 parse -> Config -> `read_inputs()`: the DeepSpeed JSON loaded, the model's HF config derived and the world
 size read, once -> (`train.micro_batch_size=auto` chooses from these) -> `build_spec()`: checks (one clear
-error, no hang), precision, the resolved DeepSpeed dict (no "auto" left), the step count. train.py builds
-it; loop.py and generate.py consume it and re-read none of its inputs; keeping it here keeps those three
-from importing each other.
+error, no hang), precision, the resolved DeepSpeed dict (no "auto" left), the step count, then every other
+setting resolved once into the record (runtime/resolved.py). train.py builds it; the loops (runtime/loops/) and
+generate.py consume it and re-read none of its inputs; keeping it here keeps those three from importing each other.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def build_spec(inputs: RunInputs, machine: Machine | None = None) -> RunSpec:
     warnings = notes + _run_checks(ds_raw, cfg, world) + _single_gpu_zero3(ds_raw, world)
     check_data_file(cfg)
     # max_steps=0 means one epoch: known here for synthetic data, after tokenizing for a file
-    # (loop.run fills it then; a DeepSpeed scheduler "auto" needing it is reported as unfillable).
+    # (loops/run.py fills it then; a DeepSpeed scheduler "auto" needing it is reported as unfillable).
     synthetic = cfg.data.source == "synthetic"
     total = t.max_steps or (steps_per_epoch(cfg.data.num_samples, cfg, world) if synthetic else None)
     if t.profile_steps and total and t.profile_steps[0] > total:

@@ -45,7 +45,7 @@ def training_args(p: RunSpec) -> Any:
         bf16=p.precision == "bf16" and not p.adapter_autocast, fp16=p.precision == "fp16",
         seed=t.seed, data_seed=t.seed, report_to=[], disable_tqdm=True, dataloader_drop_last=True,
         remove_unused_columns=False, deepspeed=p.ds, use_cpu=dist.on_cpu(), ddp_timeout=t.collective_timeout_s,
-        # train.compile compiles the decoder layers before the Trainer exists (loop._fp8_and_compile); the
+        # train.compile compiles the decoder layers before the Trainer exists (loops/build.py); the
         # Trainer's own torch_compile would compile the whole engine again (and turn TF32 on globally)
         torch_compile=False,
         **{f"dataloader_{k}": v for k, v in loader_kwargs().items()},

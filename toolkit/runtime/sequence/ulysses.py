@@ -14,7 +14,7 @@ Written here rather than taken from DeepSpeed whole, and why:
   (batch, seq): the boundaries (1-D) break it. Here the ranks of a group draw the same batch (the sampler
   deals by data-parallel rank) and each keeps its slice: no exchange of data at all.
 The loss needs nothing extra: the toolkit's loss is a sum over target tokens divided by the global count
-(loop.py), so each rank's slice contributes its own tokens, a slice without targets contributes 0 (no NaN),
+(loops/raw.py), so each rank's slice contributes its own tokens, a slice without targets contributes 0 (no NaN),
 and DeepSpeed sums gradients over a group and averages over the data-parallel ranks.
 
 The HF Trainer path runs the same attention and slices, dealt by GroupOrder and cut by ShardingCollator. Its
