@@ -257,7 +257,7 @@ def _probe(cfg: Config, argv: list[str], micro: int, accum: int, run_dir: Path, 
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     out = run_dir.parent / f"micro{micro}.rank{dist.rank()}.log"
     with out.open("w") as log:
-        child = subprocess.Popen([sys.executable, "-u", str(Path(__file__).resolve().parents[1] / "train.py"), *argv, *over],
+        child = subprocess.Popen([sys.executable, "-u", str(Path(__file__).resolve().parents[2] / "train.py"), *argv, *over],
                                  env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + cfg.train.collective_timeout_s + 600  # start-up, then PROBE_STEPS steps
     outcome = "ok"
