@@ -1,0 +1,66 @@
+"""Preference losses against the papers' formulas written here, and chunked selected-token log-probs against a whole
+log-softmax (values and gradients)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from toolkit.runtime.objectives.logprobs import IGNORE, selected_logprobs
+from toolkit.runtime.objectives.losses import PairLogps, pair_loss
+
+
+def _logps(seed: int) -> PairLogps:
+    g = torch.Generator().manual_seed(seed)
+    tokens_c, tokens_r = torch.tensor([3.0, 7.0, 5.0]), torch.tensor([4.0, 2.0, 9.0])
+    return PairLogps(-torch.rand(3, generator=g) * tokens_c, -torch.rand(3, generator=g) * tokens_r, tokens_c, tokens_r)
+
+
+def test_each_objective_matches_its_papers_formula() -> None:
+    pol, ref = _logps(0), _logps(1)
+    beta, ls, gamma = 0.1, 0.1, 0.5
+    for i in range(3):
+        pc, pr, rc, rr = (float(x[i]) for x in (pol.chosen, pol.rejected, ref.chosen, ref.rejected))
+        nc, nr = float(pol.chosen_tokens[i]), float(pol.rejected_tokens[i])
+        u = beta * ((pc - rc) - (pr - rr))
+        sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+        dpo = -(1 - ls) * math.log(sig(u)) - ls * math.log(sig(-u))
+        ipo = ((pc / nc - rc / nc) - (pr / nr - rr / nr) - 1 / (2 * beta)) ** 2
+        simpo = -math.log(sig(beta * (pc / nc - pr / nr) - gamma))
+        ac, ar = pc / nc, pr / nr
+        odds = math.log(math.exp(ac) / (1 - math.exp(ac))) - math.log(math.exp(ar) / (1 - math.exp(ar)))
+        orpo = -ac - beta * math.log(sig(odds))
+        got = {o: float(pair_loss(o, pol, ref, beta=beta, label_smoothing=ls if o == "dpo" else 0.0,
+                                  simpo_gamma=gamma).loss[i]) for o in ("dpo", "ipo", "simpo", "orpo")}
+        assert got == pytest.approx({"dpo": dpo, "ipo": ipo, "simpo": simpo, "orpo": orpo}, rel=1e-5)
+
+
+def test_dpo_starts_at_ln2_when_policy_is_reference() -> None:
+    pol = _logps(3)
+    out = pair_loss("dpo", pol, pol, beta=0.1)
+    assert out.loss.tolist() == pytest.approx([math.log(2)] * 3)
+    assert out.margins.abs().max() == 0
+    with pytest.raises(ValueError, match="reference"):
+        pair_loss("dpo", pol, None, beta=0.1)
+    with pytest.raises(ValueError, match="one of"):
+        pair_loss("kto", pol, None, beta=0.1)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_chunked_logprobs_equal_a_whole_log_softmax_with_gradients(chunk: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(10, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 50, (10,), generator=g)
+    labels[[0, 4]] = IGNORE
+    whole = F.log_softmax(hidden @ weight.t(), -1).gather(1, labels.clamp(min=0)[:, None]).squeeze(1)
+    whole = whole.masked_fill(labels == IGNORE, 0)
+    upstream = torch.randn(10, generator=g, dtype=torch.float64)
+    dh, dw = torch.autograd.grad((whole * upstream).sum(), (hidden, weight))
+    got = selected_logprobs(hidden, weight, labels, chunk)
+    assert torch.allclose(got.double(), whole, atol=1e-5)
+    gh, gw = torch.autograd.grad((got * upstream).sum(), (hidden, weight))
+    assert torch.allclose(gh, dh, atol=1e-6) and torch.allclose(gw, dw, atol=1e-5)
