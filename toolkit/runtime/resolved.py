@@ -118,7 +118,7 @@ class Resolved:
     def lines(self) -> list[str]:
         """The block a run prints at its start (and `toolkit check --explain`)."""
         world = f"{self.world_size} rank{'s' * (self.world_size > 1)}"
-        out = [f"resolved settings ({RECORD} in the run dir; `toolkit check --explain` shows them without launching):",
+        out = [f"resolved settings (in the run dir's {RECORD}; toolkit check DS --explain prints them before a launch):",
                f"  ZeRO-{self.stage}, {world}, {self.precision} ({self.precision_why})"
                + (f", float8 {self.fp8}" if self.fp8 else "")
                + (", LoRA adapters in fp32 under autocast" if self.adapter_autocast else ""),
