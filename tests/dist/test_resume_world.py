@@ -13,51 +13,57 @@ copies the run directory once per target rank count, and resumes it there. What 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 from _jsonl import lines
-from _net import free_port
+from _launch import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = ("train.max_steps=8", "train.micro_batch_size=2", "train.precision=fp32", "train.export=false",
           "memory.every=0", "metrics.tensorboard=false")
 
 
-def _train(ranks: int, run_dir: Path, ds: str, *extra: str) -> None:
-    cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()), "toolkit/train.py",
-           "--ds", f"ds_configs/{ds}.json", f"train.run_dir={run_dir}", *COMMON, *extra]
-    env = os.environ | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-    log = run_dir.with_name(f"{run_dir.name}.log")
-    with log.open("w") as f:
-        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=400).returncode
-    assert rc == 0, log.read_text()[-5000:]
+CASES = [("raw", "zero2"), ("trainer", "zero2"), ("raw", "zero3")]
+
+
+def _argv(run_dir: Path, ds: str, *extra: str) -> list[str]:
+    return ["--ds", str(ROOT / "ds_configs" / f"{ds}.json"), f"train.run_dir={run_dir}", *COMMON, *extra]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
-    run = tmp_path_factory.mktemp("ref") / "run"
-    _train(2, run, "zero2", "train.path=raw", "train.grad_accum=2")
-    return {m["step"]: m for m in lines(run / "metrics.jsonl")}
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three launches in all (tests/dist/_multi_train.py), not three per case: on 2 ranks the uninterrupted
+    reference and each case's run stopped at step 4; each stopped run directory copied once per target rank count;
+    then every case's resume on 1 rank in one launch, and on 4 ranks in another."""
+    tmp = tmp_path_factory.mktemp("resume_world")
+    two = [{"name": "reference", "argv": _argv(tmp / "reference", "zero2", "train.path=raw", "train.grad_accum=2")}]
+    two += [{"name": f"{path}-{ds}", "argv": _argv(tmp / f"{path}-{ds}" / "two", ds, f"train.path={path}",
+                                                   "train.grad_accum=2", "train.stop_after=4")} for path, ds in CASES]
+    launch(tmp, two, gpus=2, name="two", timeout=900)
+    for path, ds in CASES:
+        for ranks in (1, 4):
+            shutil.copytree(tmp / f"{path}-{ds}" / "two", tmp / f"{path}-{ds}" / f"on{ranks}")
+    for ranks in (1, 4):
+        # the command's grad_accum=2 is what the user ran before; the checkpoint's global batch wins
+        launch(tmp, [{"name": f"{path}-{ds}-on{ranks}",
+                      "argv": _argv(tmp / f"{path}-{ds}" / f"on{ranks}", ds, f"train.path={path}",
+                                    "train.grad_accum=2", "train.resume=latest")} for path, ds in CASES],
+               gpus=ranks, name=f"on{ranks}", timeout=900)
+    return tmp
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(1200)
-@pytest.mark.parametrize(("path", "ds"), [("raw", "zero2"), ("trainer", "zero2"), ("raw", "zero3")])
-def test_a_two_rank_checkpoint_resumes_on_one_and_four_ranks(path: str, ds: str, reference: dict[int, dict],
-                                                            tmp_path: Path) -> None:
-    stopped = tmp_path / "two"
-    _train(2, stopped, ds, f"train.path={path}", "train.grad_accum=2", "train.stop_after=4")
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize(("path", "ds"), CASES)
+def test_a_two_rank_checkpoint_resumes_on_one_and_four_ranks(path: str, ds: str, runs: Path) -> None:
+    reference = {m["step"]: m for m in lines(runs / "reference" / "metrics.jsonl")}
+    stopped = runs / f"{path}-{ds}" / "two"
     before = (stopped / "metrics.jsonl").read_bytes()
     assert len(before.splitlines()) == 4
     for ranks, accum in ((1, 4), (4, 1)):
-        run = tmp_path / f"on{ranks}"
-        shutil.copytree(stopped, run)
-        # the command's grad_accum=2 is what the user ran before; the checkpoint's global batch wins
-        _train(ranks, run, ds, f"train.path={path}", "train.grad_accum=2", "train.resume=latest")
+        run = runs / f"{path}-{ds}" / f"on{ranks}"
         (entry,) = lines(run / "resumes.jsonl")
         assert entry["saved_world_size"] == 2 and entry["world_size"] == ranks and entry["grad_accum"] == accum
         assert entry["universal"] == "global_step4_universal", entry

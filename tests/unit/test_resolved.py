@@ -59,7 +59,7 @@ def _record(w: dict[str, Any], tmp: Path) -> Any:
     else:
         cfg.train.ds_config = str(ROOT / w["ds"])
     inputs = RunInputs(cfg, load_ds_config(cfg.train.ds_config), model_config(cfg), w["world_size"])
-    return build_spec(inputs, _machine(w)).run
+    return build_spec(inputs, _machine(w)).resolved
 
 
 @pytest.mark.parametrize("w", FIXTURE["workloads"], ids=[w["name"] for w in FIXTURE["workloads"]])

@@ -267,7 +267,7 @@ def run_eval_generation(p: RunSpec, engine: Any, tokenizer: Any | None, rows: li
     prompts = eval_prompts(rows, cfg.eval.num_prompts)
     t0 = time.perf_counter()
     outputs = generate_all(
-        engine, prompts, cfg.eval, zero3=p.run.stage == 3, pad_id=pad_id, eos_id=eos_id
+        engine, prompts, cfg.eval, zero3=p.resolved.stage == 3, pad_id=pad_id, eos_id=eos_id
     )
     if outputs is not None:
         path = p.run_dir / "generations.jsonl"

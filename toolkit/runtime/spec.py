@@ -58,21 +58,26 @@ class RunSpec:
     model_config: Any
     run_dir: Path
     world_size: int
-    precision: str
     total_steps: int | None  # None until a data file is tokenized (max_steps=0, one epoch)
     warnings: list[str]
-    adapter_autocast: bool = False  # LoRA under bf16: fp32 adapters, bf16 frozen base, torch autocast
+    resolved: Resolved  # every auto and derived setting, decided once (toolkit/runtime/resolved.py)
     resume_from: Checkpoint | None = None  # train.resume: the complete checkpoint found
     reshard: Reshard | None = None  # ... written on another number of ranks: loaded as a universal checkpoint
     autotune: dict[str, Any] | None = None  # train.micro_batch_size=auto: the probes and the choice
-    fp8: str | None = None  # train.precision=fp8: the float8 recipe (precision is then bf16, DeepSpeed's mode)
-    resolved: Resolved | None = None  # every auto and derived setting, decided once (toolkit/runtime/resolved.py)
 
     @property
-    def run(self) -> Resolved:
-        """The record (always set by build_spec; Optional only for specs built by hand in tests)."""
-        assert self.resolved is not None, "RunSpec.resolved: built by build_spec"
-        return self.resolved
+    def precision(self) -> str:
+        return self.resolved.precision
+
+    @property
+    def adapter_autocast(self) -> bool:
+        """LoRA under bf16: fp32 adapters, bf16 frozen base, torch autocast."""
+        return self.resolved.adapter_autocast
+
+    @property
+    def fp8(self) -> str | None:
+        """train.precision=fp8: the float8 recipe (precision is then bf16, DeepSpeed's mode)."""
+        return self.resolved.fp8
 
     @property
     def data_world(self) -> int:
@@ -138,8 +143,7 @@ def build_spec(inputs: RunInputs, machine: Machine | None = None) -> RunSpec:
     world = inputs.world_size
     record = resolve_run(cfg, ds, mc, world, precision=precision_why, adapter_autocast=autocast, total_steps=total,
                      machine=machine)
-    return RunSpec(cfg, ds, mc, Path(t.run_dir), world, precision, total, warnings, autocast, ckpt, reshard,
-                   fp8=record.fp8, resolved=record)
+    return RunSpec(cfg, ds, mc, Path(t.run_dir), world, total, warnings, record, ckpt, reshard)
 
 
 def _check_sequence_parallel(cfg: Config, mc: Any, ds: dict[str, Any], world: int) -> None:
@@ -257,7 +261,7 @@ def explain(config: str | None, ds: str, overrides: list[str], world_size: int, 
         print(f"error: {e}")
         return 1
     if as_json:
-        print(json.dumps(spec.run.to_dict(), indent=1))
+        print(json.dumps(spec.resolved.to_dict(), indent=1))
         return 0
-    print("\n".join([*notes, *spec.warnings, *spec.run.lines()]))
+    print("\n".join([*notes, *spec.warnings, *spec.resolved.lines()]))
     return 0

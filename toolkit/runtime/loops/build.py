@@ -36,7 +36,7 @@ class Built:
 
 def build(p: RunSpec) -> Built:
     """Call after the DeepSpeed config object is alive (ZeRO-3 partitions the model at construction)."""
-    r, cfg, rank = p.run, p.cfg, dist.rank()
+    r, cfg, rank = p.resolved, p.cfg, dist.rank()
     if r.experts is not None and r.experts.implementation:  # read by the experts modules at every forward
         p.model_config._experts_implementation = r.experts.implementation
     model = build_model(cfg, p.model_config, frozen_bf16=r.adapter_autocast, attn=r.attention.implementation)
@@ -66,7 +66,7 @@ def build(p: RunSpec) -> Built:
 
 def _tile_loss(p: RunSpec, model: Any) -> None:
     """model.tiled_loss as resolved (toolkit/runtime/sequence/tiling.py tile_loss), after Liger."""
-    r = p.run
+    r = p.resolved
     if not r.tiled_loss:
         return
     if not tiling.tile_loss(model, r.tiled_loss_tile):
@@ -81,7 +81,7 @@ def _tile_loss(p: RunSpec, model: Any) -> None:
 def _fp8_and_compile(p: RunSpec, model: Any) -> None:
     """After LoRA and Liger, before deepspeed.initialize (both paths): float8 Linears first, so the compiled
     graph is the float8 one, then each decoder layer compiled in place (toolkit/runtime/speed/compile.py)."""
-    r = p.run
+    r = p.resolved
     layers = compiling.decoder_layers(model)
     lines = []
     if not r.fp8 and r.machine.cuda and not p.cfg.lora.enabled and p.cfg.model.task == "causal_lm" \

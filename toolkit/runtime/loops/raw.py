@@ -141,7 +141,7 @@ class RawLoop:
         t, aux_coef = self.t, self.state.aux_coef
         aux_kwargs = {"output_router_logits": True} if aux_coef else {}
         n_items = _label_count(w.batches, self.device) if self.causal else None
-        offloading = self.p.run.activation_offload
+        offloading = self.p.resolved.activation_offload
         for b in w.batches:
             b = to_device(b, self.device)
             with offload.context(offloading):  # forward and backward of one micro-batch

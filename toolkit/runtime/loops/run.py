@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
 
 def run(p: RunSpec) -> int:
-    cfg, r = p.cfg, p.run
+    cfg, r = p.cfg, p.resolved
     rank = dist.rank()
     gqa = attention.install(r.attention, r.machine.cuda)
     refused = _claim_run_dir(p)
@@ -100,7 +100,7 @@ def run(p: RunSpec) -> int:
 
 def _announce(p: RunSpec, gqa: str | None) -> None:
     """Rank 0: the record as one block (and what changed since the run this one resumes), then the run's files."""
-    cfg, r = p.cfg, p.run
+    cfg, r = p.cfg, p.resolved
     print("\n".join(r.lines()), flush=True)
     if gqa:
         print(f"  attention kv heads: {gqa}", flush=True)
@@ -140,7 +140,7 @@ def _claim_run_dir(p: RunSpec) -> str | None:
 
 
 def _train(p: RunSpec) -> int:
-    cfg, r = p.cfg, p.run
+    cfg, r = p.cfg, p.resolved
     rank = dist.rank()
     # Python/NumPy/torch RNGs: dropout and PEFT's LoRA init draw from them. The HF Trainer seeds on
     # its own; the raw loop relied on this call, which was missing.

@@ -66,7 +66,7 @@ def run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collato
     global_batch = t.micro_batch_size * t.grad_accum * p.world_size // t.sequence_parallel
     universal: str | None = None
     aux_coef = state.aux_coef
-    offloading = p.run.activation_offload
+    offloading = p.resolved.activation_offload
     sampler: Any = ulysses.GroupOrder(order, t.micro_batch_size, sp.size) if sp else order
     per_epoch = steps_per_epoch(len(dataset), p.cfg, p.data_world)
     if sp:  # each rank trains on its slice of its group's micro-batch (sequence/ulysses.py)
