@@ -233,8 +233,8 @@ def expected_size(engine: Any, root: Path, prefix: str) -> tuple[int, str, str]:
 DEFAULT_RUN_DIR = "runs/default"
 RUN_MARKERS = ("status.json", "metrics.jsonl", "memory", "checkpoints")
 # Everything a run writes into its directory: train.overwrite removes these and nothing else.
-RUN_ENTRIES = frozenset({*RUN_MARKERS, "config.yaml", "ds_config.json", "versions.json", "export", "export.tmp",
-                         "adapter", "adapter.tmp", "tb", "logs", "report.md", "report.png", "memory.png",
+RUN_ENTRIES = frozenset({*RUN_MARKERS, "config.yaml", "ds_config.json", "resolved.json", "versions.json", "export",
+                         "export.tmp", "adapter", "adapter.tmp", "tb", "logs", "report.md", "report.png", "memory.png",
                          "probe.pt", "generations.jsonl", "resumes.jsonl", "plan.json", "micro_batch.json", "profile",
                          "trackers.json", "wandb"})
 
