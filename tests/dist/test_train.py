@@ -462,7 +462,7 @@ def test_console_of_a_cpu_run(runs: Path) -> None:
         summary = (rf"done: {STEPS} of {STEPS} steps in [\d.]+ s\n"
                    rf"  loss        {m[0]['loss']:.4f} \(step 1\) -> {m[-1]['loss']:.4f} \(step {STEPS}\)\n"
                    r"  tokens/s    [\d,]+ \(all ranks, median after step 1\)\n"
-                   r"  padding     0\.0% of computed positions \(mean of the logged windows; [^)]*\)\n"
+                   r"  padding     0\.0% of computed positions \(over the logged steps; [^)]*\)\n"
                    r"  peak host   rank 0 [\d.]+, rank 1 [\d.]+ GiB RSS \(CPU run: no GPU memory\)\n"
                    rf"  run dir     {re.escape(str(d))}\n"
                    rf"  next        toolkit report {re.escape(str(d))}   \|   tensorboard --logdir "
@@ -470,9 +470,13 @@ def test_console_of_a_cpu_run(runs: Path) -> None:
         assert re.search(summary, log), f"no closing summary for {d.name}"
         assert f"starting the DeepSpeed engine (ZeRO-2, {path} path, 2 ranks)" in log
     # unpacked file rows in length groups pad: the summary's share is the mean of the windows metrics.jsonl holds
-    waste = [r["padding_waste"] for r in metrics(runs / "raw-file-epoch") if r.get("padding_waste") is not None]
-    assert waste and max(waste) > 0
-    assert f"  padding     {100 * sum(waste) / len(waste):.1f}% of computed positions" in log
+    windows, before = [], 0
+    for r in metrics(runs / "raw-file-epoch"):
+        windows.append((r["padding_waste"], r["step"] - before))
+        before = r["step"]
+    assert max(w for w, _ in windows) > 0
+    share = sum(w * n for w, n in windows) / sum(n for _, n in windows)
+    assert f"  padding     {100 * share:.1f}% of computed positions (over the logged steps" in log
     assert re.search(r"engine ready in [\d.]+ s; training steps 1\.\.6", log)
     assert re.search(r"memory @ engine_ready \(step 0\): host RSS rank 0 [\d.]+, rank 1 [\d.]+ GiB", log)
     assert "alloc  reserved" not in log  # no memory tables of dashes on CPU

@@ -12,7 +12,7 @@ import toolkit
 from toolkit.observe.console import is_third_party_noise, log_path, rank_log
 
 SITE = "/usr/lib/python3.11/site-packages"
-OURS = str(Path(toolkit.__file__).parent / "loop.py")
+OURS = str(Path(toolkit.__file__).parent / "runtime" / "loops" / "run.py")
 
 
 def test_noise_rules() -> None:
@@ -66,7 +66,8 @@ def test_liger_backend_warnings_reach_the_rank_log_not_the_console(tmp_path: Pat
     logging.getLogger("liger_kernel.backends.registry").warning("Backend impl '_cutedsl' could not be imported")
     with console.rank_log(tmp_path, 0):
         logging.getLogger("liger_kernel.backends.registry").warning("Backend impl '_ascend' could not be imported")
+        logging.getLogger("liger_kernel.transformers").error("a kernel failed")  # errors reach the console too
     out = capsys.readouterr()
-    assert "Backend impl" not in out.out + out.err
+    assert "Backend impl" not in out.out + out.err and "a kernel failed" in out.err
     log = console.log_path(tmp_path, 0).read_text()
     assert "'_cutedsl' could not" in log and "'_ascend' could not" in log

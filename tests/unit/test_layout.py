@@ -115,7 +115,8 @@ def test_no_runtime_folder_holds_more_than_twelve_modules() -> None:
 
 def test_inside_runtime_nothing_points_up_to_the_loops() -> None:
     """The two paths (runtime/loops) sit on top of runtime's other packages: nothing in runtime imports them, and the
-    record (runtime/resolved.py) imports none of the modules that apply it, so it decides without side effects."""
+    record (runtime/resolved.py) imports none of the modules that apply it (it sets one DeepSpeed key, before the model
+    exists: DeepSpeed's linear under compile at ZeRO-3)."""
     g = graph()
     up = [f"{m} -> {d}" for m, deps in g.items() if m.startswith("toolkit.runtime.") and
           not m.startswith("toolkit.runtime.loops") for d in deps if d.startswith("toolkit.runtime.loops")]

@@ -32,10 +32,13 @@ def test_each_objective_matches_its_papers_formula() -> None:
         simpo = -math.log(sig(beta * (pc / nc - pr / nr) - gamma))
         ac, ar = pc / nc, pr / nr
         odds = math.log(math.exp(ac) / (1 - math.exp(ac))) - math.log(math.exp(ar) / (1 - math.exp(ar)))
-        orpo = -ac - beta * math.log(sig(odds))
+        mean_tokens = float(pol.chosen_tokens.mean())
+        orpo = -pc / mean_tokens - beta * math.log(sig(odds))  # its mean over pairs: TRL's token-level chosen NLL
         got = {o: float(pair_loss(o, pol, ref, beta=beta, label_smoothing=ls if o == "dpo" else 0.0,
                                   simpo_gamma=gamma).loss[i]) for o in ("dpo", "ipo", "simpo", "orpo")}
         assert got == pytest.approx({"dpo": dpo, "ipo": ipo, "simpo": simpo, "orpo": orpo}, rel=1e-5)
+    orpo = pair_loss("orpo", pol, None, beta=0.0).loss.mean()  # beta 0: the NLL alone, over every chosen token
+    assert float(orpo) == pytest.approx(-float(pol.chosen.sum() / pol.chosen_tokens.sum()), rel=1e-6)
 
 
 def test_dpo_starts_at_ln2_when_policy_is_reference() -> None:

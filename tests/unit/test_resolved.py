@@ -99,3 +99,16 @@ def test_toolkit_check_explain_prints_the_block_a_run_starts_with() -> None:
     bad = subprocess.run([sys.executable, "-m", "toolkit", "check", "ds_configs/zero3.json", "--explain",
                           "model.experts=grouped_mm"], capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert bad.returncode == 1 and "model.experts=grouped_mm applies to Mixture-of-Experts models" in bad.stdout
+
+
+def test_the_probes_of_an_auto_micro_batch_compile_as_the_run_will() -> None:
+    """speed/autotune.py runs its probes with the record's compile rule, tiled MLPs included (auto compile: off)."""
+    from toolkit.runtime.resolved import compile_choice
+
+    ds = load_ds_config(str(ROOT / "ds_configs/zero2.json"))
+    long = load_config(None, ["model.name=llama-3.2-1b", "data.seq_len=131072"])
+    assert compile_choice(long, ds, True, None) == (False, "train.compile=auto with tiled MLPs: their compiled speed "
+                                                           "is not measured yet; train.compile=torch compiles")
+    assert compile_choice(load_config(None, ["model.name=llama-3.2-1b"]), ds, True, None)[0] is True
+    assert compile_choice(load_config(None, ["model.name=llama-3.2-1b", "data.seq_len=131072", "train.compile=torch"]),
+                          ds, True, None)[0] is True

@@ -37,9 +37,10 @@ KNOWN_NOISE: tuple[re.Pattern[str], ...] = (
 )
 
 
-# Third-party loggers whose records need nothing from the user. Liger (0.8) logs a warning for every kernel backend
+# Third-party loggers whose warnings need nothing from the user. Liger (0.8) logs a warning for every kernel backend
 # it cannot import (cutedsl, ascend, cutile: other hardware or packages not installed) on every rank, before the
-# lines that matter. `quiet_third_party()` keeps their records (in memory until a rank log exists, then in it).
+# lines that matter. `quiet_third_party()` keeps their records (in memory until a rank log exists, then in it);
+# their errors reach the console as well.
 NOISY_LOGGERS: tuple[str, ...] = ("liger_kernel",)
 
 
@@ -53,6 +54,8 @@ class _RankLogHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         text = f"{record.levelname} {record.name}: {record.getMessage()}"
+        if record.levelno >= logging.ERROR:  # an error of theirs may be the reason a run fails: on the console too
+            print(text, file=sys.stderr, flush=True)
         if self.path is None:
             self.held.append(text)
         else:

@@ -341,10 +341,15 @@ def closing_summary(
             f"  tokens/s    {tps:,.0f} (all ranks, median after step 1)"
             + (f", MFU {100 * mfu:.1f}%" if mfu is not None else "")
         )
-    waste = [r["padding_waste"] for r in history if r.get("padding_waste") is not None]
-    if waste:  # the windows' shares, each of the same number of steps but the last
-        lines.append(f"  padding     {100 * sum(waste) / len(waste):.1f}% of computed positions (mean of the logged "
-                     "windows; data.packing and length-grouped batches keep it low)")
+    windows, before = [], 0
+    for r in history:  # each logged window's share, weighted by its steps (step 1 is a window of its own)
+        if r.get("padding_waste") is not None and r.get("step") is not None:
+            windows.append((r["padding_waste"], max(int(r["step"]) - before, 1)))
+            before = int(r["step"])
+    if windows:
+        waste = sum(w * n for w, n in windows) / sum(n for _, n in windows)
+        lines.append(f"  padding     {100 * waste:.1f}% of computed positions (over the logged steps; data.packing "
+                     "and length-grouped batches keep it low)")
     gpu = {r: p["peak_allocated_gib"] for r, p in peaks.items() if p.get("peak_allocated_gib") is not None}
     rss = {r: p["host_rss_gib"] for r, p in peaks.items() if p.get("host_rss_gib") is not None}
     if gpu:

@@ -1,9 +1,12 @@
 """The resolved record: every `auto` and every derived setting of a run, decided once, each with its reason.
 
-`spec.build_spec()` calls `resolve_run()` before the process group exists. The two training paths, the planner's
+`spec.build_spec()` calls `resolve_run()`, before the process group exists (under `train.micro_batch_size=auto`
+after the probes that choose the micro-batch, which need it). The two training paths, the planner's
 run settings and `toolkit check --explain` read the record; none of them decides again. Rank 0 prints it as one
 block at the start of a run (`Resolved.lines`) and writes it to run_dir/resolved.json (`Resolved.to_dict`); a
-resumed run compares it with the saved one (`changes`).
+resumed run compares it with the saved one (`changes`). Where the built model cannot take a decision (model.tiled_loss
+=auto on a model without a decoder and output embeddings; float8 where no Linear is large enough), the run says so
+in its log when it applies the record (loops/build.py).
 
 The rules themselves are pure and shared with `toolkit plan` (toolkit/plan/speedups.py, liger.py, experts.py,
 attention.plan); what they read of the machine is read once, into `Machine`.
@@ -50,7 +53,8 @@ class Machine:
     gpu_name: str = ""
 
     @classmethod
-    def here(cls, cfg: Config, world_size: int) -> Machine:
+    def here(cls, cfg: Config, ranks_per_node: int = 1) -> Machine:
+        """ranks_per_node: where the launcher sets neither LOCAL_SIZE nor LOCAL_WORLD_SIZE."""
         import torch
 
         from toolkit.plan.planner import CUDA_CONTEXT_GIB
@@ -76,7 +80,7 @@ class Machine:
             capability, name = sm(dist.local_rank())
         local = os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE")
         return cls(cuda, varlen, tuple(sorted(types)) if types is not None else None, gpu, host_memory_bytes(),
-                   int(local) if local else world_size, cuda and torch.cuda.is_bf16_supported(),
+                   int(local) if local else ranks_per_node, cuda and torch.cuda.is_bf16_supported(),
                    capability and (int(capability[0]), int(capability[1])), name)
 
 
@@ -115,15 +119,16 @@ class Resolved:
     activation_offload: OffloadPlan
     machine: Machine
 
-    def lines(self) -> list[str]:
-        """The block a run prints at its start (and `toolkit check --explain`)."""
+    def lines(self, kv_heads: str | None = None) -> list[str]:
+        """The block a run prints at its start (and `toolkit check --explain`). kv_heads: how the varlen kernel takes
+        grouped kv heads on this GPU, probed at the start of a run (attention.install), not part of the record."""
         world = f"{self.world_size} rank{'s' * (self.world_size > 1)}"
         out = [f"resolved settings (in the run dir's {RECORD}; toolkit check DS --explain prints them before a launch):",
                f"  ZeRO-{self.stage}, {world}, {self.precision} ({self.precision_why})"
                + (f", float8 {self.fp8}" if self.fp8 else "")
                + (", LoRA adapters in fp32 under autocast" if self.adapter_autocast else ""),
                f"  batch: {self.batch_why}",
-               f"  {self.packing_why}; {self.attention.note}",
+               f"  {self.packing_why}; {self.attention_note(kv_heads)}",
                f"  {self.liger.describe()}"]
         if self.experts is not None:
             out.append(f"  {self.experts.describe()}")
@@ -137,16 +142,19 @@ class Resolved:
         out.append(f"  {self.activation_offload.describe()}")
         return out
 
+    def attention_note(self, kv_heads: str | None = None) -> str:
+        return self.attention.note + (f" (kv heads: {kv_heads})" if kv_heads else "")
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["liger"]["external_head"] = self.liger.external_head
         return d
 
-    def versions(self) -> dict[str, Any]:
+    def versions(self, kv_heads: str | None = None) -> dict[str, Any]:
         """The decisions versions.json has always carried (toolkit report and older tools read them there)."""
         return {"world_size": self.world_size, "precision": self.precision, "adapter_autocast": self.adapter_autocast,
                 "liger": self.liger.kwargs, "liger_note": self.liger.describe(), "packing": self.packing,
-                "attention": self.attention.implementation, "attention_note": self.attention.note,
+                "attention": self.attention.implementation, "attention_note": self.attention_note(kv_heads),
                 "tiled_mlp": self.tiled_mlp, "activation_offload": self.activation_offload.describe(),
                 "compile": self.compile, "compile_note": self.compile_why, "fp8": self.fp8,
                 "experts_note": self.experts.describe() if self.experts else None}
@@ -185,9 +193,14 @@ def precision_of_run(cfg: Config, pinned: str | None, machine: Machine) -> tuple
 
 
 def compile_choice(cfg: Config, ds: dict[str, Any], cuda: bool, steps: int | None) -> tuple[bool, str]:
-    """train.compile with auto resolved (speedups.compile_on); also what `train.micro_batch_size=auto` probes run."""
-    return compile_on(cfg.train.compile, cuda=cuda, steps=steps, fp8=cfg.train.precision == "fp8",
-                      stage=zero_stage(ds), no_leaves=leaves_blocked(lora=bool(cfg.lora.enabled), ds=ds))
+    """train.compile with auto resolved (speedups.compile_on, then tiled MLPs); also what the probes of
+    `train.micro_batch_size=auto` run."""
+    on, why = compile_on(cfg.train.compile, cuda=cuda, steps=steps, fp8=cfg.train.precision == "fp8",
+                         stage=zero_stage(ds), no_leaves=leaves_blocked(lora=bool(cfg.lora.enabled), ds=ds))
+    if on and cfg.train.compile == "auto" and tiled_mlp_choice(cfg)[0]:  # correct compiled (tests), speed not measured
+        return False, ("train.compile=auto with tiled MLPs: their compiled speed is not measured yet; "
+                       "train.compile=torch compiles")
+    return on, why
 
 
 def tiled_mlp_choice(cfg: Config) -> tuple[bool, str]:
@@ -207,9 +220,6 @@ def resolve_run(cfg: Config, ds: dict[str, Any], model_config: Any, world: int, 
     fp8 = t.fp8_recipe if t.precision == "fp8" else None
     compiled, compile_why = compile_choice(cfg, ds, machine.cuda, total_steps)
     tiled, tiled_why = tiled_mlp_choice(cfg)
-    if tiled and compiled and t.compile == "auto":  # correct compiled (tests), speed not measured
-        compiled, compile_why = False, ("train.compile=auto with tiled MLPs: their compiled speed is not measured "
-                                        "yet; train.compile=torch compiles")
     compile_note = plain_linear(ds) if compiled and stage == 3 else None
     from toolkit.plan.liger import choose
 

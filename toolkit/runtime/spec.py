@@ -85,16 +85,17 @@ class RunSpec:
         return self.world_size // self.cfg.train.sequence_parallel
 
 
-def build_spec(inputs: RunInputs, machine: Machine | None = None) -> RunSpec:
+def build_spec(inputs: RunInputs, machine: Machine | None = None, ranks_per_node: int = 1) -> RunSpec:
     """All input validation that can run before init_process_group: one clear error, no hang; then every setting
-    resolved once (toolkit/runtime/resolved.py). machine: what the decisions read of it (None: this one)."""
+    resolved once (toolkit/runtime/resolved.py). machine: what the decisions read of it (None: this one, with
+    ranks_per_node where the launcher does not say)."""
     from toolkit.runtime.data.batches import check_data_file, steps_per_epoch
     from toolkit.runtime.model import hidden_size
 
     cfg, ds_raw, mc, world = inputs.cfg, inputs.ds_raw, inputs.model_config, inputs.world_size
     t = cfg.train
     trackers.check(cfg.metrics.report_to)  # a missing wandb/mlflow is one line here, not a rank-0 crash later
-    machine = machine or Machine.here(cfg, world)
+    machine = machine or Machine.here(cfg, ranks_per_node)
     precision_why = precision_of_run(cfg, precision_of(ds_raw), machine)
     precision = precision_why[0]
     if t.precision == "fp8":
@@ -256,7 +257,7 @@ def explain(config: str | None, ds: str, overrides: list[str], world_size: int, 
         if cfg.train.micro_batch_size == "auto":
             raise ConfigError("train.micro_batch_size=auto is found by probes at launch; give a number here (toolkit "
                               "plan predicts which fit) to see the rest of the run's settings")
-        spec = build_spec(read_inputs(cfg, world_size))
+        spec = build_spec(read_inputs(cfg, world_size), ranks_per_node=world_size)  # one node, as a launch here
     except ConfigError as e:
         print(f"error: {e}")
         return 1

@@ -101,15 +101,13 @@ def run(p: RunSpec) -> int:
 def _announce(p: RunSpec, gqa: str | None) -> None:
     """Rank 0: the record as one block (and what changed since the run this one resumes), then the run's files."""
     cfg, r = p.cfg, p.resolved
-    print("\n".join(r.lines()), flush=True)
-    if gqa:
-        print(f"  attention kv heads: {gqa}", flush=True)
+    print("\n".join(r.lines(gqa)), flush=True)
     if p.resume_from:
         changed = resolved.saved_changes(p.run_dir, r)
         if changed:
             print(f"resume: these settings differ from the run being resumed ({resolved.RECORD}):\n  "
                   + "\n  ".join(changed), flush=True)
-    write_run_files(p.run_dir, cfg, p.ds, r.versions() | {"path": cfg.train.path})
+    write_run_files(p.run_dir, cfg, p.ds, r.versions(gqa) | {"path": cfg.train.path})
     atomic_write(p.run_dir / resolved.RECORD, json.dumps(r.to_dict(), indent=1) + "\n")
     write_status(p.run_dir, "running")
     note = breakdown.copy_plan(cfg.train.plan, p.run_dir)

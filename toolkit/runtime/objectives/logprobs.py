@@ -5,6 +5,10 @@ Why by hand: transformers' models build the whole logits tensor, and Liger's fus
 pairs, not tokens (Liger #439), so at micro-batch 1 (usual under ZeRO-3) a pair's logits peak stays whole
 (../shared/notes/preference.md section 3). Here each chunk's logits live only while its log-softmax is taken; the
 backward recomputes them chunk by chunk (one more head matmul per chunk, as Liger's fused loss pays).
+
+The output embedding is read outside its module's forward, in the forward and again in the backward: under ZeRO-3 a
+caller gathers it for both (or declares the read, as speed/kernels.py does for Liger's fused loss). The gradient
+into the hidden states is taken in the weight's dtype (bf16 in training), as Liger's fused loss takes it.
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ class _SelectedLogprobs(torch.autograd.Function):
 def selected_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                       chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
     """log p(labels[t] | hidden[t]) per token (0 where labels is IGNORE). hidden: [tokens, hidden size] (the states that
-    predict each label, already aligned with it), weight: the output embedding [vocabulary, hidden size]."""
+    predict each label, already aligned with it), weight: the output embedding [vocabulary, hidden size], labels:
+    integer token ids [tokens]."""
     if hidden.shape[0] != labels.shape[0]:
         raise ValueError(f"hidden states for {hidden.shape[0]} tokens, labels for {labels.shape[0]}")
-    return _SelectedLogprobs.apply(hidden, weight, labels, max(1, int(chunk)))
+    return _SelectedLogprobs.apply(hidden, weight, labels.long(), max(1, int(chunk)))

@@ -7,10 +7,11 @@ chosen and rejected, their margin, and whether the chosen won. Pure torch: testa
 - dpo (Rafailov et al. 2023, TRL loss_type="sigmoid"): -log sigmoid(beta * ((pc - rc) - (pr - rr))), with
   label_smoothing (cDPO) mixing in the flipped preference.
 - ipo (Azar et al. 2023, TRL loss_type="ipo"): ((pc - rc) - (pr - rr) - 1 / (2 beta))^2 on length-averaged log-probs.
-- simpo (Meng et al. 2024, TRL CPO loss_type="simpo"): reference-free, length-averaged:
-  -log sigmoid(beta * (avg_c - avg_r) - gamma), gamma = TRL's simpo_gamma.
-- orpo (Hong et al. 2024, TRL ORPO): reference-free: the chosen completion's NLL minus beta (the paper's lambda)
-  times log sigmoid of the log odds ratio of the length-averaged probabilities.
+- simpo (Meng et al. 2024; TRL: CPOConfig(loss_type="simpo", cpo_alpha=0), the paper's recipe, without CPO's NLL
+  term): reference-free, length-averaged: -log sigmoid(beta * (avg_c - avg_r) - gamma), gamma = TRL's simpo_gamma.
+- orpo (Hong et al. 2024, TRL ORPO): reference-free: the chosen completions' NLL (a token-level mean over the batch, as
+  TRL's cross-entropy takes it) minus beta (the paper's lambda) times log sigmoid of the log odds ratio of the
+  length-averaged probabilities.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def pair_loss(objective: str, policy: PairLogps, reference: PairLogps | None, *,
             return PairLoss(loss, beta * avg_c.detach(), beta * avg_r.detach())
         # orpo: log odds = log(p / (1 - p)) of the length-averaged probabilities; log1p(-exp(x)) stays finite for x < 0
         log_odds = (avg_c - avg_r) - (torch.log1p(-torch.exp(avg_c)) - torch.log1p(-torch.exp(avg_r)))
-        nll = -avg_c
+        # per pair -chosen / the batch's mean chosen length: their mean over pairs is the token-level mean NLL
+        nll = -policy.chosen / policy.chosen_tokens.float().mean().clamp(min=1)
         loss = nll - beta * F.logsigmoid(log_odds)
         return PairLoss(loss, beta * avg_c.detach(), beta * avg_r.detach())
     if reference is None:

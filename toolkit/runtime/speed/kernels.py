@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from toolkit.plan.liger import LigerChoice, choose
+from toolkit.plan.liger import LigerChoice
 
 
 def supported_model_types() -> frozenset[str] | None:
@@ -28,21 +28,6 @@ def supported_model_types() -> frozenset[str] | None:
     except Exception:  # ImportError, or triton failing to load its driver
         return None
     return frozenset(MODEL_TYPE_TO_APPLY_LIGER_FN)
-
-
-def choice_for(cfg: Any, model_type: str, stage: int, compiled: bool = False,
-               fused_loss: tuple[str, str] | None = None) -> LigerChoice:
-    """compiled: the decoder layers will be compiled, so only the fused loss is applied (liger.choose).
-    fused_loss: model.liger_fused_loss as this run resolved it, and why it is off (moe.fused_loss_setting)."""
-    import torch
-
-    from toolkit.launch import dist
-
-    cuda = torch.cuda.is_available() and not dist.on_cpu()
-    return choose(cfg.model.liger, cuda=cuda, model_type=model_type, task=cfg.model.task, stage=stage,
-                  supported=supported_model_types() if cuda else None,
-                  fused_loss=fused_loss[0] if fused_loss else cfg.model.liger_fused_loss, compiled=compiled,
-                  fused_off_reason=fused_loss[1] if fused_loss else "")
 
 
 def apply(model: Any, choice: LigerChoice) -> None:
