@@ -4,6 +4,7 @@ before the record did (tests/fixtures/resolved_before.json, made by bench/resolv
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -21,6 +22,19 @@ from toolkit.runtime.spec import RunInputs, build_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = json.loads((ROOT / "tests/fixtures/resolved_before.json").read_text())
+
+
+def _bench_module() -> Any:
+    """bench/resolved_before.py, which made the fixture: its data-file stubs serve the test too (it imports no
+    toolkit at module level; its old tree is loaded only by its main)."""
+    spec = importlib.util.spec_from_file_location("resolved_before", ROOT / "bench" / "resolved_before.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+BENCH = _bench_module()
 GIB = 2**30
 # liger-kernel's model types as bench/resolved_before.py answered them (liger-kernel is not installed on CPU machines)
 LIGER = ("gemma", "gemma2", "gemma3", "gemma3_text", "glm4", "granite", "llama", "llama4", "llama4_text", "mistral",
@@ -36,22 +50,8 @@ def _machine(w: dict[str, Any]) -> Machine:
                    ranks_per_node=w["world_size"], bf16=True, capability=(9, 0), gpu_name="NVIDIA H100 80GB HBM3")
 
 
-def _overrides(w: dict[str, Any], tmp: Path) -> list[str]:
-    """A row's overrides, its data file replaced by a one-row stub of the same name (the record reads settings)."""
-    out = []
-    for o in w["overrides"]:
-        key, _, value = o.partition("=")
-        if key == "data.source" and value != "synthetic":
-            stub = tmp / Path(value).name
-            row = {"text": "a document"} if stub.stem == "docs" else {"prompt": "a question", "response": "an answer"}
-            stub.write_text(json.dumps(row) + "\n")
-            o = f"data.source={stub}"
-        out.append(o)
-    return out
-
-
 def _record(w: dict[str, Any], tmp: Path) -> Any:
-    cfg = load_config(None, _overrides(w, tmp))
+    cfg = load_config(None, BENCH._stub_data(w["overrides"], tmp))
     if isinstance(w["ds"], dict):
         path = tmp / f"{w['name']}.ds.json"
         path.write_text(json.dumps(w["ds"]))
