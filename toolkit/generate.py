@@ -1,6 +1,6 @@
 """What `deepspeed toolkit/generate.py --model DIR --prompts p.jsonl [--ds ds.json] [...]` runs.
 
-ZeRO-3-safe stand-alone generation; the library lives in toolkit/runtime/generate.py (the same code the
+ZeRO-3 stand-alone generation; the library lives in toolkit/runtime/generation/ (the same code the
 training paths call for their eval generation). `python toolkit/generate.py ...` runs one process.
 """
 
@@ -15,7 +15,7 @@ if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from toolkit.launch import dist
-from toolkit.runtime.generate import main
+from toolkit.runtime.generation.command import main
 
 if __name__ == "__main__":
     dist.exit_process(main())

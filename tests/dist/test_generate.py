@@ -1,9 +1,11 @@
-"""ZeRO-3 generation on 2 CPU ranks never hangs: uneven lengths (EOS) and uneven prompt counts.
+"""ZeRO-3 generation on 2 CPU ranks: fast paths that never hang, tokens as one prompt at a time.
 
-One trained run picks an EOS token that ends rank 0's first prompt early while rank 1's prompts run
-to max_new_tokens; both training paths, the stand-alone command and LoRA must then finish and match
-a single-process greedy generation from the exported weights. The same setup with synced_gpus
-forced off must hang (shown with a timeout, then the whole process group is killed).
+One trained run picks an EOS token that ends rank 0's first prompt early while rank 1's prompt runs
+to max_new_tokens. Then, each run matching a single-process greedy generation of the same weights:
+the whole model gathered on both training paths (different call counts per rank; LoRA mid-run, with
+training going on after it), layer by layer in left-padded batches under synced_gpus, the stand-alone
+command with no prompt on one rank and one rank without room for the gather. The layer-by-layer
+setup with synced_gpus forced off must hang (shown with a timeout, then the process group is killed).
 
 Each launch costs ~30-40 s of imports on a 2-core machine, so the runs are few and tiny.
 """
@@ -72,6 +74,7 @@ def launch(
     timeout_s: float = LAUNCH_TIMEOUT_S,
     hang_after: str | None = None,
     hang_window_s: float = 0.0,
+    env: dict[str, str] | None = None,
 ) -> Launch:
     """`deepspeed --num_gpus 2 <script> <args>` in its own process group; never outlives the call.
 
@@ -89,7 +92,7 @@ def launch(
         str(REPO / script),
         *args,
     ]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", DS_ACCELERATOR="cpu")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", DS_ACCELERATOR="cpu", **(env or {}))
     proc = subprocess.Popen(
         cmd,
         cwd=REPO,
@@ -164,14 +167,14 @@ def _expected_prompts() -> list[list[int]]:
     """What loops/run.py _finish must use: the masked prefix of the first 3 training rows."""
     from toolkit.config.schema import load_config
     from toolkit.runtime.data.batches import build_rows, even_rows
-    from toolkit.runtime.generate import eval_prompts
+    from toolkit.runtime.generation.prompts import from_rows
     from toolkit.runtime.model import model_config
 
     cfg = load_config(None, COMMON)
     mc = model_config(cfg)
     rows, _ = build_rows(cfg, mc.vocab_size, mc.pad_token_id, None)
     rows = even_rows(rows, cfg.train.micro_batch_size * cfg.train.grad_accum, WORLD)
-    return eval_prompts(rows, 3)
+    return [p.ids for p in from_rows(rows, 3)]
 
 
 def _greedy(model: Any, prompts: list[list[int]], eos: int | None) -> list[list[int]]:
@@ -206,8 +209,8 @@ def _read(path: Path) -> list[dict[str, Any]]:
 def _pick_eos(conts: list[list[int]]) -> int:
     """A token that ends prompt 0 (rank 0) early but never appears in prompts 1 and 2.
 
-    shard_prompts deals prompts 0, 2 to rank 0 and 1, copy-of-2 to rank 1: rank 0 then makes fewer
-    forwards than rank 1, which is exactly the case that hangs without synced_gpus.
+    Prompts 0 and 2 go to rank 0, prompt 1 to rank 1: rank 0's call on prompt 0 then makes fewer forwards
+    than rank 1's, which is exactly the case that hangs layer by layer without synced_gpus.
     """
     others = set(conts[1]) | set(conts[2])
     for k, tok in enumerate(conts[0][: MAX_NEW - 2]):
@@ -240,81 +243,84 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Base:
     return Base(ds, run / "export", prompts, eos, expected)
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("path", ["raw", "trainer"])
-def test_train_paths_generate_under_zero3(base: Base, path: str, tmp_path: Path) -> None:
-    run = tmp_path / path
-    _ok(
-        launch(
-            "toolkit/train.py",
-            _train_args(
-                base.ds, run, f"train.path={path}", "eval.generate=true", f"eval.eos_token_id={base.eos}"
-            ),
-        )
-    )
-    rows = _read(run / "generations.jsonl")
-    assert [r["index"] for r in rows] == [0, 1, 2]
-    assert [r["prompt_ids"] for r in rows] == base.prompts
-    got = [r["generated_ids"] for r in rows]
-    # Rank 0 stopped early at EOS while rank 1 ran to max_new_tokens, and the run still completed.
-    assert len(got[0]) < MAX_NEW and got[0][-1] == base.eos and len(got[1]) == MAX_NEW, got
-    assert got == _greedy(_load_export(run / "export"), base.prompts, eos=base.eos)
-    assert got == base.expected  # same seed, same weights on both paths
+def _generated(run: Path, name: str = "generations.jsonl") -> list[list[int]]:
+    rows = _read(run / name)
+    assert [r["index"] for r in rows] == list(range(len(rows)))
+    return [r["generated_ids"] for r in rows]
 
 
-@pytest.mark.timeout(600)
-def test_standalone_command_zero3(base: Base, tmp_path: Path) -> None:
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in base.prompts))
-    out = tmp_path / "out.jsonl"
-    _ok(
-        launch(
-            "toolkit/generate.py",
-            [
-                "--model",
-                str(base.export),
-                "--ds",
-                str(base.ds),
-                "--prompts",
-                str(prompts),
-                "--max-new-tokens",
-                str(MAX_NEW),
-                "--eos-token-id",
-                str(base.eos),
-                "--out",
-                str(out),
-            ],
-        )
-    )
-    assert [r["generated_ids"] for r in _read(out)] == base.expected
+def _gen_lines(run: Path) -> list[dict[str, Any]]:
+    return [r for r in _read(run / "metrics.jsonl") if "gen_tokens_per_s" in r]
 
 
-@pytest.mark.timeout(600)
-def test_lora_generates_through_peft_model(base: Base, tmp_path: Path) -> None:
+def _lora_reference(run: Path, prompts: list[list[int]], eos: int) -> list[list[int]]:
+    """The trained adapter on the seeded random-init preset, rebuilt here in one process."""
     from peft import PeftModel
 
     from toolkit.config.schema import load_config
     from toolkit.runtime.model import build_model, model_config
 
-    run = tmp_path / "lora"
-    _ok(
-        launch(
-            "toolkit/train.py",
-            _train_args(
-                base.ds,
-                run,
-                "train.path=raw",
-                "lora.enabled=true",
-                "eval.generate=true",
-                f"eval.eos_token_id={base.eos}",
-            ),
-        )
-    )
-    got = [r["generated_ids"] for r in _read(run / "generations.jsonl")]
-    # The base is a seeded random-init preset: rebuilt here, single process, it has the same weights.
     cfg = load_config(None, COMMON)
-    model = PeftModel.from_pretrained(build_model(cfg, model_config(cfg)), run / "adapter")
-    assert got == _greedy(model, base.prompts, eos=base.eos)
+    return _greedy(PeftModel.from_pretrained(build_model(cfg, model_config(cfg)), run / "adapter"), prompts, eos=eos)
+
+
+@pytest.mark.timeout(900)
+def test_trainer_path_gathers_and_ranks_make_different_numbers_of_calls(base: Base, tmp_path: Path) -> None:
+    """The whole model gathered once, one prompt per call: rank 0 makes two generate calls and rank 1 one,
+    without synced_gpus (a gathered forward runs no collective), and rank 0's first prompt ends at EOS."""
+    run = tmp_path / "trainer"
+    out = _ok(launch("toolkit/train.py", _train_args(base.ds, run, "train.path=trainer", "eval.generate=true",
+                                                     f"eval.eos_token_id={base.eos}", "eval.generate_batch_size=1")))
+    got = _generated(run)
+    assert len(got[0]) < MAX_NEW and got[0][-1] == base.eos and len(got[1]) == MAX_NEW, got
+    assert got == _greedy(_load_export(run / "export"), base.prompts, eos=base.eos)
+    assert got == base.expected  # same seed, same weights as the raw path's run
+    assert "generate: 3 prompts" in out and "whole-model gather, batch 1 per rank" in out, out[-3000:]
+    (line,) = _gen_lines(run)
+    assert line["gen_path"] == "whole-model gather" and line["gen_prompts"] == 3
+    assert line["gen_new_tokens"] == sum(map(len, got)) and line["gen_tokens_per_s"] > 0
+
+
+@pytest.mark.timeout(900)
+def test_raw_lora_generates_mid_run_and_trains_on(base: Base, tmp_path: Path) -> None:
+    """LoRA, raw path: a whole-model generation at step 3 (DeepSpeed's hooks off, then on again), training goes
+    on to step 6, and the final generation matches the trained adapter; both calls are in metrics.jsonl."""
+    run = tmp_path / "lora"
+    _ok(launch("toolkit/train.py", _train_args(base.ds, run, "train.path=raw", "lora.enabled=true",
+                                               "eval.generate=true", "eval.generate_every=3",
+                                               f"eval.eos_token_id={base.eos}")))
+    assert _generated(run) == _lora_reference(run, base.prompts, base.eos)
+    assert len(_generated(run, "generations/step_3.jsonl")) == 3
+    losses = [r["loss"] for r in _read(run / "metrics.jsonl") if "loss" in r]
+    assert len(losses) == 6 and all(loss == loss for loss in losses), losses  # trained after the gather
+    assert [(r["step"], r["gen_path"]) for r in _gen_lines(run)] == [(3, "whole-model gather"),
+                                                                     (6, "whole-model gather")]
+
+
+@pytest.mark.timeout(900)
+def test_layer_by_layer_batches_under_synced_gpus(base: Base, tmp_path: Path) -> None:
+    """eval.generate_gather=false: every layer gathered per forward, rank 0's two prompts in one left-padded
+    batch (one stops at EOS inside it) while rank 1 runs its one; greedy tokens as one prompt at a time."""
+    run = tmp_path / "layers"
+    out = _ok(launch("toolkit/train.py", _train_args(base.ds, run, "train.path=raw", "eval.generate=true",
+                                                     f"eval.eos_token_id={base.eos}", "eval.generate_gather=false",
+                                                     "eval.generate_batch_size=2")))
+    assert _generated(run) == base.expected
+    assert "layer by layer, batch 2 per rank: eval.generate_gather=false" in out, out[-3000:]
+
+
+@pytest.mark.timeout(600)
+def test_standalone_zero_prompts_on_a_rank_and_a_rank_without_room(base: Base, tmp_path: Path) -> None:
+    """One prompt on two ranks (rank 1 has none) and rank 1 reporting no free memory: every rank goes layer by
+    layer (a gather is a collective all must join), rank 1 runs a throwaway call beside rank 0's, no hang."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"input_ids": base.prompts[1], "reference": base.expected[1]}) + "\n")
+    out_file = tmp_path / "out.jsonl"
+    args = ["--model", str(base.export), "--ds", str(base.ds), "--prompts", str(prompts), "--max-new-tokens",
+            str(MAX_NEW), "--eos-token-id", str(base.eos), "--batch-size", "1", "--out", str(out_file)]
+    out = _ok(launch("toolkit/generate.py", args, env={"TOOLKIT_FAULT_GEN_FREE_BYTES": "1:1000"}))
+    assert [r["generated_ids"] for r in _read(out_file)] == [base.expected[1]]
+    assert "generate: 1 prompts" in out and "layer by layer" in out and "another rank has no room" in out, out[-3000:]
 
 
 @pytest.mark.timeout(600)
@@ -339,6 +345,8 @@ def test_without_synced_gpus_it_never_finishes(base: Base, tmp_path: Path) -> No
             "eval.generate=true",
             f"eval.eos_token_id={base.eos}",
             "eval.unsafe_no_sync=true",
+            "eval.generate_gather=false",  # layer by layer: a gathered model runs no collective to hang in
+            "eval.generate_batch_size=1",  # rank 0's first prompt then ends a call early on its own
         ),
         hang_after="eval.unsafe_no_sync=true",
         hang_window_s=60,
@@ -349,7 +357,7 @@ def test_without_synced_gpus_it_never_finishes(base: Base, tmp_path: Path) -> No
     assert hung or mismatch, (
         f"expected a hang or a collective mismatch, got rc={res.rc}:\n{res.output[-6000:]}"
     )
-    assert "generated 3 prompts" not in res.output
+    assert "generate: 3 prompts" not in res.output
     assert not (run / "generations.jsonl").exists()
 
 

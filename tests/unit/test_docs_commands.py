@@ -348,7 +348,7 @@ def test_train_command(cmd: Command, workdir: Workdir) -> None:
 
 @pytest.mark.parametrize("cmd", [c for c in COMMANDS if c.kind == "generate"], ids=str)
 def test_generate_command(cmd: Command, workdir: Workdir) -> None:
-    from toolkit.runtime.generate import parse_args
+    from toolkit.runtime.generation.command import parse_args
 
     assert "..." not in cmd.argv, f"{cmd}: `...` inside a command; give concrete values or a usage: line"
     if cmd.elided:

@@ -265,8 +265,19 @@ class MetricsConfig:
 class EvalConfig:
     generate: bool = False
     """Generate from eval prompts at the end of training (run_dir/generations.jsonl); ZeRO-3 safe."""
+    generate_every: int = 0
+    """With eval.generate: also every N optimizer steps (run_dir/generations/step_N.jsonl); 0: at the end only."""
+    generate_source: str | None = None
+    """A prompt file (JSON lines: "prompt"/"text", "messages" (chat template) or "input_ids", and optionally a
+    "reference" for the exact-match score); default: eval.num_prompts prompts from the first training samples."""
     num_prompts: int = 3
     """Prompts taken from the first training samples (causal_lm: the tokens whose labels are -100)."""
+    generate_batch_size: Union[int, str] = "auto"  # noqa: UP007 (omegaconf reads typing.Union)
+    """Prompts per generate call on a rank (left-padded), or auto: as many as free memory holds beside the KV
+    cache, at most 128."""
+    generate_gather: str = "auto"
+    """ZeRO-3: gather the whole model once per generation (one all-gather instead of one per layer per token).
+    auto: where every rank has room for it, else layer by layer; true; false."""
     max_new_tokens: int = 16
     """New tokens per prompt at most; a prompt stops earlier at EOS."""
     do_sample: bool = False
@@ -285,11 +296,19 @@ class EvalConfig:
     show that the protection matters."""
 
     def __post_init__(self) -> None:
+        self.generate_gather = str(self.generate_gather).lower()  # omegaconf turns `false` into "False"
         checks = [
             (self.num_prompts >= 0, "eval.num_prompts must be >= 0"),
             (self.max_new_tokens >= 1, "eval.max_new_tokens must be >= 1"),
             (self.temperature > 0, "eval.temperature must be > 0"),
             (0 < self.top_p <= 1, "eval.top_p must be in (0, 1]"),
+            (self.generate_every >= 0, "eval.generate_every must be >= 0"),
+            (self.generate_batch_size == "auto" or (isinstance(self.generate_batch_size, int)
+                                                    and not isinstance(self.generate_batch_size, bool)
+                                                    and self.generate_batch_size >= 1),
+             f"eval.generate_batch_size must be >= 1 or auto, got {self.generate_batch_size!r}"),
+            (self.generate_gather in ("auto", "true", "false"),
+             f"eval.generate_gather must be auto, true or false, got {self.generate_gather!r}"),
         ]
         for ok, msg in checks:
             if not ok:

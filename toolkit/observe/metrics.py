@@ -270,6 +270,21 @@ class MetricsLogger:
         else:
             print(msg, flush=True)
 
+    def log_generation(self, step: int, rec: dict[str, Any]) -> None:
+        """An eval.generate call (runtime/generation/evaluate.py; already summed over ranks, which printed its
+        line): rank 0 writes it to metrics.jsonl (a line with gen_tokens_per_s and no loss), TensorBoard's
+        generate/ tags and the trackers."""
+        if not self.is_main:
+            return
+        line = {"step": step, **rec}
+        with (self.run_dir / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(line) + "\n")
+        self.history.append(line)
+        if self._tb is not None:
+            self._tb.write(line)
+        if self._trackers is not None:
+            self._trackers.log({k: v for k, v in line.items() if not isinstance(v, str)}, step)
+
     def close(self) -> None:
         """Idempotent: the loop calls it at the end and again on the way out of a failure."""
         if self._bar is not None:
@@ -314,7 +329,8 @@ def closing_summary(
     """What rank 0 prints at the end: steps, loss, speed, per-rank peak, where the run is and what to
     run next. ``peaks`` is rank -> run-wide peaks from MemoryMonitor (empty if none were gathered)."""
     evals = [r for r in history if r.get("eval_loss") is not None]
-    history = [r for r in history if r.get("eval_loss") is None]
+    gens = [r for r in history if r.get("gen_tokens_per_s") is not None]
+    history = [r for r in history if r.get("eval_loss") is None and r.get("gen_tokens_per_s") is None]
     lines = [
         f"done: {step} of {total_steps} steps"
         + (f" in {history[-1]['elapsed_s']:.1f} s" if history and history[-1].get("elapsed_s") else "")
@@ -334,6 +350,11 @@ def closing_summary(
         first, last = evals[0], evals[-1]
         lines.append(f"  eval loss   {first['eval_loss']:.4f} (step {first['step']}) -> {last['eval_loss']:.4f} "
                      f"(step {last['step']}), perplexity {last['eval_ppl']:.2f}")
+    if gens:
+        g = gens[-1]
+        match = "" if g.get("gen_exact_match") is None else f", exact match {g['gen_exact_match']:.3f}"
+        lines.append(f"  generate    {g['gen_prompts']} prompts, {g['gen_tokens_per_s']:,.0f} new tokens/s "
+                     f"({g['gen_path']}, step {g['step']}){match}")
     tps = median_after_first([r.get("tokens_per_s") for r in history])
     if tps is not None:
         mfu = median_after_first([r.get("mfu") for r in history])

@@ -145,6 +145,11 @@ def throughput_summary(data: RunData) -> tuple[str, list[str]]:
         rows.append(["first eval loss", f"{ev[0]['eval_loss']:.4f} (step {ev[0]['step']})"])
         rows.append(["final eval loss (perplexity)",
                      f"{ev[-1]['eval_loss']:.4f} ({_fmt(ev[-1]['eval_ppl'], 2)}, step {ev[-1]['step']})"])
+    for g in data.generations:
+        match = "" if g["gen_exact_match"] is None else f", exact match {g['gen_exact_match']:.3f}"
+        rows.append([f"generate (step {g['step']})",
+                     f"{_fmt(g['gen_prompts'], 0)} prompts, {_fmt(g['gen_new_tokens'], 0)} new tokens, "
+                     f"{_fmt(g['gen_tokens_per_s'], 1)} tokens/s, {g['gen_path'] or '-'}{match}"])
     elapsed = next((r["elapsed_s"] for r in reversed(m) if r["elapsed_s"] is not None), None)
     rows.append(["elapsed s", _fmt(elapsed, 1)])
     if mfu is None:

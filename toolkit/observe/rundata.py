@@ -23,6 +23,8 @@ NUMERIC_MEMORY = (*GPU_KEYS, "host_rss_gib", "alloc_retries", "oom_count")
 METRIC_KEYS = ("loss", "lr", "tokens_per_s", "samples_per_s", "step_time_s", "grad_norm", "mfu", "elapsed_s",
                "padding_waste")
 EVAL_KEYS = ("eval_loss", "eval_ppl", "eval_tokens")  # a held-out loss line (runtime/loops/evaluate.py)
+GEN_KEYS = ("gen_prompts", "gen_new_tokens", "gen_s", "gen_tokens_per_s", "gen_batch_size",
+            "gen_exact_match")  # an eval.generate line (runtime/generation/evaluate.py)
 # What toolkit/train.py writes into every run directory; a directory with none of them is not a run.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "memory/rank*.jsonl")
 
@@ -32,6 +34,7 @@ class RunData:
     memory: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # rank -> snapshots in file order
     metrics: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)  # held-out loss lines, by step
+    generations: list[dict[str, Any]] = field(default_factory=list)  # eval.generate lines, in file order
     skipped: list[str] = field(default_factory=list)  # "file:line: why" for lines not used
     partial: list[str] = field(default_factory=list)  # "file:line: missing x" for lines used in part
     header: dict[str, Any] = field(default_factory=dict)
@@ -121,6 +124,11 @@ def load_run(run_dir: Path) -> RunData:
                 continue
             if "eval_loss" in obj:
                 data.evals.append({"step": int(obj["step"]), **{k: _num(obj.get(k)) for k in EVAL_KEYS}})
+                continue
+            if "gen_tokens_per_s" in obj:
+                path = obj.get("gen_path")
+                data.generations.append({"step": int(obj["step"]), **{k: _num(obj.get(k)) for k in GEN_KEYS},
+                                         "gen_path": path if isinstance(path, str) else None})
                 continue
             row = {"step": int(obj["step"]), **{k: _num(obj.get(k)) for k in METRIC_KEYS}}
             if "moe_aux_loss" in obj:  # Mixture-of-Experts runs (raw path): the load-balancing loss, per-layer load

@@ -37,6 +37,8 @@ TRAIN_TAGS = {
 }
 MOE_TAGS = {"moe_aux_loss": "moe/aux_loss"}  # Mixture-of-Experts runs only
 EVAL_TAGS = {"eval_loss": "eval/loss", "eval_ppl": "eval/perplexity"}
+GEN_TAGS = {"gen_tokens_per_s": "generate/tokens_per_s", "gen_s": "generate/seconds",
+            "gen_exact_match": "generate/exact_match"}  # eval.generate lines (runtime/generation/)
 # memory snapshot key -> tag. Null values (GPU fields on CPU) are left out, not written as NaN.
 MEMORY_TAGS = {
     "allocated_gib": "memory/allocated_gib",
@@ -83,6 +85,7 @@ class TrainWriter:
     def write(self, rec: dict[str, Any]) -> None:
         _add(self._w, TRAIN_TAGS, rec, int(rec["step"]), None)
         _add(self._w, EVAL_TAGS, rec, int(rec["step"]), None)
+        _add(self._w, GEN_TAGS, rec, int(rec["step"]), None)
         _add(self._w, MOE_TAGS, rec, int(rec["step"]), None)
         for layer, value in enumerate(rec.get("expert_load") or []):  # MoE: busiest expert / mean, per layer
             self._w.add_scalar(f"moe/expert_load_layer{layer}", float(value), global_step=int(rec["step"]))

@@ -119,6 +119,7 @@ def build_spec(inputs: RunInputs, machine: Machine | None = None, ranks_per_node
                           "fix one, or set train.micro_batch_size=auto")
     warnings = notes + _run_checks(ds_raw, cfg, world) + _single_gpu_zero3(ds_raw, world)
     check_data_file(cfg)
+    _check_generation(cfg)
     # max_steps=0 means one epoch: known here for synthetic data, after tokenizing for a file
     # (loops/run.py fills it then; a DeepSpeed scheduler "auto" needing it is reported as unfillable).
     synthetic = cfg.data.source == "synthetic"
@@ -145,6 +146,18 @@ def build_spec(inputs: RunInputs, machine: Machine | None = None, ranks_per_node
     record = resolve_run(cfg, ds, mc, world, precision=precision_why, adapter_autocast=autocast, total_steps=total,
                      machine=machine)
     return RunSpec(cfg, ds, mc, Path(t.run_dir), world, total, warnings, record, ckpt, reshard)
+
+
+def _check_generation(cfg: Config) -> None:
+    """eval.generate's prompt file, row by row, before launch (a bad row would otherwise surface after training)."""
+    e = cfg.eval
+    if (e.generate_source or e.generate_every) and not e.generate:
+        key = "eval.generate_source" if e.generate_source else "eval.generate_every"
+        raise ConfigError(f"{key} is set but eval.generate is false: nothing would generate; add eval.generate=true")
+    if e.generate_source:
+        from toolkit.runtime.generation.prompts import check_file
+
+        check_file(Path(e.generate_source), "eval.generate_source")
 
 
 def _check_sequence_parallel(cfg: Config, mc: Any, ds: dict[str, Any], world: int) -> None:

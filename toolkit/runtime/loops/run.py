@@ -14,6 +14,7 @@ import contextlib
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +24,7 @@ from toolkit.config.ds_config import ConfigError
 from toolkit.launch import dist
 from toolkit.observe import breakdown, console
 from toolkit.observe.memory import MemoryMonitor
-from toolkit.observe.metrics import closing_summary
+from toolkit.observe.metrics import MetricsLogger, closing_summary
 from toolkit.observe.profiling import StepProfiler
 from toolkit.runtime import attention, resolved
 from toolkit.runtime.data.batches import (
@@ -158,6 +159,7 @@ def _train(p: RunSpec) -> int:
     model, sp = built.model, built.sp
     metrics = metrics_logger(p, model)
     metrics.memory_reading = mem.reading  # every rank's memory for wandb / mlflow (metrics.report_to)
+    generate = _generation(p, tokenizer, rows, metrics)
     mem.phase_boundary("model_loaded", 0)
     attn = r.attention
     collator = Collator(pad_id=pad_id, task=cfg.model.task, drop_full_mask=True, boundaries=attn.boundaries,
@@ -176,7 +178,7 @@ def _train(p: RunSpec) -> int:
         # whole on every rank under sequence parallelism: no boundaries, so the attention is not sharded
         fixed_batch=resume.fixed_batch(rows, Collator(pad_id=pad_id, task=cfg.model.task,
                                                       boundaries=attn.boundaries and sp is None)),
-        evaluate=evaluator(p, eval_rows, collator, metrics, sp), sp=sp, aux_coef=built.aux_coef)
+        evaluate=evaluator(p, eval_rows, collator, metrics, sp, generate), sp=sp, aux_coef=built.aux_coef)
     watchdog.follow(lambda: (state.phase, state.step))
     metrics.engine_starting(f"ZeRO-{r.stage}, {cfg.train.path} path, {p.world_size} ranks")
     step, stopped = 0, False
@@ -190,7 +192,7 @@ def _train(p: RunSpec) -> int:
                                                 state).train()
             state.profiler.close(step)
             state.phase = "final"
-            _finish(p, engine, tokenizer, rows, pad_id, stopped)
+            _finish(p, engine, tokenizer, rows, pad_id, stopped, generate and (lambda e: generate(e, step, True)))
             if cfg.train.path == "raw":  # the Trainer path's final snapshot comes from MemoryCallback
                 mem.phase_boundary("final", step)
             breakdown.finish(p.run_dir, rank, mem.run_peaks)
@@ -230,18 +232,32 @@ def _deepspeed_config_alive(p: RunSpec) -> Any:
     return HfDeepSpeedConfig(p.ds)
 
 
-def _finish(p: RunSpec, engine: Any, tokenizer: Any, rows: Rows, pad_id: int, stopped: bool) -> None:
+def _generation(p: RunSpec, tokenizer: Any, rows: Rows, metrics: MetricsLogger
+                ) -> Callable[[Any, int, bool], None] | None:
+    """eval.generate: generate(engine, step, final), which every rank calls (a collective under ZeRO-3). The
+    prompt file was checked before launch (spec.py); here it is tokenized, before the engine starts."""
+    if not p.cfg.eval.generate:
+        return None
+    from toolkit.runtime.generation.evaluate import run_eval_generation, run_prompts
+
+    prompts = run_prompts(p, tokenizer, rows)
+
+    def generate(engine: Any, step: int, final: bool) -> None:
+        with compiling.eager():  # compiled layers decode eagerly (toolkit/runtime/speed/compile.py)
+            run_eval_generation(p, engine, tokenizer, prompts, step, final, metrics.log_generation)
+
+    return generate
+
+
+def _finish(p: RunSpec, engine: Any, tokenizer: Any, rows: Rows, pad_id: int, stopped: bool,
+            generate: Callable[[Any], None] | None) -> None:
     cfg = p.cfg
     if cfg.train.save_probe:
         _save_probe(p, engine, rows, pad_id)
     if stopped:
         return
-    if cfg.eval.generate:
-        from toolkit.runtime.generate import run_eval_generation
-
-        # Every rank calls it: under ZeRO-3 each forward is a collective, like the export below.
-        with compiling.eager():  # compiled layers decode eagerly (toolkit/runtime/speed/compile.py)
-            run_eval_generation(p, engine, tokenizer, rows)
+    if generate is not None:
+        generate(engine)
     if not cfg.train.export:
         return
     out = p.run_dir / ("adapter" if cfg.lora.enabled else "export")

@@ -3,6 +3,7 @@ exists and after the first step."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,18 +28,21 @@ if TYPE_CHECKING:
     from toolkit.runtime.spec import RunSpec
 
 
-def evaluator(p: RunSpec, rows: Rows | None, collate: Collator, metrics: MetricsLogger, sp: Any = None
-              ) -> Evaluator | None:
-    """eval(engine, step, final): the held-out loss every train.eval_every steps and at the end; None
-    without held-out data. Every rank calls it (ZeRO-3 forwards are collectives)."""
-    if rows is None:
+def evaluator(p: RunSpec, rows: Rows | None, collate: Collator, metrics: MetricsLogger, sp: Any = None,
+              generate: Callable[[Any, int, bool], None] | None = None) -> Evaluator | None:
+    """eval(engine, step, final): the held-out loss every train.eval_every steps and at the end, and generation
+    every eval.generate_every steps (the final generation comes after training, in loops/run.py); None when
+    neither is asked for. Every rank calls it (ZeRO-3 forwards are collectives)."""
+    every, gen_every = p.cfg.train.eval_every, p.cfg.eval.generate_every if generate is not None else 0
+    if rows is None and not gen_every:
         return None
-    every = p.cfg.train.eval_every
 
     def run(engine: Any, step: int, final: bool) -> None:
-        if final or (every and step % every == 0 and step < p.total_steps):
+        if rows is not None and (final or (every and step % every == 0 and step < p.total_steps)):
             metrics.log_eval(step, evaluate(engine, rows, collate, p.cfg.train.micro_batch_size, p.cfg.model.task,
                                             sp))
+        if generate is not None and gen_every and not final and step % gen_every == 0 and step < p.total_steps:
+            generate(engine, step, False)
 
     return run
 

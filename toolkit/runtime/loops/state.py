@@ -10,7 +10,8 @@ from toolkit.observe.profiling import StepProfiler
 from toolkit.runtime.faults.preempt import Preemption
 
 Evaluator = Callable[[Any, int, bool], None]
-"""evaluate(engine, step, final): the held-out loss every train.eval_every steps and at the end (loops/shared.py)."""
+"""evaluate(engine, step, final): the held-out loss every train.eval_every steps and at the end, generation every
+eval.generate_every steps (loops/shared.py)."""
 
 
 @dataclass

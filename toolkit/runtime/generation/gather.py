@@ -1,0 +1,155 @@
+"""The whole ZeRO-3 model gathered once for generation, where it fits; the decision every rank shares.
+
+Generating through the sharded model gathers every layer from every rank for every new token (and, with
+synced_gpus, for every rank's every prompt). Gathering all parameters once, generating with DeepSpeed's
+hooks off and partitioning again afterwards costs one all-gather per call: TRL's and DeepSpeed's
+`unwrap_model_for_generation` do the same. It needs the model's full size free on every rank, so it is
+chosen by a memory check, and every rank takes the same path (one rank's gather is a collective the
+others must join).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from toolkit.launch import dist
+from toolkit.plan.generation import DecodeShape, batch_that_fits, bytes_per_sequence
+from toolkit.runtime.generation.guard import unwrap
+
+GIB = 1024**3
+MAX_BATCH = 128  # auto: beyond this a decode step of a 1B model on an H100 stops getting cheaper per token
+RESERVE_CUDA = 1 * GIB  # the CUDA allocator's fragmentation and the library workspaces
+# Tests only: "RANK:BYTES" makes that rank see BYTES free, as if its GPU were full (tests/dist/test_generate.py).
+FAULT_ENV = "TOOLKIT_FAULT_GEN_FREE_BYTES"
+
+
+@dataclass(frozen=True)
+class Choice:
+    gathered: bool
+    """The whole model gathered once (else: layer by layer, synced_gpus where ZeRO-3 runs on >1 rank)."""
+    batch_size: int
+    """Prompts per generate call on this rank."""
+    reason: str
+    zero3: bool = True
+
+    @property
+    def path(self) -> str:
+        if not self.zero3:
+            return "whole model"
+        return "whole-model gather" if self.gathered else "layer by layer"
+
+
+def decode_shape(mc: Any) -> DecodeShape:
+    hidden = int(getattr(mc, "hidden_size", None) or mc.n_embd)
+    heads = int(getattr(mc, "num_attention_heads", None) or mc.n_head)
+    return DecodeShape(
+        layers=int(getattr(mc, "num_hidden_layers", None) or mc.n_layer),
+        hidden=hidden,
+        intermediate=int(getattr(mc, "intermediate_size", None) or getattr(mc, "n_inner", None) or 4 * hidden),
+        heads=heads,
+        kv_heads=int(getattr(mc, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(mc, "head_dim", None) or hidden // heads),
+        vocab=int(mc.vocab_size),
+    )
+
+
+def gathered_bytes(model: Any) -> int:
+    """What gathering every ZeRO-3 parameter adds on this rank: each parameter's full size (its shard stays)."""
+    return sum(int(p.ds_numel) * p.element_size() for p in model.parameters() if hasattr(p, "ds_numel"))
+
+
+def free_bytes() -> int:
+    """Free memory where the generation runs: the GPU's free bytes plus what PyTorch's cache holds unused;
+    off CUDA the host's available memory."""
+    fault = os.environ.get(FAULT_ENV)
+    if fault:
+        rank, _, value = fault.partition(":")
+        if int(rank) == dist.rank():
+            return int(value)
+    if dist.on_cpu():
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    import torch
+
+    free, _ = torch.cuda.mem_get_info()
+    return int(free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
+
+
+def choose(
+    model: Any,
+    mc: Any,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    zero3: bool,
+    gather: str,
+    batch_size: int | str,
+) -> Choice:
+    """Gather or not, and the batch size, from this rank's free memory; collective under ZeRO-3.
+
+    `gather`: auto (gather where every rank fits), true (gather; the check only reports), false (layer by
+    layer). `batch_size`: an int, or auto (what fits, at most MAX_BATCH).
+    """
+    dtype_bytes = next((p.element_size() for p in unwrap(model).parameters()), 4)
+    longest = max((len(p) for p in prompts), default=1)
+    per_seq = bytes_per_sequence(decode_shape(mc), longest, max_new_tokens, dtype_bytes, not dist.on_cpu())
+    need = gathered_bytes(unwrap(model)) if zero3 else 0
+    free = free_bytes()
+    reserve = 0 if dist.on_cpu() else RESERVE_CUDA
+    # Free memory after the gathered copy, for the batch: 90% of it, the rest left to the allocator.
+    room = int(0.9 * free) - need - reserve
+    fits = room >= per_seq
+    gathered = zero3 and gather != "false"
+    if zero3 and gather == "auto":
+        # One rank that does not fit decides for all: a gather is a collective every rank must join.
+        gathered = _all_ranks(fits)
+    budget = room if gathered else int(0.9 * free) - reserve
+    if batch_size == "auto":
+        size = max(1, batch_that_fits(budget, per_seq, len(prompts), MAX_BATCH))
+    else:
+        size = max(1, min(int(batch_size), len(prompts) or 1))
+    if not zero3:
+        reason = "the model is whole on every rank (no ZeRO-3)"
+    elif gather == "false":
+        reason = "eval.generate_gather=false"
+    elif gather == "true":
+        reason = f"eval.generate_gather=true ({_gib(need)} GiB gathered, {_gib(free)} GiB free on rank {dist.rank()})"
+    elif gathered:
+        reason = f"{_gib(need)} GiB gathered + {_gib(per_seq)} GiB per sequence fit {_gib(free)} GiB free"
+    elif fits:
+        reason = "another rank has no room for the gathered model"
+    else:
+        reason = f"{_gib(need)} GiB gathered + {_gib(per_seq)} GiB per sequence exceed {_gib(free)} GiB free"
+    return Choice(gathered=gathered, batch_size=size, reason=reason, zero3=zero3)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def _all_ranks(flag: bool) -> bool:
+    return dist.all_reduce_sum([0.0 if flag else 1.0])[0] == 0
+
+
+@contextlib.contextmanager
+def whole_model(engine: Any) -> Iterator[Any]:
+    """Every ZeRO-3 parameter gathered on every rank and DeepSpeed's module hooks off inside; partitioned and
+    hooked again on the way out. Collective: every rank enters and leaves together.
+
+    DeepSpeed's own `unwrap_model_for_generation` does the gather and the hooks. It leaves the parameters'
+    `ds_active_sub_modules` as they were, and a stale entry there fails the re-partition with `assert not
+    param.ds_active_sub_modules` (trl#2840); TRL clears them first, and so does this.
+    """
+    from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+    for p in unwrap(engine).parameters():
+        active = getattr(p, "ds_active_sub_modules", None)
+        if active:
+            active.clear()
+    with unwrap_model_for_generation(engine):
+        yield unwrap(engine)
