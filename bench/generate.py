@@ -4,15 +4,19 @@
 
 Every rank builds the same random-init model (model.name, bf16) as a ZeRO-3 inference engine (ds_configs/zero3.json
 made fit for inference, as toolkit/generate.py does), then times, greedy, no stop token (every prompt runs to
---new tokens), each after a small warm-up call:
+--new tokens):
   before   the generate_all this change replaced (one prompt per generate call, synced_gpus, every layer gathered
            per token), on the first --before-prompts prompts: loaded from .baseline/generate_before.py, which is
            `git show 3571305:toolkit/runtime/generate.py` (the file as it was);
   gathered the toolkit's generate_all, defaults: the whole model gathered once, left-padded batches (auto size);
   layers   the same with eval.generate_gather=false: layer by layer, batched, synced_gpus;
+  gathered_static  the same as gathered with eval.generate_cache=static (transformers compiles the decode step);
+           each of these three timed twice: NAME_first_call (cold) and NAME (the same call again);
   ceiling  rank 0 alone: plain transformers generate of the unsharded bf16 model on its GPU, rank 0's share of the
            prompts in one left-padded batch (the batch the toolkit's auto size chose), dynamic cache; and
            ceiling_static: the same with cache_implementation="static" (transformers compiles the decode step).
+           Both with torch.nn.functional.linear as torch ships it (zero.Init replaced it process-wide; the toolkit
+           puts it back while it generates, gather.plain_linear), each timed after the same call untimed.
 tokens/s counts new tokens over all ranks; per GPU divides by the world size.
 """
 
@@ -54,7 +58,7 @@ def main() -> int:
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--before-prompts", type=int, default=16)
-    ap.add_argument("--variants", default="before,gathered,layers,ceiling,ceiling_static")
+    ap.add_argument("--variants", default="before,gathered,layers,gathered_static,ceiling,ceiling_static")
     ap.add_argument("--out", required=True)
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None)
     args = ap.parse_args()
@@ -71,6 +75,7 @@ def main() -> int:
     from toolkit.config.schema import EvalConfig, load_config
     from toolkit.runtime.generation.batched import generate_all
     from toolkit.runtime.generation.command import inference_ds_config
+    from toolkit.runtime.generation.gather import plain_linear
     from toolkit.runtime.model import hidden_size, model_config
 
     world, rank = dist.world_size(), dist.rank()
@@ -109,30 +114,27 @@ def main() -> int:
         if rank == 0:
             print(name, rows[name], flush=True)
 
-    warm = prompts[:4]
-    if "before" in variants:
+    if "before" in variants:  # one prompt per call: warmed on a few prompts, not the whole (long) call again
         old = _before()
         ec = EvalConfig(max_new_tokens=args.new)
-        old.generate_all(engine, warm, EvalConfig(max_new_tokens=4), zero3=True, pad_id=0, eos_id=None)
+        old.generate_all(engine, prompts[:4], EvalConfig(max_new_tokens=4), zero3=True, pad_id=0, eos_id=None)
         few = prompts[: args.before_prompts]
         timed("before", lambda: old.generate_all(engine, few, ec, zero3=True, pad_id=0, eos_id=None) and None,
               len(few))
-    for name, gather in (("gathered", "auto"), ("layers", "false")):
+    for name, gather, cache in (("gathered", "auto", "dynamic"), ("layers", "false", "dynamic"),
+                                ("gathered_static", "auto", "static")):
         if name not in variants:
             continue
-        ec = EvalConfig(max_new_tokens=args.new, generate_gather=gather)
-        generate_all(engine, warm, EvalConfig(max_new_tokens=4, generate_gather=gather), mc=mc, zero3=True, pad_id=0,
-                     eos_id=None)
-        stats: list[Any] = []
+        ec = EvalConfig(max_new_tokens=args.new, generate_gather=gather, generate_cache=cache)
 
-        def run(ec: EvalConfig = ec, stats: list[Any] = stats) -> dict[str, Any]:
+        def run(ec: EvalConfig = ec) -> dict[str, Any]:
             out, st = generate_all(engine, prompts, ec, mc=mc, zero3=True, pad_id=0, eos_id=None)
-            stats.append(st)
             if rank == 0:
                 assert all(len(o) == args.new for o in out), "a prompt stopped early"
             return {"path": st.path, "batch_size": st.batch_size, "reason": st.reason}
 
-        timed(name, run, len(prompts))
+        timed(f"{name}_first_call", run, len(prompts))  # cold: allocator growth, a static cache's compile
+        timed(name, run, len(prompts))  # the same call again
     batch = rows.get("gathered", {}).get("batch_size") or (len(prompts) + world - 1) // world
     engine = None  # the sharded engine and ZeRO-3's config gone before the plain model is built
     alive.clear()
@@ -149,9 +151,9 @@ def main() -> int:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in share]).to(dist.device())
         for name in ceilings:
             extra = {"cache_implementation": "static"} if name == "ceiling_static" else {}
-            with torch.no_grad():
-                plain.generate(input_ids=ids[:, -args.min_len:], attention_mask=mask[:, -args.min_len:],
-                               max_new_tokens=4, do_sample=False, pad_token_id=0, **extra)  # warm-up (compiles)
+            with torch.no_grad(), plain_linear():
+                plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new, do_sample=False,
+                               pad_token_id=0, **extra)  # warm-up: the same call (a static cache compiles here)
                 sync()
                 t0 = time.perf_counter()
                 res = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new, do_sample=False,
@@ -165,13 +167,17 @@ def main() -> int:
     dist.barrier()
     if rank == 0:
         r = rows
+        if "gathered_static" in r and "gathered" in r:
+            r["static_vs_dynamic"] = round(r["gathered_static"]["tokens_per_s"] / r["gathered"]["tokens_per_s"], 3)
+            r["static_vs_dynamic_first_call"] = round(r["gathered_static_first_call"]["tokens_per_s"]
+                                                      / r["gathered_first_call"]["tokens_per_s"], 3)
         if "before" in r:
             for k in ("gathered", "layers"):
                 if k in r:
                     r[f"{k}_vs_before"] = round(r[k]["tokens_per_s"] / r["before"]["tokens_per_s"], 2)
-        for c in ceilings:
-            if "gathered" in r and c in r:
-                r[f"gathered_per_gpu_vs_{c}"] = round(r["gathered"]["tokens_per_s_per_gpu"] / r[c]["tokens_per_s"], 3)
+        for mine, c in (("gathered", "ceiling"), ("gathered", "ceiling_static"), ("gathered_static", "ceiling_static")):
+            if mine in r and c in r:
+                r[f"{mine}_per_gpu_vs_{c}"] = round(r[mine]["tokens_per_s_per_gpu"] / r[c]["tokens_per_s"], 3)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(r, indent=1) + "\n")
         print(json.dumps(r, indent=1), flush=True)

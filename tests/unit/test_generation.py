@@ -218,3 +218,17 @@ def test_config_checks() -> None:
                      ("eval.generate_every=-1", "generate_every")]:
         with pytest.raises(ConfigError, match=msg):
             load_config(None, [bad])
+
+
+def test_static_cache_gives_the_same_tokens(tiny: tuple[Any, Any, list[list[int]]],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """eval.generate_cache=static: prompts left-padded to a multiple of 64 and the last batch filled with copies
+    (so the compiled decode step sees few shapes); the tokens are those of the dynamic cache."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    model, mc, prompts = tiny
+    dynamic = generate_local(model, prompts, EvalConfig(max_new_tokens=6, generate_batch_size=4), mc=mc, zero3=False,
+                             pad_id=0, eos_id=None)[0]
+    static = generate_local(model, prompts, EvalConfig(max_new_tokens=6, generate_batch_size=4,
+                                                       generate_cache="static"), mc=mc, zero3=False, pad_id=0,
+                            eos_id=None)[0]
+    assert static == dynamic

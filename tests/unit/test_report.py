@@ -309,3 +309,20 @@ def test_report_of_a_moe_run_has_the_aux_loss_and_each_layers_expert_load(tmp_pa
     assert "| 0     |  1.50 |  1.30 | 2.40 (step 2) |" in md and "| 1     |  1.20 |  1.00 | 1.20 (step 1) |" in md
     dense = make_run(tmp_path, name="dense")
     assert report(dense) == 0 and "Mixture-of-Experts" not in (dense / "report.md").read_text()
+
+
+def test_generation_lines_reach_the_report_and_the_summary(tmp_path: Path) -> None:
+    from toolkit.observe.metrics import closing_summary
+
+    run = make_run(tmp_path)
+    gen = {"step": 3, "gen_prompts": 4, "gen_new_tokens": 60, "gen_s": 2.0, "gen_tokens_per_s": 30.0,
+           "gen_path": "whole-model gather", "gen_batch_size": 2, "gen_exact_match": 0.5}
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps(gen) + "\n")
+    assert report(run) == 0
+    md = (run / "report.md").read_text()
+    assert "generate (step 3)" in md and "4 prompts, 60 new tokens, 30.0 tokens/s, whole-model gather, exact match 0.500" in md
+    history = [{"step": 1, "loss": 2.0, "tokens_per_s": 10.0, "elapsed_s": 1.0}, gen]
+    text = closing_summary(history, run, 3, 3, {}, False)
+    assert "generate    4 prompts, 30 new tokens/s (whole-model gather, step 3), exact match 0.500" in text
+    assert "loss        2.0000 (step 1)" in text  # the generation line is not a loss line

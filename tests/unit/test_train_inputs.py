@@ -72,3 +72,14 @@ def test_compile_value_is_checked() -> None:
     assert load_config(None, []).train.compile == "auto"
     assert load_config(None, ["train.compile=off"]).train.compile == "off"
     assert load_config(None, ["train.compile=true"]).train.compile == "torch"
+
+
+@pytest.mark.timeout(200)
+def test_generation_prompt_file_is_checked_before_launch(tmp_path: Path) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"question": "q"}) + "\n")
+    proc = train(tmp_path, "eval.generate=true", f"eval.generate_source={prompts}")
+    assert_one_line_error(proc, f"{prompts}:2", "expected one of")
+    assert not (tmp_path / "run").exists()
+    proc = train(tmp_path, f"eval.generate_source={prompts}")  # nothing would read it
+    assert_one_line_error(proc, "eval.generate_source is set but eval.generate is false")

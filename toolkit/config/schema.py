@@ -275,6 +275,10 @@ class EvalConfig:
     generate_batch_size: Union[int, str] = "auto"  # noqa: UP007 (omegaconf reads typing.Union)
     """Prompts per generate call on a rank (left-padded), or auto: as many as free memory holds beside the KV
     cache, at most 128."""
+    generate_cache: str = "dynamic"
+    """dynamic (transformers' default KV cache, grown per token) or static: a preallocated cache, and on CUDA
+    transformers compiles the decode step (once per batch shape: prompts are then left-padded to a multiple of
+    64 and batches filled to one size). Whole-model paths only; layer by layer under ZeRO-3 stays dynamic."""
     generate_gather: str = "auto"
     """ZeRO-3: gather the whole model once per generation (one all-gather instead of one per layer per token).
     auto: where every rank has room for it, else layer by layer; true; false."""
@@ -307,6 +311,8 @@ class EvalConfig:
                                                     and not isinstance(self.generate_batch_size, bool)
                                                     and self.generate_batch_size >= 1),
              f"eval.generate_batch_size must be >= 1 or auto, got {self.generate_batch_size!r}"),
+            (self.generate_cache in ("dynamic", "static"),
+             f"eval.generate_cache must be dynamic or static, got {self.generate_cache!r}"),
             (self.generate_gather in ("auto", "true", "false"),
              f"eval.generate_gather must be auto, true or false, got {self.generate_gather!r}"),
         ]

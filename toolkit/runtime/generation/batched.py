@@ -20,10 +20,12 @@ from typing import Any
 
 from toolkit.config.schema import EvalConfig
 from toolkit.launch import dist
-from toolkit.runtime.generation.gather import choose, whole_model
+from toolkit.runtime.generation.gather import choose, plain_linear, whole_model
 from toolkit.runtime.generation.guard import unguarded, unwrap, world
 from toolkit.runtime.generation.sample import RowSampler, cut
 from toolkit.runtime.generation.shard import deal, unshard
+
+STATIC_WIDTH = 64  # eval.generate_cache=static: prompt widths rounded up to this, so few shapes compile
 
 
 @dataclass
@@ -100,6 +102,11 @@ def generate_local(
                   "different steps will hang", file=sys.stderr, flush=True)
     kw: dict[str, Any] = dict(max_new_tokens=cfg.max_new_tokens, do_sample=False, pad_token_id=pad_id,
                               synced_gpus=sync, temperature=None, top_p=None, top_k=None)
+    # A static cache compiles the decode step per shape (CUDA); few shapes: widths to a multiple of 64, full batches.
+    static = cfg.generate_cache == "static" and not (zero3 and not choice.gathered)
+    if static:
+        kw["cache_implementation"] = "static"
+    width_multiple, fill = (STATIC_WIDTH, choice.batch_size) if static else (1, 0)
     if eos_id is not None:
         kw["eos_token_id"] = eos_id
     stops = stop_ids(model, eos_id)
@@ -110,14 +117,17 @@ def generate_local(
     t0 = time.perf_counter()
     gathering = whole_model(engine_or_model) if choice.gathered else contextlib.nullcontext()
     try:
-        with torch.no_grad(), gathering:
+        with torch.no_grad(), gathering, plain_linear():
             for b in range(calls):
                 rows = batches[b] if b < len(batches) else []
-                ids, mask = _left_pad([prompts[i] for i in rows] or [[pad_id]], pad_id, device)
+                batch = [prompts[i] for i in rows] or [[pad_id]]
+                batch += [batch[0]] * (fill - len(batch))  # filler rows, dropped below
+                ids, mask = _left_pad(batch, pad_id, device, width_multiple)
                 extra: dict[str, Any] = {}
                 if cfg.do_sample:
-                    extra["logits_processor"] = [RowSampler([seeds[i] for i in rows] or [0], cfg.temperature,
-                                                            cfg.top_p, device)]
+                    row_seeds = [seeds[i] for i in rows] or [0]
+                    row_seeds += [row_seeds[0]] * (len(batch) - len(row_seeds))
+                    extra["logits_processor"] = [RowSampler(row_seeds, cfg.temperature, cfg.top_p, device)]
                 res = gen(input_ids=ids, attention_mask=mask, **kw, **extra)
                 for r, i in enumerate(rows):
                     out[i] = cut(res[r, ids.shape[1]:].tolist(), stops)
@@ -140,10 +150,10 @@ def _max(value: float) -> float:
     return max(dist.all_reduce_sum(slots))
 
 
-def _left_pad(prompts: list[list[int]], pad_id: int, device: Any) -> tuple[Any, Any]:
+def _left_pad(prompts: list[list[int]], pad_id: int, device: Any, multiple: int = 1) -> tuple[Any, Any]:
     import torch
 
-    width = max(len(p) for p in prompts)
+    width = -(-max(len(p) for p in prompts) // multiple) * multiple
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for r, p in enumerate(prompts):
