@@ -48,7 +48,8 @@ def _runs(tmp: Path) -> list[dict]:
     for path in ("raw", "trainer"):
         runs.append({"name": f"export-{path}", "argv": [
             "--ds", str(ROOT / "ds_configs" / "zero3.json"), *COMMON, "model.name=tiny-qwen3-moe", f"train.path={path}",
-            "train.export=true", "train.save_probe=true", f"train.run_dir={tmp / f'export-{path}'}"]})
+            "train.export=true", "train.save_probe=true", "eval.generate=true", "eval.max_new_tokens=8",
+            f"train.run_dir={tmp / f'export-{path}'}"]})
     resume = ["--ds", str(ROOT / "ds_configs" / "zero3.json"), *COMMON, "model.name=tiny-qwen3-moe", "train.path=raw",
               f"train.run_dir={tmp / 'resume'}"]
     runs += [{"name": "resume", "argv": [*resume, "train.stop_after=2"]},
@@ -169,6 +170,35 @@ def test_a_zero3_moe_export_reloads_with_the_engines_logits(runs: Path, path: st
     """transformers writes the fused experts back as one tensor per expert (its default) and fuses them again on
     load: the reloaded model's fp32 logits equal the engine's (probe.pt) within 1e-4."""
     reload_logits(runs / f"export-{path}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("path", ["raw", "trainer"])
+def test_a_zero3_moe_generates_as_its_export_does(runs: Path, path: str) -> None:
+    """The experts under ZeRO-3, gathered whole for generation: greedy tokens equal the reloaded export's, one
+    prompt at a time in one process."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    d = runs / f"export-{path}"
+    rows = [json.loads(x) for x in (d / "generations.jsonl").read_text().splitlines()]
+    model = AutoModelForCausalLM.from_pretrained(d / "export", dtype=torch.float32, local_files_only=True).eval()
+    eos = model.generation_config.eos_token_id
+    stops = set(eos) if isinstance(eos, list) else {eos}
+    with torch.no_grad():
+        for r in rows:
+            ids = torch.tensor([r["prompt_ids"]])
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                                 do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+            ends = [k for k, t in enumerate(out) if t in stops]
+            out = out[: ends[0] + 1] if ends else out
+            assert r["generated_ids"] == out, (r, out)
+    (line,) = [m for m in _metrics_all(d) if "gen_tokens_per_s" in m]
+    assert line["gen_path"] == "whole-model gather"
+
+
+def _metrics_all(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.timeout(60)

@@ -56,7 +56,9 @@ def _runs(tmp: Path) -> list[dict]:
     for path in PATHS:
         for stage in STAGES:
             probe = ["train.save_probe=true"] if stage == "zero3" else ["train.export=false"]
-            add(f"{path}-{stage}", stage, f"train.path={path}", *probe)
+            # parameters offloaded to the CPU: generation gathers the whole model from there
+            gen = ["eval.generate=true", "eval.max_new_tokens=6"] if stage == "zero3_offload" else []
+            add(f"{path}-{stage}", stage, f"train.path={path}", *probe, *gen)
         # gradient accumulation: 1 x 4 must match 4 x 1
         add(f"{path}-mb1ga4", "zero2", f"train.path={path}", "train.micro_batch_size=1", "train.grad_accum=4",
             "train.export=false", "train.profile_steps=[2,3]")  # the profiler must not change the losses
@@ -141,7 +143,8 @@ def test_no_deepspeed_shared_memory_left(runs: Path) -> None:
 
 
 def losses(run_dir: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in lines if "loss" in r]  # eval and generation lines carry none
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -168,6 +171,16 @@ def test_every_stage_and_offload_completes(runs: Path, path: str, stage: str) ->
     assert resolved["train_batch_size"] == 4 * 1 * 2
     # random init starts near ln(vocab): uninitialized ZeRO-3 weights would start far above it
     assert abs(losses(d)[0] - math.log(1000)) <= 0.1 * math.log(1000)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", PATHS)
+def test_zero3_with_offloaded_parameters_generates_from_the_whole_model(runs: Path, path: str) -> None:
+    d = runs / f"{path}-zero3_offload"
+    rows = [json.loads(line) for line in (d / "generations.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1, 2] and all(1 <= len(r["generated_ids"]) <= 6 for r in rows)
+    (line,) = [r for r in metrics(d) if "gen_tokens_per_s" in r]
+    assert line["gen_path"] == "whole-model gather" and line["gen_prompts"] == 3 and line["step"] == STEPS
 
 
 @pytest.mark.timeout(300)
