@@ -1,0 +1,135 @@
+"""Preference pairs: the row shapes users bring, the prompt masked, truncation and drops counted, bad rows named; and
+pairs through one forward, side by side or packed, giving the same log-probs."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from toolkit.config.ds_config import ConfigError
+from toolkit.runtime.objectives import pairs as P
+from toolkit.runtime.objectives.batch import pair_logps, packed, sequence_logps, side_by_side
+from toolkit.runtime.objectives.losses import pair_loss
+
+
+@pytest.fixture(scope="module")
+def tok(chat_tokenizer: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(chat_tokenizer, local_files_only=True)
+
+
+def _words(tok: Any, ids: list[int]) -> str:
+    return tok.decode(ids)
+
+
+def test_string_pairs_mask_the_prompt_and_end_with_eos(tok: Any) -> None:
+    pair = P.tokenize({"prompt": "what did the cat do", "chosen": "sat on the mat", "rejected": "ran"}, tok, 64, "r")
+    assert pair.status == P.OK
+    chosen, rejected = pair.rows()
+    assert chosen["input_ids"] == pair.prompt + pair.chosen and pair.chosen[-1] == tok.eos_token_id
+    assert chosen["labels"] == [-100] * len(pair.prompt) + pair.chosen
+    assert _words(tok, rejected["input_ids"][len(pair.prompt):]) == "ran </s>"
+
+
+def test_conversations_sharing_their_prompt_and_split_ones_give_the_same_pair(tok: Any) -> None:
+    user = [{"role": "user", "content": "what did the cat do"}]
+    good, bad = {"role": "assistant", "content": "sat on the mat"}, {"role": "assistant", "content": "no"}
+    shared = P.tokenize({"chosen": [*user, good], "rejected": [*user, bad]}, tok, 64, "r")
+    split = P.tokenize({"prompt": user, "chosen": [good], "rejected": [bad]}, tok, 64, "r")
+    assert shared == split and shared.status == P.OK
+    assert _words(tok, shared.prompt) == tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True).strip()
+    assert _words(tok, shared.chosen) == "sat on the mat </s>"
+
+
+def test_truncation_keeps_the_prompts_end_and_cuts_both_completions_alike() -> None:
+    prompt, chosen, rejected = list(range(100, 140)), list(range(10)), list(range(20, 26))
+    pair = P.truncate(prompt, chosen, rejected, 24)
+    assert pair.status == P.TRUNCATED
+    assert pair.prompt == prompt[-14:]  # the room the longer completion leaves, and it is at least half the length
+    assert pair.chosen == chosen and pair.rejected == rejected
+    pair = P.truncate(prompt, list(range(30)), rejected, 24)
+    assert pair.prompt == prompt[-12:] and pair.chosen == list(range(12)) and pair.rejected == rejected
+    assert P.truncate([1, 2], [3], [4], 24).status == P.OK
+
+
+def test_empty_or_identical_completions_are_dropped_and_counted(tok: Any) -> None:
+    rows = [{"prompt": "a", "chosen": "yes", "rejected": "no"}, {"prompt": "a", "chosen": "", "rejected": "no"},
+            {"prompt": "a", "chosen": "yes", "rejected": "yes"}, {"prompt": "a " * 40, "chosen": "yes", "rejected": "no"}]
+    got = [P.tokenize(r, tok, 16, f"r{i}") for i, r in enumerate(rows)]
+    assert [p.status for p in got] == [P.OK, P.EMPTY, P.IDENTICAL, P.TRUNCATED]
+    assert P.counts(got) == {"kept": 1, "dropped: an empty completion": 1,
+                             "dropped: chosen and rejected are the same": 1, "truncated": 1}
+
+
+@pytest.mark.parametrize("row,msg", [
+    ({"prompt": "a", "chosen": "b"}, 'no "rejected" field'),
+    ({"prompt": 3, "chosen": "b", "rejected": "c"}, '"prompt" must be a string'),
+    ({"prompt": "a", "chosen": 5, "rejected": "c"}, '"chosen" must be a string or a list'),
+    ({"chosen": [{"role": "user", "content": "a"}], "rejected": [{"role": "assistant", "content": "b"}]},
+     'last turn of "chosen"'),
+    ({"chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+      "rejected": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "c"}]}, "must share every turn"),
+])
+def test_a_bad_row_names_itself_and_its_field(tok: Any, row: dict[str, Any], msg: str) -> None:
+    with pytest.raises(ConfigError, match=msg) as e:
+        P.tokenize(row, tok, 64, "pairs.jsonl:7")
+    assert str(e.value).startswith("pairs.jsonl:7: ")
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    from toolkit.config.schema import load_config
+    from toolkit.runtime.model import build_model, model_config
+
+    cfg = load_config(None, [])
+    return build_model(cfg, model_config(cfg)).eval()
+
+
+def _pairs(n: int, vocab: int) -> list[P.Pair]:
+    rng = random.Random(0)
+    ids = lambda k: [rng.randrange(4, vocab) for _ in range(k)]  # noqa: E731
+    return [P.Pair(ids(rng.randint(2, 9)), ids(rng.randint(1, 7)), ids(rng.randint(1, 7))) for _ in range(n)]
+
+
+def _logps(model: Any, batch: dict[str, torch.Tensor], seq_lens: list[list[int]] | None, chunk: int) -> Any:
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        hidden = model.model(**inputs, use_cache=False).last_hidden_state  # a cache turns packed detection off
+    return sequence_logps(hidden, model.lm_head.weight, batch["labels"], seq_lens, chunk=chunk)
+
+
+def test_packed_pairs_give_the_log_probs_of_the_same_pairs_side_by_side(model: Any) -> None:
+    from toolkit.runtime.data.batches import Collator
+
+    pairs = _pairs(6, model.config.vocab_size)
+    rows, segs = side_by_side(pairs)
+    flat = pair_logps(*_logps(model, Collator(pad_id=0)(rows), None, chunk=5), segs, len(pairs))
+    rows, segs = packed(pairs, 40)
+    assert len(rows) < len(pairs)  # several pairs share a row
+    got = pair_logps(*_logps(model, Collator(pad_id=0)(rows), [r["seq_lens"] for r in rows], chunk=7), segs,
+                     len(pairs))
+    for a, b in ((flat.chosen, got.chosen), (flat.rejected, got.rejected)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert flat.chosen_tokens.tolist() == [len(p.chosen) for p in pairs] == got.chosen_tokens.tolist()
+    # against a plain log-softmax over the whole logits, one pair at a time
+    for i, p in enumerate(pairs):
+        ids = torch.tensor([p.prompt + p.rejected])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, :-1].log_softmax(-1)
+        want = logits[torch.arange(len(p.prompt) - 1, ids.shape[1] - 1), torch.tensor(p.rejected)].sum()
+        assert float(got.rejected[i]) == pytest.approx(float(want), abs=1e-4)
+    # the policy as its own reference: every objective with a reference starts at ln 2 (DPO) and 1/(2 beta)^2 (IPO)
+    dpo = pair_loss("dpo", got, got, beta=0.1).loss
+    assert torch.allclose(dpo, torch.full_like(dpo, math.log(2)))
+    assert torch.allclose(pair_loss("ipo", got, got, beta=0.1).loss, torch.full_like(dpo, 25.0))
+
+
+def test_a_pair_longer_than_a_row_is_refused() -> None:
+    with pytest.raises(ValueError, match="more than a row"):
+        packed([P.Pair([5] * 10, [6] * 10, [7] * 10)], 24)

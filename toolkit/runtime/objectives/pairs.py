@@ -1,0 +1,128 @@
+"""Preference pairs from the rows users bring, as token ids with the prompt masked.
+
+Three shapes of row, TRL's names for the columns (prompt, chosen, rejected):
+  - strings: {"prompt": str, "chosen": str, "rejected": str}, the prompt tokenized with the tokenizer's special
+    tokens and the completions without, an EOS after each completion;
+  - conversations that share their prompt turns: {"chosen": [messages], "rejected": [messages]}, the last turn of
+    each the assistant's; the turns before it must be the same in both;
+  - a prompt conversation and a final assistant turn each: {"prompt": [messages], "chosen": [messages],
+    "rejected": [messages]}.
+Conversations are rendered with the tokenizer's chat template; the prompt is what the template writes for the turns
+before the answer with the assistant's turn opened (`add_generation_prompt=True`), the completion what it writes
+after that.
+
+Truncation, to at most `max_length` tokens per sequence (prompt + completion): first the prompt is cut from its start,
+keeping its end (the turns nearest the answer) and at least half of `max_length`; then both completions are cut to
+the same room from their end. A row that loses tokens is counted as truncated. A row whose chosen or rejected
+completion is empty, or whose two completions are the same, is dropped and counted. A missing field or a wrong type
+is a ConfigError naming the row and the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from toolkit.config.ds_config import ConfigError
+
+IGNORE_INDEX = -100
+OK, TRUNCATED, EMPTY, IDENTICAL = 0, 1, 2, 3
+STATUS = {OK: "kept", TRUNCATED: "truncated", EMPTY: "dropped: an empty completion",
+          IDENTICAL: "dropped: chosen and rejected are the same"}
+FIELDS = ("prompt", "chosen", "rejected")
+
+
+@dataclass(frozen=True)
+class Pair:
+    prompt: list[int]
+    chosen: list[int]
+    rejected: list[int]
+    status: int = OK
+
+    def rows(self) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+        """(chosen, rejected) as SFT rows: input_ids = prompt + completion, labels -100 over the prompt."""
+        mask = [IGNORE_INDEX] * len(self.prompt)
+        return ({"input_ids": self.prompt + self.chosen, "labels": mask + self.chosen},
+                {"input_ids": self.prompt + self.rejected, "labels": mask + self.rejected})
+
+
+def _messages(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+
+
+def shape_of(row: dict[str, Any], where: str) -> str:
+    """strings, shared (conversations sharing their prompt turns) or split (a prompt conversation and an answer each);
+    a ConfigError naming the field otherwise."""
+    for field in ("chosen", "rejected"):
+        if field not in row:
+            raise ConfigError(f'{where}: no "{field}" field (a preference row needs "chosen" and "rejected", and a '
+                              f'"prompt" unless both are conversations sharing their prompt turns)')
+    chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        if not isinstance(prompt, str):
+            raise ConfigError(f'{where}: "prompt" must be a string when "chosen" and "rejected" are strings')
+        return "strings"
+    for field, value in (("chosen", chosen), ("rejected", rejected)):
+        if not _messages(value):
+            raise ConfigError(f'{where}: "{field}" must be a string or a list of {{"role": str, "content": str}}')
+        if value[-1]["role"] != "assistant":
+            raise ConfigError(f'{where}: the last turn of "{field}" must be the assistant\'s')
+    if prompt is None:
+        if chosen[:-1] != rejected[:-1] or len(chosen) < 2:
+            raise ConfigError(f'{where}: without a "prompt", "chosen" and "rejected" must share every turn before '
+                              "their last (the assistant's answer), and have at least one")
+        return "shared"
+    if not _messages(prompt):
+        raise ConfigError(f'{where}: "prompt" must be a list of {{"role": str, "content": str}} with conversations')
+    return "split"
+
+
+def tokenize(row: dict[str, Any], tokenizer: Any, max_length: int, where: str) -> Pair:
+    """One row as a Pair (its status says whether it was truncated or is to be dropped)."""
+    shape = shape_of(row, where)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if shape == "strings":
+        prompt = tokenizer(row["prompt"], add_special_tokens=True)["input_ids"]
+        chosen, rejected = (tokenizer(row[f], add_special_tokens=False)["input_ids"] for f in ("chosen", "rejected"))
+        chosen, rejected = (c + eos if c else c for c in (chosen, rejected))
+    else:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(f"{where}: conversations need a chat template, and the tokenizer has none")
+        turns = row["chosen"][:-1] if shape == "shared" else row["prompt"]
+        before = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        completions = []
+        for field in ("chosen", "rejected"):
+            full = tokenizer.apply_chat_template([*turns, row[field][-1]], tokenize=False)
+            if not full.startswith(before):
+                raise ConfigError(f"{where}: the chat template does not write the prompt turns the same way before "
+                                  f'the "{field}" answer; it cannot be split into prompt and completion')
+            completions.append(full[len(before):])
+        prompt = tokenizer(before, add_special_tokens=False)["input_ids"]
+        chosen, rejected = (tokenizer(c, add_special_tokens=False)["input_ids"] if row[f][-1]["content"] else []
+                            for c, f in zip(completions, ("chosen", "rejected"), strict=True))
+    if not chosen or not rejected:
+        return Pair(prompt, chosen, rejected, EMPTY)
+    if chosen == rejected:
+        return Pair(prompt, chosen, rejected, IDENTICAL)
+    return truncate(prompt, chosen, rejected, max_length)
+
+
+def truncate(prompt: list[int], chosen: list[int], rejected: list[int], max_length: int) -> Pair:
+    """The rule in the module docstring: the prompt keeps its end (at least half of max_length of it), then both
+    completions are cut alike to the room left."""
+    longest = max(len(chosen), len(rejected))
+    if len(prompt) + longest <= max_length:
+        return Pair(prompt, chosen, rejected)
+    keep = max(max_length - longest, min(len(prompt), max_length // 2))
+    prompt = prompt[len(prompt) - keep:]
+    room = max_length - len(prompt)
+    return Pair(prompt, chosen[:room], rejected[:room], TRUNCATED)
+
+
+def counts(pairs: list[Pair]) -> dict[str, int]:
+    """How many rows ended in each status, by STATUS's words (for the run's data line)."""
+    out: dict[str, int] = {}
+    for p in pairs:
+        out[STATUS[p.status]] = out.get(STATUS[p.status], 0) + 1
+    return out
