@@ -13,7 +13,7 @@ import torch
 
 from toolkit.config.ds_config import ConfigError
 from toolkit.runtime.objectives import pairs as P
-from toolkit.runtime.objectives.batch import pair_logps, packed, sequence_logps, side_by_side
+from toolkit.runtime.objectives.batch import packed, pair_logps, sequence_logps, side_by_side
 from toolkit.runtime.objectives.losses import pair_loss
 
 
