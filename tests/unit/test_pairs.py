@@ -133,3 +133,59 @@ def test_packed_pairs_give_the_log_probs_of_the_same_pairs_side_by_side(model: A
 def test_a_pair_longer_than_a_row_is_refused() -> None:
     with pytest.raises(ValueError, match="more than a row"):
         packed([P.Pair([5] * 10, [6] * 10, [7] * 10)], 24)
+
+
+def test_reference_config_is_zero3_without_an_optimizer_at_any_policy_stage() -> None:
+    from toolkit.runtime.objectives.reference import mode_of, reference_config
+
+    policy = {"bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 4, "train_batch_size": 8,
+              "gradient_accumulation_steps": 1, "optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR"},
+              "gradient_clipping": 1.0, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"},
+                                                              "reduce_bucket_size": 5e8}}
+    ref = reference_config(policy, offload=True)
+    assert ref == {"bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 4, "train_batch_size": 8,
+                   "gradient_accumulation_steps": 1,
+                   "zero_optimization": {"reduce_bucket_size": 5e8, "stage": 3,
+                                         "offload_param": {"device": "cpu", "pin_memory": True}}}
+    assert mode_of("auto", lora=True)[0] == "adapter" and mode_of("auto", lora=False)[0] == "engine"
+    with pytest.raises(ConfigError, match=r"needs lora\.enabled=true"):
+        mode_of("adapter", lora=False)
+    with pytest.raises(ConfigError, match="must be one of"):
+        mode_of("replica", lora=False)
+
+
+@pytest.mark.timeout(300)
+def test_the_reference_engine_is_a_frozen_zero3_copy_with_the_policys_logits(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    here = Path(__file__).resolve().parent
+    p = subprocess.run([sys.executable, str(here / "_reference_check.py"), str(tmp_path / "store")],
+                       capture_output=True, text=True, timeout=280)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert p.returncode == 0 and line, p.stdout[-3000:] + p.stderr[-3000:]
+    got = json.loads(line[len("RESULT "):])
+    assert got["maxdiff"] < 1e-5 and got["partitioned"] and got["trainable"] == 0, got
+    assert got["optimizer"] == "DeepSpeedZeRoOffload", got  # DeepSpeed's inference engine: no optimizer states
+
+
+def test_lora_adapters_off_give_the_base_models_logits(model: Any) -> None:
+    from toolkit.config.schema import load_config
+    from toolkit.runtime.model import apply_lora, build_model, model_config
+    from toolkit.runtime.objectives.reference import adapters_off
+
+    cfg = load_config(None, ["lora.enabled=true"])
+    plain = load_config(None, [])
+    base = build_model(plain, model_config(plain)).eval()
+    ids = torch.randint(4, base.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = base(input_ids=ids).logits
+        policy = apply_lora(cfg, base)
+        for p in policy.parameters():  # adapters that changed the output (LoRA's B starts at zero)
+            if p.requires_grad:
+                p.add_(0.05)
+        assert not torch.allclose(policy(input_ids=ids).logits, want)
+        with adapters_off(policy):
+            got = policy(input_ids=ids).logits
+    torch.testing.assert_close(got, want)

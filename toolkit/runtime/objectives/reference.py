@@ -1,0 +1,73 @@
+"""The reference model of a preference run: never a full replica per GPU, never an optimizer for it.
+
+- adapter: a LoRA run's reference is the policy itself with its adapters disabled (PEFT's `disable_adapter`): no
+  extra weights, one more forward without gradients.
+- engine: a full fine-tune's reference is a frozen copy, as a ZeRO-3 engine without an optimizer (DeepSpeed then
+  builds its parameter-offload engine, for inference), whatever the policy's stage: each rank holds 1/world of it,
+  optionally with its parameters on the CPU. TRL deep-copies the policy's config instead, so under ZeRO-1/2 its
+  reference is a full bf16 replica on every GPU (../shared/notes/preference.md, section 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from toolkit.config.ds_config import ConfigError
+
+MODES = ("auto", "adapter", "engine")
+# What a frozen model needs of the policy's DeepSpeed JSON: its precision and batch keys (DeepSpeed checks them)
+KEPT = ("bf16", "fp16", "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+        "communication_data_type", "seq_parallel_communication_data_type", "steps_per_print", "wall_clock_breakdown")
+# ZeRO-3's own sizes, taken from the policy's where it sets them (they are tuned for the same model)
+STAGE3_KEYS = ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+               "stage3_max_reuse_distance", "reduce_bucket_size", "stage3_module_granularity_threshold")
+
+
+def mode_of(requested: str, lora: bool) -> tuple[str, str]:
+    """(mode, why) for pref.reference."""
+    if requested not in MODES:
+        raise ConfigError(f"pref.reference must be one of {', '.join(MODES)}, got {requested!r}")
+    if requested == "adapter" and not lora:
+        raise ConfigError("pref.reference=adapter needs lora.enabled=true (the reference is the base model with the "
+                          "adapters off); use pref.reference=engine for a full fine-tune")
+    if requested == "auto":
+        if lora:
+            return "adapter", "LoRA: the base model with the adapters disabled (no extra weights)"
+        return "engine", "full fine-tune: a frozen copy sharded at ZeRO-3 (1/world of it per rank), no optimizer"
+    return requested, f"pref.reference={requested}"
+
+
+def reference_config(policy_ds: dict[str, Any], offload: bool = False) -> dict[str, Any]:
+    """The frozen reference's DeepSpeed JSON from the policy's resolved one: ZeRO-3 at any policy stage, no
+    optimizer or scheduler, the policy's precision and batch keys; offload puts its parameters on the CPU."""
+    ds = {k: v for k, v in policy_ds.items() if k in KEPT}
+    zero = {k: v for k, v in policy_ds.get("zero_optimization", {}).items() if k in STAGE3_KEYS}
+    zero["stage"] = 3
+    if offload:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    ds["zero_optimization"] = zero
+    return ds
+
+
+def build_engine(model: Any, ds: dict[str, Any]) -> Any:
+    """A frozen model as a ZeRO-3 inference engine (build `model` while an HfDeepSpeedConfig of `ds` is alive, so
+    its weights load straight into partitions)."""
+    import deepspeed
+
+    model.requires_grad_(False)
+    model.eval()
+    if "optimizer" in ds or ds.get("zero_optimization", {}).get("stage") != 3:
+        raise ValueError("a reference engine takes reference_config's JSON: ZeRO-3, no optimizer")
+    return deepspeed.initialize(model=model, config=ds)[0]
+
+
+@contextlib.contextmanager
+def adapters_off(engine_or_model: Any) -> Iterator[None]:
+    """The LoRA policy as its own reference for the length of the block (PEFT's disable_adapter)."""
+    model = getattr(engine_or_model, "module", engine_or_model)
+    if not hasattr(model, "disable_adapter"):
+        raise RuntimeError("pref.reference=adapter needs a PEFT model")
+    with model.disable_adapter():
+        yield
