@@ -69,7 +69,8 @@ def _chain(out: Path, name: str, port: int) -> dict:
         if p.returncode:
             break
     metrics = run_dir / "metrics.jsonl"
-    losses = [json.loads(x)["loss"] for x in metrics.read_text().splitlines()] if metrics.is_file() else []
+    losses = [r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r] \
+        if metrics.is_file() else []
     return {"rc": max(rcs), "log": "\n".join(logs), "losses": losses, "dir": run_dir}
 
 

@@ -83,3 +83,17 @@ def test_generation_prompt_file_is_checked_before_launch(tmp_path: Path) -> None
     assert not (tmp_path / "run").exists()
     proc = train(tmp_path, f"eval.generate_source={prompts}")  # nothing would read it
     assert_one_line_error(proc, "eval.generate_source is set but eval.generate is false")
+
+
+@pytest.mark.timeout(200)
+def test_preference_runs_refuse_what_they_do_not_support_and_name_a_bad_pair_row(tmp_path: Path) -> None:
+    proc = train(tmp_path, "train.objective=dpo")  # the default path is the Trainer's
+    assert_one_line_error(proc, "train.objective=dpo runs on the raw path for now: add train.path=raw")
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n"
+                     + json.dumps({"prompt": "a", "chosen": "b"}) + "\n")
+    proc = train(tmp_path, "train.objective=dpo", "train.path=raw", f"data.source={pairs}")
+    assert_one_line_error(proc, f"{pairs}:2", 'no "rejected" field')
+    proc = train(tmp_path, "train.objective=dpo", "train.path=raw", "pref.reference=adapter")
+    assert_one_line_error(proc, "pref.reference=adapter needs lora.enabled=true")
+    assert not (tmp_path / "run").exists()

@@ -130,6 +130,8 @@ class LoraConfig:
 class TrainConfig:
     path: str = "trainer"
     """trainer (HF Trainer) or raw (deepspeed.initialize loop)."""
+    objective: str = "sft"
+    """sft (next-token loss), or a preference objective on pairs (raw path): dpo, ipo, simpo, orpo (pref.*)."""
     ds_config: str = "ds_configs/zero2.json"
     """DeepSpeed JSON; "auto" values are filled from this config."""
     precision: str = "auto"
@@ -337,6 +339,39 @@ class MoeConfig:
     size and accumulation (toolkit/runtime/moe/); eval losses and the resume check leave it out."""
 
 
+OBJECTIVES = ("sft", "dpo", "ipo", "simpo", "orpo")
+
+
+@dataclass
+class PrefConfig:
+    """Preference training (train.objective other than sft); the knobs named as TRL names them."""
+
+    beta: float = 0.1
+    """dpo/ipo: how far the policy may move from the reference; simpo: the reward scale; orpo: the odds-ratio weight
+    (the paper's lambda)."""
+    label_smoothing: float = 0.0
+    """dpo/simpo: the share of pairs assumed mislabelled (conservative DPO)."""
+    simpo_gamma: float = 0.5
+    """simpo: the target reward margin."""
+    reference: str = "auto"
+    """dpo/ipo: adapter (LoRA: the base with the adapters off), engine (a frozen copy at ZeRO-3, no optimizer), or
+    auto: adapter for LoRA runs, else engine."""
+    reference_offload: bool = False
+    """reference=engine: its parameters on the CPU (fetched per layer as ZeRO-3 offload does)."""
+    max_length: int = 0
+    """Tokens per sequence (prompt + completion) at most; 0: data.seq_len."""
+
+    def __post_init__(self) -> None:
+        checks = [(self.beta > 0, f"pref.beta must be > 0, got {self.beta}"),
+                  (0 <= self.label_smoothing < 0.5, f"pref.label_smoothing must be in [0, 0.5), got {self.label_smoothing}"),
+                  (self.reference in ("auto", "adapter", "engine"),
+                   f"pref.reference must be auto, adapter or engine, got {self.reference!r}"),
+                  (self.max_length >= 0, "pref.max_length must be >= 0")]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(msg)
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -347,6 +382,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
+    pref: PrefConfig = field(default_factory=PrefConfig)
 
     def __post_init__(self) -> None:
         t = self.train
@@ -382,6 +418,7 @@ class Config:
             (self.moe.aux_loss_coef == "auto" or _non_negative(self.moe.aux_loss_coef),
              f"moe.aux_loss_coef must be auto or a number >= 0, got {self.moe.aux_loss_coef!r}"),
             (t.path in ("trainer", "raw"), f"train.path must be trainer or raw, got {t.path!r}"),
+            (t.objective in OBJECTIVES, f"train.objective must be one of {', '.join(OBJECTIVES)}, got {t.objective!r}"),
             (t.precision in ("auto", "bf16", "fp16", "fp32", "fp8"),
              f"train.precision must be auto, bf16, fp16, fp32 or fp8, got {t.precision!r}"),
             (t.fp8_recipe in ("tensorwise", "rowwise"), f"train.fp8_recipe must be tensorwise or rowwise, got {t.fp8_recipe!r}"),
@@ -429,6 +466,8 @@ class Config:
 def packing(cfg: Config) -> tuple[bool, str]:
     """(pack this run's rows, why): data.packing with auto resolved."""
     d, task = cfg.data, cfg.model.task
+    if cfg.train.objective != "sft":
+        return False, "preference pairs: chosen and rejected side by side, padded (packed pairs: not yet)"
     if d.packing is not True and d.packing is not False:  # auto
         if task != "causal_lm":
             return False, f"data.packing=auto: off for {task} (one label per row)"

@@ -118,6 +118,10 @@ class Resolved:
     experts: ExpertsChoice | None
     activation_offload: OffloadPlan
     machine: Machine
+    objective: str = "sft"
+    """train.objective; with reference the preference run's reference model (objectives/reference.py), or None."""
+    reference: str | None = None
+    objective_why: str = "next-token loss"
 
     def lines(self, kv_heads: str | None = None) -> list[str]:
         """The block a run prints at its start (and `toolkit check --explain`). kv_heads: how the varlen kernel takes
@@ -140,6 +144,8 @@ class Resolved:
         out.append(f"  logits and loss tiled over the sequence: {'on' if self.tiled_loss else 'off'} "
                    f"({self.tiled_loss_why}{tile})")
         out.append(f"  {self.activation_offload.describe()}")
+        if self.objective != "sft":
+            out.append(f"  objective: {self.objective_why}")
         return out
 
     def attention_note(self, kv_heads: str | None = None) -> str:
@@ -241,12 +247,31 @@ def resolve_run(cfg: Config, ds: dict[str, Any], model_config: Any, world: int, 
     offloading = _activation_offload(cfg, text, hidden_size(text), micro, machine)
     ranks = world // t.sequence_parallel
     groups = f"{ranks} sequence-parallel groups" if t.sequence_parallel > 1 else f"{ranks} rank{'s' * (ranks > 1)}"
-    batch_why = (f"micro {micro} x grad_accum {t.grad_accum} x {groups} = {micro * t.grad_accum * ranks} sequences "
+    what = "sequences" if t.objective == "sft" else "pairs (chosen and rejected: twice the sequences)"
+    batch_why = (f"micro {micro} x grad_accum {t.grad_accum} x {groups} = {micro * t.grad_accum * ranks} {what} "
                  f"of {cfg.data.seq_len:,} tokens; {total_steps if total_steps is not None else 'one epoch of'} steps")
     return Resolved(world, stage, precision[0], precision[1], fp8, adapter_autocast, micro, t.grad_accum, batch_why,
                     total_steps, packed, packing_why, attn, compiled, compile_why, compile_note,
                     stage == 3 and leaves_blocked(lora=bool(cfg.lora.enabled), ds=ds) is None, tiled, tiled_why,
-                    loss_on, loss_why, tiled_loss_tile(model_config.vocab_size), liger, experts, offloading, machine)
+                    loss_on, loss_why, tiled_loss_tile(model_config.vocab_size), liger, experts, offloading, machine,
+                    *_objective(cfg))
+
+
+def _objective(cfg: Config) -> tuple[str, str | None, str]:
+    """(objective, reference mode or None, why): what a preference run optimizes and against what."""
+    from toolkit.runtime.objectives.losses import REFERENCE_FREE
+    from toolkit.runtime.objectives.reference import mode_of
+
+    t, pref = cfg.train, cfg.pref
+    if t.objective == "sft":
+        return "sft", None, "next-token loss"
+    knobs = {"dpo": f"beta {pref.beta}, label_smoothing {pref.label_smoothing}", "ipo": f"beta {pref.beta}",
+             "simpo": f"beta {pref.beta}, gamma {pref.simpo_gamma}", "orpo": f"lambda (pref.beta) {pref.beta}"}
+    if t.objective in REFERENCE_FREE:
+        return t.objective, None, f"{t.objective} ({knobs[t.objective]}), reference-free"
+    mode, why = mode_of(pref.reference, bool(cfg.lora.enabled))
+    where = ", its parameters on the CPU" if mode == "engine" and pref.reference_offload else ""
+    return t.objective, mode, f"{t.objective} ({knobs[t.objective]}); reference: {mode} ({why}{where})"
 
 
 def _activation_offload(cfg: Config, text: Any, hidden: int, micro: int, machine: Machine) -> OffloadPlan:

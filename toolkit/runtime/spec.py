@@ -118,7 +118,10 @@ def build_spec(inputs: RunInputs, machine: Machine | None = None, ranks_per_node
                           f"grad_accum {t.grad_accum} x {ranks}{' ranks' * isinstance(ranks, int)} = {batch}; "
                           "fix one, or set train.micro_batch_size=auto")
     warnings = notes + _run_checks(ds_raw, cfg, world) + _single_gpu_zero3(ds_raw, world)
-    check_data_file(cfg)
+    if t.objective == "sft":
+        check_data_file(cfg)
+    else:
+        _check_objective(cfg)
     _check_generation(cfg)
     # max_steps=0 means one epoch: known here for synthetic data, after tokenizing for a file
     # (loops/run.py fills it then; a DeepSpeed scheduler "auto" needing it is reported as unfillable).
@@ -146,6 +149,26 @@ def build_spec(inputs: RunInputs, machine: Machine | None = None, ranks_per_node
     record = resolve_run(cfg, ds, mc, world, precision=precision_why, adapter_autocast=autocast, total_steps=total,
                      machine=machine)
     return RunSpec(cfg, ds, mc, Path(t.run_dir), world, total, warnings, record, ckpt, reshard)
+
+
+def _check_objective(cfg: Config) -> None:
+    """A preference run: what it supports so far, and its pair file row by row, before launch."""
+    t, d = cfg.train, cfg.data
+    refusals = [
+        (t.path != "raw", "runs on the raw path for now: add train.path=raw"),
+        (cfg.model.task != "causal_lm", f"needs model.task=causal_lm, not {cfg.model.task}"),
+        (t.sequence_parallel > 1, "does not run with train.sequence_parallel yet"),
+        (t.micro_batch_size == "auto", "takes a number of pairs for train.micro_batch_size (auto: not yet)"),
+        (d.packing is True, "pads its pairs side by side (data.packing=true: not yet); leave data.packing=auto"),
+        (bool(d.eval_source or d.eval_fraction), "has no held-out pairs yet: drop data.eval_source / eval_fraction"),
+    ]
+    for bad, why in refusals:
+        if bad:
+            raise ConfigError(f"train.objective={t.objective} {why}")
+    if d.source != "synthetic":
+        from toolkit.runtime.objectives.pairs import check_file
+
+        check_file(d.source, "data.source")
 
 
 def _check_generation(cfg: Config) -> None:

@@ -139,6 +139,9 @@ class RawLoop:
         """Forward, loss and backward of each micro-batch; DeepSpeed's engine.step() after each applies the
         optimizer at the window's end."""
         t, aux_coef = self.t, self.state.aux_coef
+        if self.state.pref is not None:  # a preference objective: pairs, a reference, its own loss
+            self.state.pref.forward_backward(engine, w.batches, w.loss)
+            return
         aux_kwargs = {"output_router_logits": True} if aux_coef else {}
         n_items = _label_count(w.batches, self.device) if self.causal else None
         offloading = self.p.resolved.activation_offload
@@ -177,6 +180,8 @@ class RawLoop:
                 extra = {"moe_aux_loss": float(dist.all_reduce_tensor(w.aux)) / self.p.world_size}
                 if self.load is not None:  # per MoE layer: the busiest expert's tokens / the mean, over the window
                     extra["expert_load"] = self.load.take()
+            if state.pref is not None:  # rewards, margins, accuracy: means over the window and ranks (a collective)
+                extra = {**(extra or {}), **state.pref.take()}
             rec = self.metrics.log(step, float(w.loss), scheduler.get_last_lr()[0],
                                    None if grad_norm is None else float(grad_norm), loss_scale=1 / self.loss_mult,
                                    extra=extra)

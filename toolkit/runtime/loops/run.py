@@ -54,6 +54,7 @@ from toolkit.runtime.loops.shared import evaluator, metrics_logger
 from toolkit.runtime.loops.state import RunState
 from toolkit.runtime.loops.trainer import run_trainer, training_args
 from toolkit.runtime.model import build_tokenizer
+from toolkit.runtime.objectives.batch import PairCollator
 from toolkit.runtime.sequence import ulysses
 from toolkit.runtime.speed import autotune
 from toolkit.runtime.speed import compile as compiling
@@ -148,7 +149,10 @@ def _train(p: RunSpec) -> int:
                         spread_warn_gib=cfg.memory.spread_warn_gib, tensorboard=cfg.metrics.tensorboard)
     tokenizer = build_tokenizer(cfg)
     pad_id = tokenizer.pad_token_id if tokenizer is not None else p.model_config.pad_token_id or 0
-    rows, eval_rows = build_rows(cfg, p.model_config.vocab_size, pad_id, tokenizer)
+    if cfg.train.objective == "sft":
+        rows, eval_rows = build_rows(cfg, p.model_config.vocab_size, pad_id, tokenizer)
+    else:
+        rows, eval_rows = _pair_rows(p, tokenizer), None
     rows = even_rows(rows, cfg.train.micro_batch_size * cfg.train.grad_accum, p.data_world)
     if cfg.train.max_steps == 0:  # one epoch of the data actually loaded
         p.total_steps = steps_per_epoch(len(rows), cfg, p.data_world)
@@ -157,6 +161,7 @@ def _train(p: RunSpec) -> int:
     keep_alive = _deepspeed_config_alive(p)  # must exist before the model under ZeRO-3
     built = build(p)
     model, sp = built.model, built.sp
+    pref = _preference(p, keep_alive)
     metrics = metrics_logger(p, model)
     metrics.memory_reading = mem.reading  # every rank's memory for wandb / mlflow (metrics.report_to)
     generate = _generation(p, tokenizer, rows, metrics)
@@ -178,7 +183,7 @@ def _train(p: RunSpec) -> int:
         # whole on every rank under sequence parallelism: no boundaries, so the attention is not sharded
         fixed_batch=resume.fixed_batch(rows, Collator(pad_id=pad_id, task=cfg.model.task,
                                                       boundaries=attn.boundaries and sp is None)),
-        evaluate=evaluator(p, eval_rows, collator, metrics, sp, generate), sp=sp, aux_coef=built.aux_coef)
+        evaluate=evaluator(p, eval_rows, collator, metrics, sp, generate), sp=sp, aux_coef=built.aux_coef, pref=pref)
     watchdog.follow(lambda: (state.phase, state.step))
     metrics.engine_starting(f"ZeRO-{r.stage}, {cfg.train.path} path, {p.world_size} ranks")
     step, stopped = 0, False
@@ -188,7 +193,8 @@ def _train(p: RunSpec) -> int:
                 engine, step, stopped = run_trainer(p, keep_alive, model, ListDataset(rows), collator, order,
                                                     metrics, mem, state)
             else:
-                engine, step, stopped = RawLoop(p, model, ListDataset(rows), collator, order, metrics, mem,
+                batches = collator if pref is None else PairCollator(pad_id=pad_id)
+                engine, step, stopped = RawLoop(p, model, ListDataset(rows), batches, order, metrics, mem,
                                                 state).train()
             state.profiler.close(step)
             state.phase = "final"
@@ -230,6 +236,32 @@ def _deepspeed_config_alive(p: RunSpec) -> Any:
     from transformers.integrations import HfDeepSpeedConfig
 
     return HfDeepSpeedConfig(p.ds)
+
+
+def _pair_rows(p: RunSpec, tokenizer: Any) -> Rows:
+    """A preference run's pairs (objectives/pairs.py): from data.source, or learnable synthetic ones."""
+    from toolkit.runtime.objectives import pairs
+
+    cfg = p.cfg
+    length = cfg.pref.max_length or cfg.data.seq_len
+    if cfg.data.source == "synthetic":
+        return Rows(pairs.synthetic(cfg.data.num_samples, length, p.model_config.vocab_size, cfg.train.seed))
+    rows, note = pairs.load_file(cfg.data.source, tokenizer, length, "data.source")
+    if dist.rank() == 0:
+        print(note, flush=True)
+    return Rows(rows)
+
+
+def _preference(p: RunSpec, keep_alive: Any) -> Any:
+    """train.objective other than sft: the step that runs its windows, with the reference engine where it has one."""
+    cfg, r = p.cfg, p.resolved
+    if cfg.train.objective == "sft":
+        return None
+    from toolkit.runtime.objectives.reference import build_reference
+    from toolkit.runtime.objectives.step import PreferenceStep
+
+    reference = build_reference(cfg, p.model_config, p.ds, keep_alive) if r.reference == "engine" else None
+    return PreferenceStep(cfg, r.reference, reference)
 
 
 def _generation(p: RunSpec, tokenizer: Any, rows: Rows, metrics: MetricsLogger

@@ -88,6 +88,16 @@ def autoep_check(p: RunSpec, model: Any) -> None:
 
 
 def first_loss_check(p: RunSpec, loss: float) -> None:
+    t = p.cfg.train
+    if t.objective != "sft":
+        from toolkit.runtime.objectives.step import first_loss
+
+        want = first_loss(t.objective, p.cfg.pref.beta)
+        if want is not None and abs(loss - want) > 1e-3 * max(1.0, want):
+            raise RuntimeError(f"train.objective={t.objective}: the first step's loss is {loss:.6f}, not {want:.6f} as "
+                               "it is when the policy is its own reference: the reference model is not the policy's "
+                               "starting point (other weights, dropout, or another precision)")
+        return
     msg = check_first_loss(loss, p.model_config.vocab_size, p.cfg.model.task, not is_preset(p.cfg.model.name))
     if msg:
         raise RuntimeError(msg)

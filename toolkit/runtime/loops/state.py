@@ -24,6 +24,8 @@ class RunState:
     """Sequence parallelism's handle (sequence/ulysses.py), None without it."""
     aux_coef: float = 0.0
     """The Mixture-of-Experts load-balancing loss weight (0: none)."""
+    pref: Any = None
+    """train.objective other than sft: the objectives/step.py PreferenceStep the raw loop hands its windows to."""
     phase: str = "engine_ready"
     """What status.json and the watchdog name if the run fails or hangs: engine_ready, train, save, final."""
     step: int = 0

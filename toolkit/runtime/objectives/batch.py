@@ -100,3 +100,30 @@ def pair_logps(sums: torch.Tensor, tokens: torch.Tensor, segments: list[Segment]
     c = torch.tensor(chosen, device=sums.device)[order_c.to(sums.device)]
     r = torch.tensor(rejected, device=sums.device)[order_r.to(sums.device)]
     return PairLogps(sums[c], sums[r], tokens[c], tokens[r])
+
+
+@dataclass
+class PairCollator:
+    """A micro-batch of pair rows (objectives/pairs.as_row) as one forward: every chosen sequence, then every
+    rejected one, padded (data/batches.Collator)."""
+
+    pad_id: int
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        from toolkit.runtime.data.batches import Collator
+
+        seqs, _ = side_by_side([Pair(list(r["prompt"]), list(r["chosen"]), list(r["rejected"])) for r in rows])
+        return Collator(pad_id=self.pad_id)(seqs)
+
+
+def logits_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probs of each row's labelled tokens (and their counts) from the whole logits, a row at a time in
+    fp32 (so one row's fp32 copy exists at once, not the batch's)."""
+    sums, counts = [], []
+    for r in range(logits.shape[0]):
+        targets = labels[r, 1:]
+        keep = targets != IGNORE
+        lp = logits[r, :-1].float().log_softmax(-1).gather(-1, targets.clamp(min=0)[:, None]).squeeze(-1)
+        sums.append((lp * keep).sum())
+        counts.append(keep.sum().float())
+    return torch.stack(sums), torch.stack(counts)

@@ -122,7 +122,71 @@ def truncate(prompt: list[int], chosen: list[int], rejected: list[int], max_leng
 
 def counts(pairs: list[Pair]) -> dict[str, int]:
     """How many rows ended in each status, by STATUS's words (for the run's data line)."""
-    out: dict[str, int] = {}
-    for p in pairs:
-        out[STATUS[p.status]] = out.get(STATUS[p.status], 0) + 1
-    return out
+    n = {status: sum(p.status == status for p in pairs) for status in STATUS}
+    return {STATUS[status]: k for status, k in n.items() if k}
+
+
+def as_row(pair: Pair) -> dict[str, list[int]]:
+    """A pair as the loops' row: its parts, and the chosen sequence as an SFT row (input_ids, labels), which the
+    resume proof batch and the generation prompts read."""
+    chosen, _ = pair.rows()
+    return {"prompt": pair.prompt, "chosen": pair.chosen, "rejected": pair.rejected, **chosen}
+
+
+def synthetic(n: int, seq_len: int, vocab_size: int, seed: int) -> list[dict[str, list[int]]]:
+    """Learnable pairs without a file: a random prompt, the chosen completion following the fixed bigram chain the
+    synthetic SFT rows follow (data/batches.py), the rejected one random tokens. Every sequence is seq_len long."""
+    import random
+
+    from toolkit.runtime.data.batches import synthetic_chain
+
+    rng, chain, low = random.Random(seed), synthetic_chain(vocab_size, 0), 4
+    p = max(1, seq_len // 4)
+    rows = []
+    for _ in range(n):
+        prompt = [rng.randrange(low, vocab_size) for _ in range(p)]
+        chosen, tok = [], prompt[-1]
+        for _ in range(seq_len - p):
+            tok = chain[tok]
+            if tok < low:
+                tok = low + tok
+            chosen.append(tok)
+        rejected = [rng.randrange(low, vocab_size) for _ in range(seq_len - p)]
+        rows.append(as_row(Pair(prompt, chosen, rejected)))
+    return rows
+
+
+def check_file(path: Any, label: str) -> None:
+    """Before launch: every row of a JSON-lines pair file has the fields and types of one of the three shapes."""
+    from pathlib import Path
+
+    from toolkit.runtime.data.jsonl import read_objects
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{label}: {path} is not a file")
+    if path.suffix not in (".jsonl", ".json"):
+        raise ConfigError(f"{label}: preference pairs are read from JSON lines (.jsonl), got {path.name}")
+    n = 0
+    for lineno, row in read_objects(path, label):
+        shape_of(row, f"{label}: {path}:{lineno}")
+        n += 1
+    if n == 0:
+        raise ConfigError(f"{label}: {path} has no rows")
+
+
+def load_file(path: Any, tokenizer: Any, max_length: int, label: str) -> tuple[list[dict[str, list[int]]], str]:
+    """The file's pairs as rows (the dropped ones left out), and one line saying what happened to its rows."""
+    from pathlib import Path
+
+    from toolkit.runtime.data.jsonl import read_objects
+
+    if tokenizer is None:
+        raise ConfigError(f"{label} is a file: set model.tokenizer to a local tokenizer directory")
+    pairs = [tokenize(row, tokenizer, max_length, f"{label}: {path}:{lineno}")
+             for lineno, row in read_objects(Path(path), label)]
+    rows = [as_row(p) for p in pairs if p.status in (OK, TRUNCATED)]
+    if not rows:
+        raise ConfigError(f"{label}: {path}: no usable pair ({counts(pairs)})")
+    said = ", ".join(f"{n:,} {what}" for what, n in counts(pairs).items())
+    return rows, f"{label}: {len(pairs):,} preference pairs from {path}: {said} (at most {max_length} tokens a sequence)"

@@ -71,3 +71,23 @@ def adapters_off(engine_or_model: Any) -> Iterator[None]:
         raise RuntimeError("pref.reference=adapter needs a PEFT model")
     with model.disable_adapter():
         yield
+
+
+def build_reference(cfg: Any, model_config: Any, policy_ds: dict[str, Any], policy_alive: Any) -> Any:
+    """The frozen ZeRO-3 reference engine of a full fine-tune, built from the policy's starting weights (the same
+    preset seed or model directory, without LoRA). `policy_alive`: the policy's HfDeepSpeedConfig, made current
+    again afterwards (transformers reads the newest one, and the policy's stage is the run's)."""
+    import dataclasses
+
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config
+
+    from toolkit.runtime.model import build_model
+
+    ds = reference_config(policy_ds, cfg.pref.reference_offload)
+    plain = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, enabled=False))
+    alive = HfDeepSpeedConfig(ds)  # noqa: F841 (zero.Init while the model is built: its weights load into partitions)
+    model = build_model(plain, model_config)
+    if isinstance(policy_alive, HfDeepSpeedConfig):
+        set_hf_deepspeed_config(policy_alive)
+    return build_engine(model, ds)

@@ -1,0 +1,100 @@
+"""Preference training (train.objective) on 2 CPU ranks, the raw path, in one shared launch: DPO's first loss is ln 2
+in every reference mode (the run checks it and stops otherwise), ZeRO-3 trains as ZeRO-0, the reference modes of a
+full fine-tune give the same losses, the preference accuracy rises, every objective runs, and a pair file of
+strings trains with its rows counted."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from _launch import ROOT, launch
+from conftest import write_tokenizer
+
+pytestmark = pytest.mark.dist
+
+COMMON = ["train.path=raw", "train.precision=fp32", "memory.every=0", "data.num_samples=48", "data.seq_len=24",
+          "train.max_steps=10", "train.lr=1e-3", "train.log_every=1", "train.warmup_steps=1", "train.export=false"]
+
+
+def _ds(stage: str) -> str:
+    return str(ROOT / "ds_configs" / f"{stage}.json")
+
+
+def _runs(tmp: Path) -> list[dict]:
+    runs: list[dict] = []
+
+    def add(name: str, stage: str, *extra: str) -> None:
+        runs.append({"name": name, "argv": ["--ds", _ds(stage), *COMMON, f"train.run_dir={tmp / name}", *extra]})
+
+    add("dpo-lora-zero3", "zero3", "train.objective=dpo", "lora.enabled=true")
+    add("dpo-zero0", "zero0", "train.objective=dpo")
+    add("dpo-zero3", "zero3", "train.objective=dpo")
+    add("dpo-zero2-ref-offload", "zero2", "train.objective=dpo", "pref.reference_offload=true")
+    add("ipo-zero2", "zero2", "train.objective=ipo", "train.max_steps=2")
+    add("simpo-zero2", "zero2", "train.objective=simpo", "pref.beta=2.0")  # the paper's scale (2 to 10)
+    add("orpo-zero2", "zero2", "train.objective=orpo")
+    tok = write_tokenizer(tmp / "tokenizer")
+    pairs = tmp / "pairs.jsonl"
+    with pairs.open("w") as f:
+        for i in range(20):
+            f.write(json.dumps({"prompt": "what did the cat do " + "the dog " * (i % 3), "chosen": "sat on the mat",
+                                "rejected": "ran on the log" if i % 5 else "sat on the mat"}) + "\n")
+    add("dpo-file", "zero2", "train.objective=dpo", f"data.source={pairs}", f"model.tokenizer={tok}",
+        "train.micro_batch_size=2", "train.max_steps=3", "lora.enabled=true")
+    return runs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("pref")
+    launch(tmp, _runs(tmp), timeout=900)
+    return tmp
+
+
+def _lines(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+
+
+@pytest.mark.timeout(1000)
+@pytest.mark.parametrize("name", ["dpo-lora-zero3", "dpo-zero0", "dpo-zero3", "dpo-zero2-ref-offload", "dpo-file"])
+def test_dpo_starts_at_ln2_in_every_reference_mode(runs: Path, name: str) -> None:
+    lines = _lines(runs / name)
+    assert lines[0]["loss"] == pytest.approx(math.log(2), abs=1e-5), lines[0]
+    assert json.loads((runs / name / "status.json").read_text())["status"] == "completed"
+    record = json.loads((runs / name / "resolved.json").read_text())
+    assert record["objective"] == "dpo"
+    assert record["reference"] == ("adapter" if "lora" in name or name == "dpo-file" else "engine")
+
+
+@pytest.mark.timeout(60)
+def test_zero3_and_the_offloaded_reference_train_as_zero0(runs: Path) -> None:
+    base = [r["loss"] for r in _lines(runs / "dpo-zero0")]
+    for name in ("dpo-zero3", "dpo-zero2-ref-offload"):
+        assert [r["loss"] for r in _lines(runs / name)] == pytest.approx(base, abs=1e-4), name
+
+
+@pytest.mark.timeout(60)
+def test_the_preference_accuracy_rises(runs: Path) -> None:
+    lines = _lines(runs / "dpo-zero0")
+    assert lines[0]["rewards/accuracies"] == 0.0  # policy = reference: no pair is won yet
+    assert min(r["rewards/accuracies"] for r in lines[-3:]) >= 0.75, [r["rewards/accuracies"] for r in lines]
+    assert lines[-1]["rewards/margins"] > 0 and lines[-1]["loss"] < math.log(2)
+
+
+@pytest.mark.timeout(60)
+def test_every_objective_runs(runs: Path) -> None:
+    ipo = _lines(runs / "ipo-zero2")
+    assert ipo[0]["loss"] == pytest.approx(1 / (4 * 0.1**2), rel=1e-5)  # (0 - 1/(2 beta))^2 at the start
+    for name in ("simpo-zero2", "orpo-zero2"):  # reference-free: they learn from the start
+        losses = [r["loss"] for r in _lines(runs / name)]
+        assert len(losses) == 10 and sum(losses[-3:]) < sum(losses[:3]), (name, losses)
+
+
+@pytest.mark.timeout(60)
+def test_a_pair_file_says_what_became_of_its_rows(runs: Path) -> None:
+    log = (runs / "launch.log").read_text()
+    assert "data.source: 20 preference pairs from" in log and "16 kept, 4 dropped: chosen and rejected are the same" \
+        in log, log[-4000:]
