@@ -201,6 +201,8 @@ def precision_of_run(cfg: Config, pinned: str | None, machine: Machine) -> tuple
 def compile_choice(cfg: Config, ds: dict[str, Any], cuda: bool, steps: int | None) -> tuple[bool, str]:
     """train.compile with auto resolved (speedups.compile_on, then tiled MLPs); also what the probes of
     `train.micro_batch_size=auto` run."""
+    if cfg.train.objective != "sft" and cfg.train.compile == "auto":  # the reference is built eager (objectives/)
+        return False, f"train.compile=auto: off for train.objective={cfg.train.objective} (not compiled yet)"
     on, why = compile_on(cfg.train.compile, cuda=cuda, steps=steps, fp8=cfg.train.precision == "fp8",
                          stage=zero_stage(ds), no_leaves=leaves_blocked(lora=bool(cfg.lora.enabled), ds=ds))
     if on and cfg.train.compile == "auto" and tiled_mlp_choice(cfg)[0]:  # correct compiled (tests), speed not measured

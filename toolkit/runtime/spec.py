@@ -161,6 +161,9 @@ def _check_objective(cfg: Config) -> None:
         (t.micro_batch_size == "auto", "takes a number of pairs for train.micro_batch_size (auto: not yet)"),
         (d.packing is True, "pads its pairs side by side (data.packing=true: not yet); leave data.packing=auto"),
         (bool(d.eval_source or d.eval_fraction), "has no held-out pairs yet: drop data.eval_source / eval_fraction"),
+        # the reference must compute what the policy computes at step 1: the same kernels, eager, in bf16 or fp32
+        (t.precision == "fp8", "does not run in float8 yet (the reference would not match the policy)"),
+        (t.compile == "torch", "does not compile yet (the reference would not match the policy): train.compile=off"),
     ]
     for bad, why in refusals:
         if bad:

@@ -260,7 +260,7 @@ def _preference(p: RunSpec, keep_alive: Any) -> Any:
     from toolkit.runtime.objectives.reference import build_reference
     from toolkit.runtime.objectives.step import PreferenceStep
 
-    reference = build_reference(cfg, p.model_config, p.ds, keep_alive) if r.reference == "engine" else None
+    reference = build_reference(cfg, p.model_config, p.ds, keep_alive, r) if r.reference == "engine" else None
     return PreferenceStep(cfg, r.reference, reference)
 
 

@@ -73,21 +73,25 @@ def adapters_off(engine_or_model: Any) -> Iterator[None]:
         yield
 
 
-def build_reference(cfg: Any, model_config: Any, policy_ds: dict[str, Any], policy_alive: Any) -> Any:
+def build_reference(cfg: Any, model_config: Any, policy_ds: dict[str, Any], policy_alive: Any, resolved: Any) -> Any:
     """The frozen ZeRO-3 reference engine of a full fine-tune, built from the policy's starting weights (the same
-    preset seed or model directory, without LoRA). `policy_alive`: the policy's HfDeepSpeedConfig, made current
-    again afterwards (transformers reads the newest one, and the policy's stage is the run's)."""
+    preset seed or model directory, without LoRA) with the policy's attention and Liger kernels, so that at step 1
+    both compute the same log-probs (in bf16 another kernel alone moved DPO's first loss from ln 2 to 0.78 on
+    llama-1b). `policy_alive`: the policy's HfDeepSpeedConfig, made current again afterwards (transformers reads
+    the newest one, and the policy's stage is the run's)."""
     import dataclasses
 
     from transformers.integrations import HfDeepSpeedConfig
     from transformers.integrations.deepspeed import set_hf_deepspeed_config
 
     from toolkit.runtime.model import build_model
+    from toolkit.runtime.speed import kernels
 
     ds = reference_config(policy_ds, cfg.pref.reference_offload)
     plain = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, enabled=False))
     alive = HfDeepSpeedConfig(ds)  # noqa: F841 (zero.Init while the model is built: its weights load into partitions)
-    model = build_model(plain, model_config)
+    model = build_model(plain, model_config, attn=resolved.attention.implementation)
+    kernels.apply(model, resolved.liger)
     if isinstance(policy_alive, HfDeepSpeedConfig):
         set_hf_deepspeed_config(policy_alive)
     return build_engine(model, ds)
