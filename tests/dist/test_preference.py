@@ -98,3 +98,14 @@ def test_a_pair_file_says_what_became_of_its_rows(runs: Path) -> None:
     log = (runs / "launch.log").read_text()
     assert "data.source: 20 preference pairs from" in log and "16 kept, 4 dropped: chosen and rejected are the same" \
         in log, log[-4000:]
+
+
+@pytest.mark.timeout(60)
+def test_the_reward_metrics_reach_tensorboard(runs: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(runs / "dpo-zero0" / "tb"))
+    acc.Reload()
+    accuracy = [e.value for e in acc.Scalars("pref/rewards/accuracies")]
+    assert accuracy == pytest.approx([r["rewards/accuracies"] for r in _lines(runs / "dpo-zero0")], abs=1e-6)
+    assert {"pref/rewards/margins", "pref/logps/chosen", "train/loss"} <= set(acc.Tags()["scalars"])

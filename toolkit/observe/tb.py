@@ -37,6 +37,8 @@ TRAIN_TAGS = {
 }
 MOE_TAGS = {"moe_aux_loss": "moe/aux_loss"}  # Mixture-of-Experts runs only
 EVAL_TAGS = {"eval_loss": "eval/loss", "eval_ppl": "eval/perplexity"}
+PREF_TAGS = {k: f"pref/{k}" for k in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+                                      "logps/chosen", "logps/rejected")}  # train.objective other than sft
 GEN_TAGS = {"gen_tokens_per_s": "generate/tokens_per_s", "gen_s": "generate/seconds",
             "gen_exact_match": "generate/exact_match"}  # eval.generate lines (runtime/generation/)
 # memory snapshot key -> tag. Null values (GPU fields on CPU) are left out, not written as NaN.
@@ -86,6 +88,7 @@ class TrainWriter:
         _add(self._w, TRAIN_TAGS, rec, int(rec["step"]), None)
         _add(self._w, EVAL_TAGS, rec, int(rec["step"]), None)
         _add(self._w, GEN_TAGS, rec, int(rec["step"]), None)
+        _add(self._w, PREF_TAGS, rec, int(rec["step"]), None)
         _add(self._w, MOE_TAGS, rec, int(rec["step"]), None)
         for layer, value in enumerate(rec.get("expert_load") or []):  # MoE: busiest expert / mean, per layer
             self._w.add_scalar(f"moe/expert_load_layer{layer}", float(value), global_step=int(rec["step"]))
