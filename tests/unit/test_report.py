@@ -326,3 +326,18 @@ def test_generation_lines_reach_the_report_and_the_summary(tmp_path: Path) -> No
     text = closing_summary(history, run, 3, 3, {}, False)
     assert "generate    4 prompts, 30 new tokens/s (whole-model gather, step 3), exact match 0.500" in text
     assert "loss        2.0000 (step 1)" in text  # the generation line is not a loss line
+
+
+def test_a_preference_run_shows_its_accuracy_and_margin(tmp_path: Path) -> None:
+    from toolkit.observe.metrics import closing_summary
+
+    run = make_run(tmp_path)
+    lines = [{"step": s, "loss": 0.69 - 0.1 * s, "tokens_per_s": 100.0, "rewards/accuracies": acc,
+              "rewards/margins": margin, "rewards/chosen": 0.0, "rewards/rejected": 0.0}
+             for s, acc, margin in ((1, 0.0, 0.0), (2, 0.5, 0.01), (3, 0.875, 0.2))]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert report(run) == 0
+    md = (run / "report.md").read_text()
+    assert "preference accuracy" in md and "0.000 (step 1) -> 0.875 (step 3)" in md
+    text = closing_summary(lines, run, 3, 3, {}, False)
+    assert "preference  accuracy 0.000 -> 0.875, reward margin 0.0000 -> 0.2000" in text

@@ -350,6 +350,11 @@ def closing_summary(
         first, last = evals[0], evals[-1]
         lines.append(f"  eval loss   {first['eval_loss']:.4f} (step {first['step']}) -> {last['eval_loss']:.4f} "
                      f"(step {last['step']}), perplexity {last['eval_ppl']:.2f}")
+    pref = [r for r in losses if r.get("rewards/accuracies") is not None]
+    if pref:
+        a, b = pref[0], pref[-1]
+        lines.append(f"  preference  accuracy {a['rewards/accuracies']:.3f} -> {b['rewards/accuracies']:.3f}, "
+                     f"reward margin {a['rewards/margins']:.4f} -> {b['rewards/margins']:.4f}")
     if gens:
         g = gens[-1]
         match = "" if g.get("gen_exact_match") is None else f", exact match {g['gen_exact_match']:.3f}"

@@ -145,6 +145,12 @@ def throughput_summary(data: RunData) -> tuple[str, list[str]]:
         rows.append(["first eval loss", f"{ev[0]['eval_loss']:.4f} (step {ev[0]['step']})"])
         rows.append(["final eval loss (perplexity)",
                      f"{ev[-1]['eval_loss']:.4f} ({_fmt(ev[-1]['eval_ppl'], 2)}, step {ev[-1]['step']})"])
+    pref = [r for r in m if r.get("rewards/accuracies") is not None]
+    if pref:  # a preference run: TRL's reward metrics, first and last logged
+        a, b = pref[0], pref[-1]
+        rows.append(["preference accuracy", f"{a['rewards/accuracies']:.3f} (step {a['step']}) -> "
+                                            f"{b['rewards/accuracies']:.3f} (step {b['step']})"])
+        rows.append(["reward margin", f"{_fmt(a['rewards/margins'], 4)} -> {_fmt(b['rewards/margins'], 4)}"])
     for g in data.generations:
         match = "" if g["gen_exact_match"] is None else f", exact match {g['gen_exact_match']:.3f}"
         rows.append([f"generate (step {g['step']})",
