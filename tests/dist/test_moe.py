@@ -68,7 +68,9 @@ def _runs(tmp: Path) -> list[dict]:
         (tmp / f"autoep-{stage}.json").write_text(json.dumps(ds))
         runs.append({"name": f"autoep-{path}-{stage}",
                      "argv": ["--ds", str(tmp / f"autoep-{stage}.json"), *COMMON, "model.name=tiny-qwen3-moe",
-                              f"train.path={path}", f"train.run_dir={tmp / f'autoep-{path}-{stage}'}"]})
+                              f"train.path={path}", f"train.run_dir={tmp / f'autoep-{path}-{stage}'}",
+                              # 3 prompts on 2 ranks: AutoEP's all-to-all in every forward needs them in lockstep
+                              "eval.generate=true", "eval.max_new_tokens=6"]})
     return runs
 
 
@@ -139,6 +141,9 @@ def test_autoep_splits_the_experts_and_trains_as_without_it(runs: Path, path: st
     log = (runs / "launch.log").read_text()
     assert "each layer's 8 experts split over groups of 2 ranks (4 per rank), preset qwen3_moe" in log
     assert "AutoEP: 2 MoE layers replaced by DeepSpeed's AutoEPMoELayer" in log
+    # generation after training: ranks with 2 and 1 prompts, each forward an all-to-all, and no hang
+    rows = [json.loads(x) for x in (runs / f"autoep-{path}-{stage}" / "generations.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1, 2] and all(r["generated_ids"] for r in rows)
 
 
 def _metrics(run_dir: Path) -> list[dict]:

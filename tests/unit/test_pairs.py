@@ -60,16 +60,19 @@ def test_truncation_keeps_the_prompts_end_and_cuts_both_completions_alike() -> N
 
 def test_empty_or_identical_completions_are_dropped_and_counted(tok: Any) -> None:
     rows = [{"prompt": "a", "chosen": "yes", "rejected": "no"}, {"prompt": "a", "chosen": "", "rejected": "no"},
-            {"prompt": "a", "chosen": "yes", "rejected": "yes"}, {"prompt": "a " * 40, "chosen": "yes", "rejected": "no"}]
+            {"prompt": "a", "chosen": "yes", "rejected": "yes"}, {"prompt": "a " * 40, "chosen": "yes", "rejected": "no"},
+            # the same first 12 words: the same once cut to the room truncation leaves
+            {"prompt": "a " * 40, "chosen": "the cat " * 6 + "sat", "rejected": "the cat " * 6 + "ran"}]
     got = [P.tokenize(r, tok, 16, f"r{i}") for i, r in enumerate(rows)]
-    assert [p.status for p in got] == [P.OK, P.EMPTY, P.IDENTICAL, P.TRUNCATED]
-    assert P.counts(got) == {"kept": 1, "dropped: an empty completion": 1,
-                             "dropped: chosen and rejected are the same": 1, "truncated": 1}
+    assert [p.status for p in got] == [P.OK, P.EMPTY, P.IDENTICAL, P.TRUNCATED, P.IDENTICAL]
+    assert P.counts(got) == {"kept": 1, "truncated": 1, "dropped: an empty completion": 1,
+                             "dropped: chosen and rejected are the same": 2}
 
 
 @pytest.mark.parametrize("row,msg", [
     ({"prompt": "a", "chosen": "b"}, 'no "rejected" field'),
-    ({"prompt": 3, "chosen": "b", "rejected": "c"}, '"prompt" must be a string'),
+    ({"prompt": 3, "chosen": "b", "rejected": "c"}, '"prompt" must be a non-empty string'),
+    ({"prompt": "", "chosen": "b", "rejected": "c"}, '"prompt" must be a non-empty string'),
     ({"prompt": "a", "chosen": 5, "rejected": "c"}, '"chosen" must be a string or a list'),
     ({"chosen": [{"role": "user", "content": "a"}], "rejected": [{"role": "assistant", "content": "b"}]},
      'last turn of "chosen"'),

@@ -84,9 +84,12 @@ def generate_local(
     model = unwrap(engine_or_model)
     n_world = world()
     sharded = zero3 and n_world > 1
+    static = cfg.generate_cache == "static"
     choice = choose(engine_or_model, mc, prompts, cfg.max_new_tokens, zero3=zero3, gather=cfg.generate_gather,
-                    batch_size=cfg.generate_batch_size)
-    sync = sharded and not choice.gathered
+                    batch_size=cfg.generate_batch_size, width_multiple=STATIC_WIDTH if static else 1)
+    # Lockstep (synced_gpus, equal calls) wherever a forward is a collective: ZeRO-3 layer by layer, and DeepSpeed's
+    # AutoEP layers at any stage (an all-to-all in every forward).
+    sync = n_world > 1 and ((sharded and not choice.gathered) or _expert_parallel(model))
     if seeds is None:
         seeds = [cfg.seed + i for i in range(len(prompts))]
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
@@ -103,7 +106,7 @@ def generate_local(
     kw: dict[str, Any] = dict(max_new_tokens=cfg.max_new_tokens, do_sample=False, pad_token_id=pad_id,
                               synced_gpus=sync, temperature=None, top_p=None, top_k=None)
     # A static cache compiles the decode step per shape (CUDA); few shapes: widths to a multiple of 64, full batches.
-    static = cfg.generate_cache == "static" and not (zero3 and not choice.gathered)
+    static = static and not (zero3 and not choice.gathered)
     if static:
         kw["cache_implementation"] = "static"
     width_multiple, fill = (STATIC_WIDTH, choice.batch_size) if static else (1, 0)
@@ -138,6 +141,13 @@ def generate_local(
     total_prompts, total_new, slowest = *dist.all_reduce_sum(mine), _max(seconds)
     stats = GenStats(int(total_prompts), int(total_new), slowest, choice.path, choice.reason, choice.batch_size)
     return out, stats
+
+
+def _expert_parallel(model: Any) -> bool:
+    """DeepSpeed's AutoEP replaced MoE layers in this model (their forward exchanges tokens between ranks)."""
+    from toolkit.runtime.moe import autoep
+
+    return "deepspeed" in sys.modules and autoep.replaced(model) > 0
 
 
 def _max(value: float) -> float:

@@ -45,6 +45,7 @@ class Choice:
 
 
 def decode_shape(mc: Any) -> DecodeShape:
+    mc = mc.get_text_config() if hasattr(mc, "get_text_config") else mc  # composite (vision-language) configs
     hidden = int(getattr(mc, "hidden_size", None) or mc.n_embd)
     heads = int(getattr(mc, "num_attention_heads", None) or mc.n_head)
     return DecodeShape(
@@ -90,6 +91,7 @@ def choose(
     zero3: bool,
     gather: str,
     batch_size: int | str,
+    width_multiple: int = 1,
 ) -> Choice:
     """Gather or not, and the batch size, from this rank's free memory; collective under ZeRO-3.
 
@@ -97,23 +99,22 @@ def choose(
     layer). `batch_size`: an int, or auto (what fits, at most MAX_BATCH).
     """
     dtype_bytes = next((p.element_size() for p in unwrap(model).parameters()), 4)
-    longest = max((len(p) for p in prompts), default=1)
+    longest = -(-max((len(p) for p in prompts), default=1) // width_multiple) * width_multiple
     per_seq = bytes_per_sequence(decode_shape(mc), longest, max_new_tokens, dtype_bytes, not dist.on_cpu())
     need = gathered_bytes(unwrap(model)) if zero3 else 0
     free = free_bytes()
     reserve = 0 if dist.on_cpu() else RESERVE_CUDA
     # Free memory after the gathered copy, for the batch: 90% of it, the rest left to the allocator.
     room = int(0.9 * free) - need - reserve
-    fits = room >= per_seq
+    # a batch size given: all of it must fit beside the gathered model; auto: at least one sequence
+    fixed = None if batch_size == "auto" else max(1, min(int(batch_size), len(prompts) or 1))
+    fits = room >= per_seq * (fixed or 1)
     gathered = zero3 and gather != "false"
     if zero3 and gather == "auto":
         # One rank that does not fit decides for all: a gather is a collective every rank must join.
         gathered = _all_ranks(fits)
     budget = room if gathered else int(0.9 * free) - reserve
-    if batch_size == "auto":
-        size = max(1, batch_that_fits(budget, per_seq, len(prompts), MAX_BATCH))
-    else:
-        size = max(1, min(int(batch_size), len(prompts) or 1))
+    size = fixed or max(1, batch_that_fits(budget, per_seq, len(prompts), MAX_BATCH))
     if not zero3:
         reason = "the model is whole on every rank (no ZeRO-3)"
     elif gather == "false":
@@ -125,7 +126,8 @@ def choose(
     elif fits:
         reason = "another rank has no room for the gathered model"
     else:
-        reason = f"{_gib(need)} GiB gathered + {_gib(per_seq)} GiB per sequence exceed {_gib(free)} GiB free"
+        reason = (f"{_gib(need)} GiB gathered + {_gib(per_seq)} GiB per sequence x {fixed or 1} exceed "
+                  f"{_gib(free)} GiB free")
     return Choice(gathered=gathered, batch_size=size, reason=reason, zero3=zero3)
 
 
@@ -161,6 +163,19 @@ def plain_linear() -> Iterator[None]:
         F.linear = patched
 
 
+def _keep_own_hooks(module: Any) -> None:
+    """Drop a module's forward hooks but the toolkit's own (the attention's pick of the packed or plain kernel,
+    attention/interface.py: without it a model last run on packed rows would keep the maskless varlen kernel, and
+    left-padded rows would attend to their padding)."""
+    hooks = [getattr(module, n) for n in ("_forward_pre_hooks", "_forward_hooks") if hasattr(module, n)]
+    keep = {i for d in hooks for i, fn in d.items() if str(getattr(fn, "__module__", "")).startswith("toolkit.")}
+    for name in HOOK_DICTS:
+        d = getattr(module, name, None)
+        if d is not None:
+            for i in [i for i in d if i not in keep]:
+                del d[i]
+
+
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
               "_forward_hooks_always_called")
 
@@ -190,9 +205,7 @@ def whole_model(engine: Any) -> Iterator[Any]:
     with deepspeed.zero.GatheredParameters(params):
         saved = [[dict(getattr(m, name)) for name in HOOK_DICTS if hasattr(m, name)] for m in modules]
         for m in modules:
-            for name in HOOK_DICTS:
-                if hasattr(m, name):
-                    getattr(m, name).clear()
+            _keep_own_hooks(m)
         try:
             yield unwrap(engine)
         finally:

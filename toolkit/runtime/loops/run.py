@@ -161,7 +161,7 @@ def _train(p: RunSpec) -> int:
     keep_alive = _deepspeed_config_alive(p)  # must exist before the model under ZeRO-3
     built = build(p)
     model, sp = built.model, built.sp
-    pref = _preference(p, keep_alive)
+    pref = _preference(p, keep_alive, model)
     metrics = metrics_logger(p, model)
     metrics.memory_reading = mem.reading  # every rank's memory for wandb / mlflow (metrics.report_to)
     generate = _generation(p, tokenizer, rows, metrics)
@@ -252,13 +252,16 @@ def _pair_rows(p: RunSpec, tokenizer: Any) -> Rows:
     return Rows(rows)
 
 
-def _preference(p: RunSpec, keep_alive: Any) -> Any:
-    """train.objective other than sft: the step that runs its windows, with the reference engine where it has one."""
+def _preference(p: RunSpec, keep_alive: Any, model: Any) -> Any:
+    """train.objective other than sft: the step that runs its windows, with the reference engine where it has one;
+    dropout off in the policy (as TRL does by default)."""
     cfg, r = p.cfg, p.resolved
     if cfg.train.objective == "sft":
         return None
-    from toolkit.runtime.objectives.reference import build_reference
+    from toolkit.runtime.objectives.reference import build_reference, disable_dropout
     from toolkit.runtime.objectives.step import PreferenceStep
+
+    disable_dropout(model)
 
     reference = build_reference(cfg, p.model_config, p.ds, keep_alive, r) if r.reference == "engine" else None
     return PreferenceStep(cfg, r.reference, reference)

@@ -14,7 +14,8 @@ after that.
 Truncation, to at most `max_length` tokens per sequence (prompt + completion): first the prompt is cut from its start,
 keeping its end (the turns nearest the answer) and at least half of `max_length`; then both completions are cut to
 the same room from their end. A row that loses tokens is counted as truncated. A row whose chosen or rejected
-completion is empty, or whose two completions are the same, is dropped and counted. A missing field or a wrong type
+completion is empty, or whose two completions are the same (before truncation or after it), is dropped and
+counted. A missing field or a wrong type
 is a ConfigError naming the row and the field.
 """
 
@@ -60,8 +61,9 @@ def shape_of(row: dict[str, Any], where: str) -> str:
                               f'"prompt" unless both are conversations sharing their prompt turns)')
     chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
     if isinstance(chosen, str) and isinstance(rejected, str):
-        if not isinstance(prompt, str):
-            raise ConfigError(f'{where}: "prompt" must be a string when "chosen" and "rejected" are strings')
+        if not isinstance(prompt, str) or not prompt:
+            raise ConfigError(f'{where}: "prompt" must be a non-empty string when "chosen" and "rejected" are '
+                              "strings")
         return "strings"
     for field, value in (("chosen", chosen), ("rejected", rejected)):
         if not _messages(value):
@@ -105,7 +107,10 @@ def tokenize(row: dict[str, Any], tokenizer: Any, max_length: int, where: str) -
         return Pair(prompt, chosen, rejected, EMPTY)
     if chosen == rejected:
         return Pair(prompt, chosen, rejected, IDENTICAL)
-    return truncate(prompt, chosen, rejected, max_length)
+    pair = truncate(prompt, chosen, rejected, max_length)
+    if pair.chosen == pair.rejected:  # they differed only past the room truncation left
+        return Pair(pair.prompt, pair.chosen, pair.rejected, IDENTICAL)
+    return pair
 
 
 def truncate(prompt: list[int], chosen: list[int], rejected: list[int], max_length: int) -> Pair:

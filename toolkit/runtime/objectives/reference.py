@@ -63,6 +63,19 @@ def build_engine(model: Any, ds: dict[str, Any]) -> Any:
     return deepspeed.initialize(model=model, config=ds)[0]
 
 
+def disable_dropout(model: Any) -> None:
+    """Dropout off in the policy and the reference of a preference run, as TRL's disable_dropout (its default):
+    with it the reference's log-probs would be noise, and the policy's first step could not equal it."""
+    import torch
+
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    for m in model.modules():  # attention dropout that transformers reads from a float attribute, not a module
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
+
+
 @contextlib.contextmanager
 def adapters_off(engine_or_model: Any) -> Iterator[None]:
     """The LoRA policy as its own reference for the length of the block (PEFT's disable_adapter)."""
@@ -92,6 +105,7 @@ def build_reference(cfg: Any, model_config: Any, policy_ds: dict[str, Any], poli
     alive = HfDeepSpeedConfig(ds)  # noqa: F841 (zero.Init while the model is built: its weights load into partitions)
     model = build_model(plain, model_config, attn=resolved.attention.implementation)
     kernels.apply(model, resolved.liger)
+    disable_dropout(model)
     if isinstance(policy_alive, HfDeepSpeedConfig):
         set_hf_deepspeed_config(policy_alive)
     return build_engine(model, ds)
