@@ -255,14 +255,7 @@ class MetricsLogger:
         to metrics.jsonl (a line with eval_loss and no loss), TensorBoard's eval/ tags and the console."""
         if not self.is_main:
             return
-        line = {"step": step, **rec}
-        with (self.run_dir / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps(line) + "\n")
-        self.history.append(line)
-        if self._tb is not None:
-            self._tb.write(line)
-        if self._trackers is not None:
-            self._trackers.log(line, step)
+        self._write({"step": step, **rec})
         msg = f"eval step {step}: loss {rec['eval_loss']:.4f}, perplexity {rec['eval_ppl']:.2f} " \
               f"({rec['eval_tokens']:,} tokens, {rec['eval_s']:.1f} s)"
         if self._bar is not None:
@@ -274,16 +267,19 @@ class MetricsLogger:
         """An eval.generate call (runtime/generation/evaluate.py; already summed over ranks, which printed its
         line): rank 0 writes it to metrics.jsonl (a line with gen_tokens_per_s and no loss), TensorBoard's
         generate/ tags and the trackers."""
-        if not self.is_main:
-            return
-        line = {"step": step, **rec}
+        if self.is_main:
+            self._write({"step": step, **rec})
+
+    def _write(self, line: dict[str, Any]) -> None:
+        """Rank 0: a line that is not a training step's (eval, generation) to metrics.jsonl, the summary's history,
+        TensorBoard and the trackers (their numbers only)."""
         with (self.run_dir / "metrics.jsonl").open("a") as f:
             f.write(json.dumps(line) + "\n")
         self.history.append(line)
         if self._tb is not None:
             self._tb.write(line)
         if self._trackers is not None:
-            self._trackers.log({k: v for k, v in line.items() if not isinstance(v, str)}, step)
+            self._trackers.log({k: v for k, v in line.items() if not isinstance(v, str)}, int(line["step"]))
 
     def close(self) -> None:
         """Idempotent: the loop calls it at the end and again on the way out of a failure."""

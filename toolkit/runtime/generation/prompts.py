@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.config.ds_config import ConfigError
-from toolkit.runtime.data.jsonl import read_objects
+from toolkit.runtime.data.jsonl import check_rows, is_messages, read_objects
 
 IGNORE_INDEX = -100  # same value as toolkit.runtime.data.batches.IGNORE_INDEX; not imported to keep this import light
 FIELDS = ("input_ids", "prompt", "text", "messages")
@@ -36,9 +36,7 @@ def check_row(row: dict[str, Any], where: str) -> str:
         raise ConfigError(f"{where}: input_ids must be a non-empty list of non-negative ints")
     if field in ("prompt", "text") and not (isinstance(value, str) and value):
         raise ConfigError(f"{where}: {field} must be a non-empty string")
-    if field == "messages" and not (isinstance(value, list) and value and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in value)):
+    if field == "messages" and not is_messages(value):
         raise ConfigError(f'{where}: messages must be a non-empty list of {{"role": str, "content": str}}')
     ref = row.get("reference")
     if ref is not None and not (isinstance(ref, str) or _ids(ref)):
@@ -48,14 +46,7 @@ def check_row(row: dict[str, Any], where: str) -> str:
 
 def check_file(path: Path, label: str) -> None:
     """Before launch: the file exists and every row has a usable prompt (nothing tokenized yet)."""
-    if not path.is_file():
-        raise ConfigError(f"{label}: {path} is not a file")
-    n = 0
-    for lineno, row in read_objects(path, label):
-        check_row(row, f"{label}: {path}:{lineno}")
-        n += 1
-    if n == 0:
-        raise ConfigError(f"{label}: {path} has no prompts")
+    check_rows(path, label, check_row, "prompts")
 
 
 def load_prompts(path: Path, tokenizer: Any | None, label: str) -> list[Prompt]:

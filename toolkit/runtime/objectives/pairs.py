@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from toolkit.config.ds_config import ConfigError
+from toolkit.runtime.data.jsonl import is_messages
 
 IGNORE_INDEX = -100
 OK, TRUNCATED, EMPTY, IDENTICAL = 0, 1, 2, 3
@@ -47,11 +48,6 @@ class Pair:
                 {"input_ids": self.prompt + self.rejected, "labels": mask + self.rejected})
 
 
-def _messages(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
-
-
 def shape_of(row: dict[str, Any], where: str) -> str:
     """strings, shared (conversations sharing their prompt turns) or split (a prompt conversation and an answer each);
     a ConfigError naming the field otherwise."""
@@ -66,7 +62,7 @@ def shape_of(row: dict[str, Any], where: str) -> str:
                               "strings")
         return "strings"
     for field, value in (("chosen", chosen), ("rejected", rejected)):
-        if not _messages(value):
+        if not is_messages(value):
             raise ConfigError(f'{where}: "{field}" must be a string or a list of {{"role": str, "content": str}}')
         if value[-1]["role"] != "assistant":
             raise ConfigError(f'{where}: the last turn of "{field}" must be the assistant\'s')
@@ -75,7 +71,7 @@ def shape_of(row: dict[str, Any], where: str) -> str:
             raise ConfigError(f'{where}: without a "prompt", "chosen" and "rejected" must share every turn before '
                               "their last (the assistant's answer), and have at least one")
         return "shared"
-    if not _messages(prompt):
+    if not is_messages(prompt):
         raise ConfigError(f'{where}: "prompt" must be a list of {{"role": str, "content": str}} with conversations')
     return "split"
 
@@ -165,19 +161,12 @@ def check_file(path: Any, label: str) -> None:
     """Before launch: every row of a JSON-lines pair file has the fields and types of one of the three shapes."""
     from pathlib import Path
 
-    from toolkit.runtime.data.jsonl import read_objects
+    from toolkit.runtime.data.jsonl import check_rows
 
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{label}: {path} is not a file")
-    if path.suffix not in (".jsonl", ".json"):
+    if path.is_file() and path.suffix not in (".jsonl", ".json"):
         raise ConfigError(f"{label}: preference pairs are read from JSON lines (.jsonl), got {path.name}")
-    n = 0
-    for lineno, row in read_objects(path, label):
-        shape_of(row, f"{label}: {path}:{lineno}")
-        n += 1
-    if n == 0:
-        raise ConfigError(f"{label}: {path} has no rows")
+    check_rows(path, label, shape_of)
 
 
 def load_file(path: Any, tokenizer: Any, max_length: int, label: str) -> tuple[list[dict[str, list[int]]], str]:
