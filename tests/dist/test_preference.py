@@ -33,6 +33,13 @@ def _runs(tmp: Path) -> list[dict]:
     add("dpo-zero0", "zero0", "train.objective=dpo")
     add("dpo-zero3", "zero3", "train.objective=dpo")
     add("dpo-zero2-ref-offload", "zero2", "train.objective=dpo", "pref.reference_offload=true")
+    add("dpo-zero0-padded", "zero0", "train.objective=dpo", "data.packing=false")
+    # precomputed: stopped at step 5 with a checkpoint, resumed from this run's stored values; another run (another
+    # learning rate) then finds them in the cache
+    add("dpo-zero3-precomputed", "zero3", "train.objective=dpo", "pref.reference=precomputed", "train.stop_after=5")
+    add("dpo-zero3-precomputed", "zero3", "train.objective=dpo", "pref.reference=precomputed", "train.resume=latest")
+    add("dpo-precomputed-cached", "zero2", "train.objective=dpo", "pref.reference=precomputed", "train.max_steps=2",
+        "train.lr=5e-4")
     add("ipo-zero2", "zero2", "train.objective=ipo", "train.max_steps=2")
     add("simpo-zero2", "zero2", "train.objective=simpo", "pref.beta=2.0")  # the paper's scale (2 to 10)
     add("orpo-zero2", "zero2", "train.objective=orpo")
@@ -42,8 +49,9 @@ def _runs(tmp: Path) -> list[dict]:
         for i in range(20):
             f.write(json.dumps({"prompt": "what did the cat do " + "the dog " * (i % 3), "chosen": "sat on the mat",
                                 "rejected": "ran on the log" if i % 5 else "sat on the mat"}) + "\n")
-    add("dpo-file", "zero2", "train.objective=dpo", f"data.source={pairs}", f"model.tokenizer={tok}",
-        "train.micro_batch_size=2", "train.max_steps=3", "lora.enabled=true")
+    for packing in ("auto", "false"):  # pairs of different lengths: packed into one row, or padded side by side
+        add(f"dpo-file-{packing}", "zero2", "train.objective=dpo", f"data.source={pairs}", f"model.tokenizer={tok}",
+            "train.micro_batch_size=2", "train.max_steps=3", "lora.enabled=true", f"data.packing={packing}")
     return runs
 
 
@@ -59,21 +67,46 @@ def _lines(run: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(1000)
-@pytest.mark.parametrize("name", ["dpo-lora-zero3", "dpo-zero0", "dpo-zero3", "dpo-zero2-ref-offload", "dpo-file"])
+@pytest.mark.parametrize("name", ["dpo-lora-zero3", "dpo-zero0", "dpo-zero3", "dpo-zero2-ref-offload", "dpo-file-auto",
+                                  "dpo-zero3-precomputed", "dpo-precomputed-cached"])
 def test_dpo_starts_at_ln2_in_every_reference_mode(runs: Path, name: str) -> None:
     lines = _lines(runs / name)
     assert lines[0]["loss"] == pytest.approx(math.log(2), abs=1e-5), lines[0]
     assert json.loads((runs / name / "status.json").read_text())["status"] == "completed"
     record = json.loads((runs / name / "resolved.json").read_text())
     assert record["objective"] == "dpo"
-    assert record["reference"] == ("adapter" if "lora" in name or name == "dpo-file" else "engine")
+    want = "precomputed" if "precomputed" in name else "adapter" if "lora" in name or "file" in name else "engine"
+    assert record["reference"] == want
 
 
 @pytest.mark.timeout(60)
-def test_zero3_and_the_offloaded_reference_train_as_zero0(runs: Path) -> None:
+def test_zero3_the_offloaded_and_the_precomputed_reference_train_as_zero0(runs: Path) -> None:
     base = [r["loss"] for r in _lines(runs / "dpo-zero0")]
-    for name in ("dpo-zero3", "dpo-zero2-ref-offload"):
-        assert [r["loss"] for r in _lines(runs / name)] == pytest.approx(base, abs=1e-4), name
+    assert len(base) == 10
+    # the precomputed run stopped at step 5 and resumed: its log holds both halves
+    for name in ("dpo-zero3", "dpo-zero2-ref-offload", "dpo-zero3-precomputed"):
+        losses = {r["step"]: r["loss"] for r in _lines(runs / name)}
+        assert [losses[s] for s in range(1, 11)] == pytest.approx(base, abs=1e-4), name
+
+
+@pytest.mark.timeout(60)
+def test_the_precomputed_reference_is_kept_for_a_resume_and_reused_from_the_cache(runs: Path) -> None:
+    log = (runs / "launch.log").read_text()
+    stored = runs / "dpo-zero3-precomputed" / "reference_logps.pt"
+    assert stored.is_file()
+    assert "reference log-probs of 48 pairs: computed in" in log
+    assert f"reference log-probs of 48 pairs: {stored} (this run's)" in log  # the resume did not recompute
+    assert "reference log-probs of 48 pairs: the cache (" in log  # the run with another learning rate
+
+
+@pytest.mark.timeout(60)
+def test_packed_pairs_train_as_padded_ones(runs: Path) -> None:
+    for packed, padded in (("dpo-zero0", "dpo-zero0-padded"), ("dpo-file-auto", "dpo-file-false")):
+        a, b = _lines(runs / packed), _lines(runs / padded)
+        assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], abs=1e-5), packed
+        assert [r["rewards/margins"] for r in a] == pytest.approx([r["rewards/margins"] for r in b], abs=1e-5)
+    record = json.loads((runs / "dpo-file-auto" / "resolved.json").read_text())
+    assert record["packing"] is True
 
 
 @pytest.mark.timeout(60)

@@ -13,7 +13,8 @@ import torch
 
 from toolkit.config.ds_config import ConfigError
 from toolkit.runtime.objectives import pairs as P
-from toolkit.runtime.objectives.batch import packed, pair_logps, sequence_logps, side_by_side
+from toolkit.runtime.objectives.batch import PRIVATE, PairCollator, logits_token_logps, sequence_sums
+from toolkit.runtime.objectives.logprobs import SelectedHead
 from toolkit.runtime.objectives.losses import pair_loss
 
 
@@ -100,25 +101,33 @@ def _pairs(n: int, vocab: int) -> list[P.Pair]:
     return [P.Pair(ids(rng.randint(2, 9)), ids(rng.randint(1, 7)), ids(rng.randint(1, 7))) for _ in range(n)]
 
 
-def _logps(model: Any, batch: dict[str, torch.Tensor], seq_lens: list[list[int]] | None, chunk: int) -> Any:
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+def _logps(model: Any, batch: dict[str, Any], chunk: int | None) -> Any:
+    """Each pair's log-probs: through the chunked head (chunk), or from the whole logits (None)."""
+    inputs = {k: v for k, v in batch.items() if k not in (*PRIVATE, "labels")}
     with torch.no_grad():
-        hidden = model.model(**inputs, use_cache=False).last_hidden_state  # a cache turns packed detection off
-    return sequence_logps(hidden, model.lm_head.weight, batch["labels"], seq_lens, chunk=chunk)
+        if chunk is None:
+            tok = logits_token_logps(model(**inputs, use_cache=False).logits, batch["labels"])
+        else:
+            head = SelectedHead.of(model, chunk)
+            with head.targets(batch["labels"]):  # a cache turns transformers' packed detection off
+                tok = model(**inputs, use_cache=False).logits
+            head.remove()
+    return sequence_sums(tok, batch["labels"], batch["seq_ids"])
 
 
 def test_packed_pairs_give_the_log_probs_of_the_same_pairs_side_by_side(model: Any) -> None:
-    from toolkit.runtime.data.batches import Collator
-
     pairs = _pairs(6, model.config.vocab_size)
-    rows, segs = side_by_side(pairs)
-    flat = pair_logps(*_logps(model, Collator(pad_id=0)(rows), None, chunk=5), segs, len(pairs))
-    rows, segs = packed(pairs, 40)
-    assert len(rows) < len(pairs)  # several pairs share a row
-    got = pair_logps(*_logps(model, Collator(pad_id=0)(rows), [r["seq_lens"] for r in rows], chunk=7), segs,
-                     len(pairs))
-    for a, b in ((flat.chosen, got.chosen), (flat.rejected, got.rejected)):
+    rows = [P.as_row(p) for p in pairs]
+    side = PairCollator(pad_id=0)(rows)
+    packed = PairCollator(pad_id=0, packed=True)(rows)
+    assert packed["input_ids"].shape[0] == 1 and "attention_mask" not in packed  # one row, no padding
+    assert packed["input_ids"].numel() == sum(len(p.prompt) * 2 + len(p.chosen) + len(p.rejected) for p in pairs)
+    flat = _logps(model, side, chunk=5)
+    got = _logps(model, packed, chunk=7)
+    whole = _logps(model, side, chunk=None)  # the whole logits, for models whose head is not a plain matrix
+    for a, b, c in ((flat.chosen, got.chosen, whole.chosen), (flat.rejected, got.rejected, whole.rejected)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5)
     assert flat.chosen_tokens.tolist() == [len(p.chosen) for p in pairs] == got.chosen_tokens.tolist()
     # against a plain log-softmax over the whole logits, one pair at a time
     for i, p in enumerate(pairs):
@@ -133,9 +142,34 @@ def test_packed_pairs_give_the_log_probs_of_the_same_pairs_side_by_side(model: A
     assert torch.allclose(pair_loss("ipo", got, got, beta=0.1).loss, torch.full_like(dpo, 25.0))
 
 
-def test_a_pair_longer_than_a_row_is_refused() -> None:
-    with pytest.raises(ValueError, match="more than a row"):
-        packed([P.Pair([5] * 10, [6] * 10, [7] * 10)], 24)
+def test_the_chunked_head_gives_the_gradients_of_the_whole_logits(model: Any) -> None:
+    """The backward through the chunked head (the hidden states' and the head's gradients) is the plain one's."""
+    rows = [P.as_row(p) for p in _pairs(3, model.config.vocab_size)]
+    batch = PairCollator(pad_id=0, packed=True)(rows)
+    inputs = {k: v for k, v in batch.items() if k not in (*PRIVATE, "labels")}
+    grads = []
+    for chunked in (True, False):
+        model.zero_grad()
+        if chunked:
+            head = SelectedHead.of(model, 4)
+            with head.targets(batch["labels"]):
+                tok = model(**inputs, use_cache=False).logits
+        else:
+            tok = logits_token_logps(model(**inputs, use_cache=False).logits, batch["labels"])
+        s = sequence_sums(tok, batch["labels"], batch["seq_ids"])
+        (s.chosen - 0.5 * s.rejected).sum().backward()
+        grads.append([q.grad.clone() for q in (model.lm_head.weight, model.model.layers[0].mlp.up_proj.weight)])
+    SelectedHead.of(model).remove()
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_a_softcapped_head_takes_the_whole_logits(model: Any) -> None:
+    model.config.final_logit_softcapping = 30.0
+    try:
+        assert SelectedHead.of(model) is None
+    finally:
+        model.config.final_logit_softcapping = None
 
 
 def test_reference_config_is_zero3_without_an_optimizer_at_any_policy_stage() -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from toolkit.config.ds_config import ConfigError
 from toolkit.plan import planner as pl
 from toolkit.plan.shapes import (
     SHAPES_FILE,
@@ -396,3 +397,24 @@ def test_bert_plans_as_the_classifier_it_trains() -> None:
     w = pl.Workload(shape, 512, 8, None, True, "sdpa", "auto")
     p = pl.predict(w, pl.Choice(2, "none", 1.0, 4, 1, False, "speed"), pl.Hardware(2, 1, 80.0))
     assert "loss" not in p.gpu and not p.liger and not p.fused_loss  # no vocabulary-sized logits, no Liger
+
+
+def test_a_preference_run_plans_pairs_its_reference_and_no_logits() -> None:
+    """A DPO micro-batch is two sequences a pair; the engine reference adds a ZeRO-3 partition and a forward, the
+    precomputed one neither; the chunked head holds no [tokens, vocabulary] logits."""
+    hw = pl.Hardware(2, 1, 139.0, None)
+    c = pl.Choice(2, "none", 1.0, 4, 1, False)
+    shape = load_shape("llama-1b")
+    sft = pl.predict(pl.Workload(shape, 2048, 8, attn="sdpa", fused_loss="false", compile="off"), c, hw)
+    dpo = {ref: pl.predict(pl.Workload(shape, 1024, 8, compile="off", objective="dpo", reference=ref), c, hw)
+           for ref in ("engine", "adapter", "precomputed")}
+    # the same tokens per micro-batch as SFT at twice the length, without SFT's whole logits
+    assert dpo["precomputed"].peak_allocated_gib < sft.peak_allocated_gib
+    engine_bytes = 2.0 * shape.total_params / 2 / pl.GIB
+    assert dpo["engine"].persistent["params"] - dpo["adapter"].persistent["params"] == pytest.approx(
+        engine_bytes, rel=0.05)
+    # a reference forward costs a third of a step or so; precomputed runs none
+    assert dpo["precomputed"].tokens_per_s_per_gpu > 1.25 * dpo["adapter"].tokens_per_s_per_gpu
+    assert dpo["adapter"].tokens_per_s_per_gpu > dpo["engine"].tokens_per_s_per_gpu
+    with pytest.raises(ConfigError, match="preference objectives"):
+        pl.predict(pl.Workload(shape, 1024, 8, objective="dpo", fp8="tensorwise"), c, hw)

@@ -354,8 +354,9 @@ class PrefConfig:
     simpo_gamma: float = 0.5
     """simpo: the target reward margin."""
     reference: str = "auto"
-    """dpo/ipo: adapter (LoRA: the base with the adapters off), engine (a frozen copy at ZeRO-3, no optimizer), or
-    auto: adapter for LoRA runs, else engine."""
+    """dpo/ipo: adapter (LoRA: the base with the adapters off), engine (a frozen copy at ZeRO-3, no optimizer),
+    precomputed (every pair's reference log-probs computed once before training, by the policy before its first
+    update, and cached), or auto: adapter for LoRA runs, else engine."""
     reference_offload: bool = False
     """reference=engine: its parameters on the CPU (fetched per layer as ZeRO-3 offload does)."""
     max_length: int = 0
@@ -364,8 +365,8 @@ class PrefConfig:
     def __post_init__(self) -> None:
         checks = [(self.beta > 0, f"pref.beta must be > 0, got {self.beta}"),
                   (0 <= self.label_smoothing < 0.5, f"pref.label_smoothing must be in [0, 0.5), got {self.label_smoothing}"),
-                  (self.reference in ("auto", "adapter", "engine"),
-                   f"pref.reference must be auto, adapter or engine, got {self.reference!r}"),
+                  (self.reference in ("auto", "adapter", "engine", "precomputed"),
+                   f"pref.reference must be auto, adapter, engine or precomputed, got {self.reference!r}"),
                   (self.max_length >= 0, "pref.max_length must be >= 0")]
         for ok, msg in checks:
             if not ok:
@@ -467,7 +468,10 @@ def packing(cfg: Config) -> tuple[bool, str]:
     """(pack this run's rows, why): data.packing with auto resolved."""
     d, task = cfg.data, cfg.model.task
     if cfg.train.objective != "sft":
-        return False, "preference pairs: chosen and rejected side by side, padded (packed pairs: not yet)"
+        if d.packing is False:
+            return False, "data.packing=false: each pair's chosen and rejected side by side, padded to the longest"
+        return True, (f"data.packing={str(d.packing).lower()}: each micro-batch's pairs packed into one row, "
+                      "chosen and rejected kept apart, no padding")
     if d.packing is not True and d.packing is not False:  # auto
         if task != "causal_lm":
             return False, f"data.packing=auto: off for {task} (one label per row)"

@@ -205,6 +205,17 @@ def broadcast_object(obj: Any) -> Any:
     return box[0]
 
 
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank ([obj] on one process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def exit_process(rc: int) -> NoReturn:
     """End a launched rank: destroy the process group, run the atexit handlers, flush, and leave
     without interpreter finalization.

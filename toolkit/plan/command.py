@@ -146,9 +146,22 @@ def _workload(args: Any) -> tuple[pl.Workload, pl.Hardware]:
     w = pl.Workload(shape, args.seq, args.global_batch, lora, not args.no_liger, args.attn, args.fused_loss,
                     args.compile, args.fp8_recipe if args.precision == "fp8" else None, args.doc_len,
                     args.sequence_parallel, tiled, args.activation_offload, args.tiled_loss,
-                    expert_parallel=args.expert_parallel)
+                    expert_parallel=args.expert_parallel, objective=args.objective,
+                    reference=_reference(args.objective, args.reference, lora is not None))
     hw = pl.Hardware(args.gpus, args.nodes, args.gpu_mem, args.host_mem)
     return w, hw
+
+
+def _reference(objective: str, requested: str, lora: bool) -> str:
+    """pref.reference as a run resolves it (toolkit/runtime/objectives/reference.py mode_of); none for sft and the
+    reference-free objectives."""
+    if objective in ("sft", "simpo", "orpo"):
+        return "none"
+    if requested == "adapter" and not lora:
+        raise ConfigError("--reference adapter needs --lora (the reference is the base with the adapters off)")
+    if requested == "auto":
+        return "adapter" if lora else "engine"
+    return requested
 
 
 def _model_type(model: str) -> str | None:
@@ -230,13 +243,16 @@ def render(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predictio
     lines = [
         f"toolkit plan: {args.model} ({s.total_params / 1e9:.2f}B parameters, {kind}), {hw.gpus_per_node} GPU(s) x "
         f"{hw.nodes} node(s), {hw.gpu_mem_gib:g} GiB per GPU, {host}",
-        f"sequence {w.seq_len}" + (f" packed with documents of {w.doc_len:g} tokens (token-weighted)" if w.doc_len else "")
+        (f"{w.objective}: micro-batches of pairs, chosen and rejected of up to {w.seq_len} tokens each, packed; "
+         f"reference: {w.reference}; " if w.objective != "sft" else "")
+        + f"sequence {w.seq_len}" + (f" packed with documents of {w.doc_len:g} tokens (token-weighted)" if w.doc_len else "")
         + (f" over {w.sequence_parallel} ranks each (sequence parallelism)" if w.sequence_parallel > 1 else "")
         + (", MLPs tiled" if w.tiled_mlp else "")
         + (f", experts over {w.expert_parallel} ranks (AutoEP)" if w.expert_parallel > 1 else "")
         + f", global batch {w.global_batch} ({w.global_batch * w.sequence_parallel // hw.world} per rank), "
-        f"attention {w.attn}, Liger {'on where supported' if w.liger else 'off'}, train.compile={w.compile} "
-        f"(auto: compiled; eager at ZeRO-3 under LoRA), " + (f"float8 matmuls ({w.fp8})" if w.fp8 else "bf16"),
+        f"attention {w.attn}, Liger {'on where supported' if w.liger else 'off'}, "
+        + (f"train.compile={w.compile} (auto: compiled; eager at ZeRO-3 under LoRA), " if w.objective == "sft" else
+           "eager (preference runs are not compiled), ") + (f"float8 matmuls ({w.fp8})" if w.fp8 else "bf16"),
         f"GPU need = predicted peak allocated x {1 + pl.ALLOC_MARGIN:.2f} + {pl.CUDA_CONTEXT_GIB} GiB CUDA context; "
         "host = RSS of all ranks of a node",
         "",
@@ -275,7 +291,7 @@ def render(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predictio
 
 def fp8_hint(w: pl.Workload, hw: pl.Hardware, chosen: pl.Prediction) -> str | None:
     """For a bf16 plan: what float8 would give on the same choice (it stays opt-in: it changes numerics)."""
-    if w.fp8 or w.lora is not None or w.shape.model_type not in pl.LLAMA_LIKE:
+    if w.fp8 or w.lora is not None or w.shape.model_type not in pl.LLAMA_LIKE or w.objective != "sft":
         return None
     from dataclasses import replace
 
@@ -438,7 +454,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence")
     p.add_argument("--max-seq", action="store_true",
                    help="instead of --seq: the longest sequence each choice fits (steps of 1,024 x --sequence-parallel)")
-    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step, all ranks")
+    p.add_argument("--global-batch", type=int, required=True,
+                   help="sequences per optimizer step, all ranks (pairs, for a preference objective)")
+    p.add_argument("--objective", choices=("sft", "dpo", "ipo", "simpo", "orpo"), default="sft",
+                   help="train.objective: a preference objective plans micro-batches of pairs (two sequences of "
+                        "--seq each) and the reference model")
+    p.add_argument("--reference", choices=("auto", "adapter", "engine", "precomputed"), default="auto",
+                   help="pref.reference for dpo/ipo (auto: adapter with --lora, else engine)")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters instead of every weight")
     p.add_argument("--lora-r", type=int, default=8)
     p.add_argument("--lora-targets", default="q_proj,v_proj", help="comma-separated module names")

@@ -82,6 +82,8 @@ HOST_BASELINE_CPU_GIB = 0.5
 # Loss without the fused kernel: fp32 log-softmax output + two fp32 logit-sized gradients alive as
 # backward starts, 12 bytes per logit (bench/results/anatomy.md: 0.98 + 1.99 GiB at 2048 x 128256).
 LOGIT_BYTES = 12
+# tokens per chunk of a preference run's head (toolkit/runtime/objectives/logprobs.py DEFAULT_CHUNK)
+PREF_CHUNK_TOKENS = 2048
 
 # float8 (train.precision=fp8) saves its converted Linears' inputs for backward in float8, and compile then
 # keeps fewer bf16 copies around them: llama-1b ZeRO-2, micro 16, one H200 peaked at 50.8 GiB in float8 against
@@ -211,6 +213,13 @@ class Workload:
     num_experts / N whole experts instead of a ZeRO-3 shard of every expert, the same bytes when N is the rank count,
     and gathers none of them, so the MoE block's gathered parameters and its whole-block gradient before the
     reduce-scatter leave the peak. Speed as ZeRO-3's (measured 0.96-0.98x of it on 2 and 4 H200s, moe.md)."""
+    objective: str = "sft"
+    """train.objective: sft, or a preference objective (dpo, ipo, simpo, orpo). A preference micro-batch holds
+    micro_batch pairs, two sequences of seq_len each; its log-probs come from the head in chunks of tokens
+    (objectives/logprobs.py), no logits tensor whole and no Liger fused loss."""
+    reference: str = "none"
+    """A preference run's reference (pref.reference resolved): adapter (one more forward, nothing held), engine (a
+    ZeRO-3 copy: 2 bytes a parameter / world on every rank, and its forward), precomputed or none (neither)."""
 
     @property
     def attended(self) -> float:
@@ -507,6 +516,8 @@ def compiled(w: Workload, stage: int) -> bool:
     """Whether this choice's decoder layers are compiled (train.compile, auto resolved for a CUDA run)."""
     from toolkit.plan.speedups import compile_on, leaves_blocked
 
+    if w.objective != "sft":  # preference runs stay eager (toolkit/runtime/resolved.py: the reference must match)
+        return False
     return compile_on(str(w.compile), cuda=True, steps=None, fp8=bool(w.fp8), stage=stage,
                       no_leaves=leaves_blocked(lora=w.lora is not None))[0]
 
@@ -564,6 +575,9 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
                           f"(it knows {', '.join(sorted(ACTIVATION_MODELS))})")
     if s.model_type not in DECODERS and w.lora is not None:
         raise ConfigError(f"toolkit plan models LoRA on {', '.join(sorted(DECODERS))} layers, not {s.model_type!r}")
+    if w.objective != "sft" and (s.task != "causal_lm" or w.sequence_parallel > 1 or w.fp8 or s.num_experts):
+        raise ConfigError("toolkit plan models preference objectives on dense causal LMs in bf16 without sequence "
+                          "parallelism (as the runs support them)")
     if w.fp8 and s.num_experts:
         raise ConfigError("toolkit plan models float8 (train.precision=fp8) on dense models: it converts nn.Linear, "
                           "and a Mixture-of-Experts model's experts are not")
@@ -585,6 +599,8 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     ratio = c.ratio if (offload_opt and stage == 3) else (1.0 if offload_opt else 0.0)
     sizes = ZeroSizes.named(c.zero_sizes, s.hidden_size)
     fused, flce = _liger(w, stage)
+    pref = w.objective != "sft"
+    flce = flce and not pref  # pairs take their log-probs from the head in chunks (objectives/logprobs.py)
     comp = compiled(w, stage)
     liger = flce or (fused and not comp)  # Liger's own kernels (the table's "liger" column)
     p_all = s.total_params
@@ -594,11 +610,10 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     # LoRA below ZeRO-3 under bf16 trains like PEFT: fp32 adapters, bf16 frozen base, torch autocast
     # (toolkit/config/ds_config.py adapter_autocast); at ZeRO-3 DeepSpeed's bf16 mode keeps everything bf16.
     autocast = lora is not None and stage < 3
-    tokens = c.micro_batch * w.seq_len // w.sequence_parallel  # this rank's slice of each row
+    tokens = c.micro_batch * w.seq_len * (2 if pref else 1) // w.sequence_parallel  # this rank's slice of each row
     h, vocab = s.hidden_size, s.vocab_size
-    tiled_loss = tiled_loss_on(w.tiled_loss, fused_loss=flce, tokens=w.seq_len // w.sequence_parallel,
-                               causal_lm=s.task == "causal_lm",
-                               moe=bool(s.num_experts))[0]
+    tiled_loss = not pref and tiled_loss_on(w.tiled_loss, fused_loss=flce, tokens=w.seq_len // w.sequence_parallel,
+                                            causal_lm=s.task == "causal_lm", moe=bool(s.num_experts))[0]
     largest = max(s.param_numels())
 
     # ---- what each rank holds between steps ------------------------------------------------------
@@ -626,6 +641,9 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
         optimizer = 12.0 * gpu_numel
         grads = 2.0 * t_all / n if not offload_opt else 4.0 * gpu_numel
         buffers = 2.0 * sizes.reduce_bucket  # stage3.py: one ipg bucket, allocated at init
+    if w.reference == "engine":  # the frozen ZeRO-3 copy's partitions and its small parameters kept whole
+        small = sum(x for x in s.param_numels() if x <= sizes.persistence_threshold)
+        params += 2.0 * p_all / n + 2.0 * small
     persistent = params + optimizer + grads + buffers
 
     # gradients held across micro-steps of an accumulation window (stages 0-2)
@@ -677,6 +695,14 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
         kept_loss = 2.0 * h * tokens + kept_head
         loss_fwd = kept_loss + 6.0 * chunk * vocab + (4.0 * vocab * h if full else 0.0)
         loss_bwd = kept_loss
+    elif pref:
+        # objectives/logprobs.py: the head's input kept; in backward one chunk of CHUNK x V logits in bf16, its
+        # fp32 copy, the softmax and its gradient (fp32), and a trained head's fp32 gradient with its bf16 copy
+        chunk = min(tokens, PREF_CHUNK_TOKENS)
+        kept_head = 6.0 * vocab * h if full else 0.0
+        kept_loss = 0.0
+        loss_fwd = 0.0
+        loss_bwd = 14.0 * chunk * vocab + kept_head
     else:
         kept_loss = kept_head = 0.0
         loss_fwd = 0.0
@@ -760,7 +786,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     if offloaded:  # pageable: each copy out and back waits; pinned: copies out overlap, each copy back is waited for
         moved = c.grad_accum * (s.num_layers - 1) * 2.0 * h * tokens
         step_s += 2 * moved / PAGEABLE_BYTES_PER_S if offloaded == "pageable" else moved / PCIE_BYTES_PER_S
-    tps = c.micro_batch * c.grad_accum * w.seq_len / w.sequence_parallel / step_s  # a group shares each row
+    tps = c.micro_batch * c.grad_accum * w.seq_len * (2 if pref else 1) / w.sequence_parallel / step_s
     return Prediction(
         choice=c, liger=liger, fused_loss=flce, compiled=comp, phase=phase, gpu=gpu,
         persistent={"params": params / GIB, "grads": grads / GIB, "optimizer": optimizer / GIB},
@@ -881,7 +907,9 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     """Seconds per optimizer step on one rank: compute per micro-step at an MFU that grows with the
     tokens per micro-step, ZeRO-3's per-micro-step cost, offload copies, and the CPU Adam step."""
     s = w.shape
-    tokens = c.micro_batch * w.seq_len // w.sequence_parallel  # per rank; its heads' attention spans the whole row
+    pref = w.objective != "sft"
+    # per rank; its heads' attention spans the whole row; a preference micro-batch: chosen and rejected
+    tokens = c.micro_batch * w.seq_len * (2 if pref else 1) // w.sequence_parallel
     attn = 12.0 * s.num_layers * s.hidden_size * w.attended  # packed documents: their own length (Workload.doc_len)
     # a token runs through its routed experts only: FLOPs by active parameters (Mixture-of-Experts)
     p_run, t_run = s.active_params, min(t_all, s.active_params)
@@ -892,6 +920,10 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
         flops += 2.0 * s.hidden_size * s.vocab_size
     if w.tiled_mlp and s.model_type in LLAMA_LIKE:
         flops += 6.0 * s.hidden_size * s.intermediate_size * s.num_layers  # each MLP forward once more
+    if pref:  # the chunked head's logits once more in backward; the reference's forward where it runs one
+        flops += 2.0 * s.hidden_size * s.vocab_size
+        if w.reference in ("adapter", "engine"):
+            flops += 2.0 * p_run + attn / 3
     mfu = MFU_MAX * tokens / (tokens + MFU_HALF_TOKENS)  # fitted on runs with Liger's kernels and fused loss
     comp = compiled(w, c.stage)
     if not (fused_loss or comp):  # compiled layers fuse what Liger's kernels fuse (1.02x llama-1b, run s20)
@@ -904,6 +936,8 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
         micro *= (1 - f) + f / fp8_gain(s.hidden_size)
     if c.stage == 3:
         micro += ZERO3_S_PER_GPARAM * p_all / 1e9
+    if w.reference == "engine":  # the frozen ZeRO-3 copy gathers every layer for its forward (a third of a step's)
+        micro += ZERO3_S_PER_GPARAM * p_all / 1e9 / 3
     if offload_param:
         # each rank copies its partition of every layer to the GPU in forward and again in backward
         micro += (3 if c.grad_ckpt else 2) * 2.0 * p_all / hw.world / PCIE_BYTES_PER_S

@@ -216,6 +216,10 @@ class RawLoop:
     def train(self) -> tuple[Any, int, bool]:
         p, t, state = self.p, self.t, self.state
         engine, scheduler, step = self._engine()
+        if state.pref is not None:  # a precomputed reference: its values before the first step (loaded on a resume)
+            state.pref.prepare(engine, self.dataset.rows, self.collator,
+                               ShardedBatches(self.order, t.micro_batch_size, self.data_rank, self.data_world),
+                               resumed=step > 0)
         self.mem.phase_boundary("engine_ready", step)
         stream, sampler = self._stream(step)
         self.metrics.start(step)

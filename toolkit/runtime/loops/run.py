@@ -161,7 +161,7 @@ def _train(p: RunSpec) -> int:
     keep_alive = _deepspeed_config_alive(p)  # must exist before the model under ZeRO-3
     built = build(p)
     model, sp = built.model, built.sp
-    pref = _preference(p, keep_alive, model)
+    pref = _preference(p, keep_alive, model, rows)
     metrics = metrics_logger(p, model)
     metrics.memory_reading = mem.reading  # every rank's memory for wandb / mlflow (metrics.report_to)
     generate = _generation(p, tokenizer, rows, metrics)
@@ -193,7 +193,7 @@ def _train(p: RunSpec) -> int:
                 engine, step, stopped = run_trainer(p, keep_alive, model, ListDataset(rows), collator, order,
                                                     metrics, mem, state)
             else:
-                batches = collator if pref is None else PairCollator(pad_id=pad_id)
+                batches = collator if pref is None else PairCollator(pad_id, r.packing, attn.boundaries)
                 engine, step, stopped = RawLoop(p, model, ListDataset(rows), batches, order, metrics, mem,
                                                 state).train()
             state.profiler.close(step)
@@ -252,9 +252,10 @@ def _pair_rows(p: RunSpec, tokenizer: Any) -> Rows:
     return Rows(rows)
 
 
-def _preference(p: RunSpec, keep_alive: Any, model: Any) -> Any:
-    """train.objective other than sft: the step that runs its windows, with the reference engine where it has one;
-    dropout off in the policy (as TRL does by default)."""
+def _preference(p: RunSpec, keep_alive: Any, model: Any, rows: Rows) -> Any:
+    """train.objective other than sft: the step that runs its windows, with the reference engine where it has one
+    (and where the reference is precomputed, where its values are kept); dropout off in the policy (as TRL does by
+    default)."""
     cfg, r = p.cfg, p.resolved
     if cfg.train.objective == "sft":
         return None
@@ -264,7 +265,13 @@ def _preference(p: RunSpec, keep_alive: Any, model: Any) -> Any:
     disable_dropout(model)
 
     reference = build_reference(cfg, p.model_config, p.ds, keep_alive, r) if r.reference == "engine" else None
-    return PreferenceStep(cfg, r.reference, reference)
+    step = PreferenceStep(cfg, r.reference, model, reference)
+    if r.reference == "precomputed":
+        from toolkit.runtime.objectives import precompute
+
+        step.stored = (p.run_dir, precompute.cache_dir(cfg.data.cache_dir),
+                       precompute.key_of(cfg, r, rows, p.data_world))
+    return step
 
 
 def _generation(p: RunSpec, tokenizer: Any, rows: Rows, metrics: MetricsLogger

@@ -13,6 +13,8 @@ into the hidden states is taken in the weight's dtype (bf16 in training), as Lig
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -66,3 +68,57 @@ def selected_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
     if hidden.shape[0] != labels.shape[0]:
         raise ValueError(f"hidden states for {hidden.shape[0]} tokens, labels for {labels.shape[0]}")
     return _SelectedLogprobs.apply(hidden, weight, labels.long(), max(1, int(chunk)))
+
+
+class SelectedHead:
+    """A causal LM whose output head, while `targets(...)` is active, returns each position's log-prob of its next
+    label ([rows, positions], fp32) instead of the logits: the model's own forward runs unchanged (its attention,
+    Liger's patched forward, DeepSpeed's hooks), and the head's matrix is read inside the head's forward, where
+    ZeRO-3 gathers it, and again in its backward, where ZeRO-3 gathers it again. Outside the block the head is
+    itself (evaluation, generation).
+
+    None from `of()` for heads that are not a plain matrix product (a final soft-cap or a logit scale): the caller
+    falls back to the whole logits."""
+
+    def __init__(self, head: Any, chunk: int = DEFAULT_CHUNK) -> None:
+        self.head, self.chunk, self._targets = head, chunk, None
+        plain = head.forward
+
+        def forward(hidden: torch.Tensor) -> torch.Tensor:
+            if self._targets is None:
+                return plain(hidden)
+            flat = selected_logprobs(hidden.reshape(-1, hidden.shape[-1]), head.weight, self._targets.reshape(-1),
+                                     self.chunk)
+            return flat.view(self._targets.shape)
+
+        head.forward = forward  # an instance attribute: nn.Module.__call__ (and so every hook) still runs
+        head._toolkit_selected = self
+
+    def remove(self) -> None:
+        """The head as it was."""
+        del self.head.forward, self.head._toolkit_selected
+
+    @staticmethod
+    def of(model: Any, chunk: int = DEFAULT_CHUNK) -> SelectedHead | None:
+        config = getattr(model, "config", None)
+        if any(getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale")):
+            return None
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+            return None
+        installed = getattr(head, "_toolkit_selected", None)
+        if installed is not None:
+            installed.chunk = chunk
+            return installed
+        return SelectedHead(head, chunk)
+
+    @contextlib.contextmanager
+    def targets(self, labels: torch.Tensor) -> Iterator[None]:
+        """labels: [rows, positions] as a batch carries them; position t's output is log p(labels[t + 1])."""
+        targets = torch.full_like(labels, IGNORE)
+        targets[:, :-1] = labels[:, 1:]
+        self._targets = targets
+        try:
+            yield
+        finally:
+            self._targets = None

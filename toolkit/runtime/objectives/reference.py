@@ -6,6 +6,8 @@
   builds its parameter-offload engine, for inference), whatever the policy's stage: each rank holds 1/world of it,
   optionally with its parameters on the CPU. TRL deep-copies the policy's config instead, so under ZeRO-1/2 its
   reference is a full bf16 replica on every GPU (../shared/notes/preference.md, section 1).
+- precomputed: every pair's reference log-probs computed once, before training, by the policy itself
+  (objectives/precompute.py); no reference model while training.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from toolkit.config.ds_config import ConfigError
 
-MODES = ("auto", "adapter", "engine")
+MODES = ("auto", "adapter", "engine", "precomputed")
 # What a frozen model needs of the policy's DeepSpeed JSON: its precision and batch keys (DeepSpeed checks them)
 KEPT = ("bf16", "fp16", "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
         "communication_data_type", "seq_parallel_communication_data_type", "steps_per_print", "wall_clock_breakdown")
@@ -36,6 +38,9 @@ def mode_of(requested: str, lora: bool) -> tuple[str, str]:
         if lora:
             return "adapter", "LoRA: the base model with the adapters disabled (no extra weights)"
         return "engine", "full fine-tune: a frozen copy sharded at ZeRO-3 (1/world of it per rank), no optimizer"
+    if requested == "precomputed":
+        return requested, ("pref.reference=precomputed: every pair's log-probs computed once before training by the "
+                           "policy itself, cached; no reference model while training")
     return requested, f"pref.reference={requested}"
 
 

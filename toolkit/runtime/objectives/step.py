@@ -1,12 +1,14 @@
-"""A preference run's micro-batches on the raw path: the reference's log-probs (no gradients), the policy's, the
-objective's loss, its backward; and the per-pair metrics a log line carries (TRL's names).
+"""A preference run's micro-batches on the raw path: the reference's log-probs (no gradients, or precomputed), the
+policy's, the objective's loss, its backward; and the per-pair metrics a log line carries (TRL's names).
 
-The log-probs come from the model's logits of the whole micro-batch here (as TRL's default); the chunked path from
-the hidden states (logprobs.py) is not wired into the loop yet.
+Log-probs come from the hidden states through the output head in chunks of tokens (logprobs.SelectedHead): no
+[tokens, vocabulary] logits tensor exists whole, for the policy or the reference. Models whose head is not a plain
+matrix (a soft-cap, a logit scale) take the whole logits instead, a row at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -15,7 +17,8 @@ import torch
 from toolkit.config.schema import Config
 from toolkit.launch import dist
 from toolkit.runtime.data.batches import to_device
-from toolkit.runtime.objectives.batch import logits_logps
+from toolkit.runtime.objectives.batch import PRIVATE, logits_token_logps, sequence_sums
+from toolkit.runtime.objectives.logprobs import SelectedHead
 from toolkit.runtime.objectives.losses import REFERENCE_FREE, PairLogps, pair_loss
 from toolkit.runtime.objectives.reference import adapters_off
 
@@ -32,39 +35,76 @@ def first_loss(objective: str, beta: float) -> float | None:
     return None
 
 
+def _module(engine_or_model: Any) -> Any:
+    return getattr(engine_or_model, "module", engine_or_model)
+
+
 class PreferenceStep:
     """Called by the raw loop for each window when train.objective is not sft."""
 
-    def __init__(self, cfg: Config, mode: str | None, reference: Any = None) -> None:
+    def __init__(self, cfg: Config, mode: str | None, policy: Any, reference: Any = None) -> None:
         self.objective, self.pref, self.mode, self.reference = cfg.train.objective, cfg.pref, mode, reference
         self.grad_accum = cfg.train.grad_accum
         self.device = dist.device()
+        self.heads = {id(policy): SelectedHead.of(policy)}
+        if reference is not None:
+            self.heads[id(_module(reference))] = SelectedHead.of(_module(reference))
         self._stats = torch.zeros(len(METRICS), device=self.device)
         self._windows = 0
+        self.stored: tuple[Any, Any, str] | None = None
+        """pref.reference=precomputed: (run directory, cache directory, key) of the values (precompute.py)."""
 
-    @staticmethod
-    def logps(model: Any, batch: dict[str, torch.Tensor]) -> PairLogps:
-        out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False)
-        sums, counts = logits_logps(out.logits, batch["labels"])
-        n = sums.shape[0] // 2
-        return PairLogps(sums[:n], sums[n:], counts[:n], counts[n:])
+    def prepare(self, engine: Any, rows: Any, collator: Any, sampler: Any, resumed: bool) -> None:
+        """Before the first step: a precomputed reference's values attached to the rows (computed, or loaded)."""
+        if self.stored is None or self.objective in REFERENCE_FREE:
+            return
+        from toolkit.runtime.objectives import precompute
 
-    def reference_logps(self, engine: Any, batch: dict[str, torch.Tensor]) -> PairLogps | None:
+        note = precompute.attach(self, engine, rows, collator, sampler, *self.stored, resumed=resumed)
+        if dist.rank() == 0:
+            print(note, flush=True)
+
+    def logps(self, model: Any, batch: dict[str, Any]) -> PairLogps:
+        """Each pair's summed completion log-probs under `model` (an engine or a module)."""
+        inputs = {k: v for k, v in batch.items() if k not in PRIVATE and k != "labels"}
+        labels = batch["labels"]
+        head = self.heads.get(id(_module(model)))
+        if head is not None:
+            with head.targets(labels):
+                token_logps = model(**inputs, use_cache=False).logits
+        else:
+            token_logps = logits_token_logps(model(**inputs, use_cache=False).logits, labels)
+        return sequence_sums(token_logps, labels, batch["seq_ids"])
+
+    @torch.no_grad()
+    def reference_logps(self, engine: Any, batch: dict[str, Any], policy: PairLogps | None = None
+                        ) -> PairLogps | None:
+        """The reference's log-probs of the batch: None for reference-free objectives; with `policy`, a precomputed
+        reference takes its token counts from it."""
         if self.objective in REFERENCE_FREE:
             return None
-        with torch.no_grad():
-            if self.mode == "adapter":
-                with adapters_off(engine):
-                    return self.logps(engine, batch)
-            return self.logps(self.reference, batch)
+        if self.mode == "precomputed" and "ref_logps" in batch:
+            ref = batch["ref_logps"]
+            counts = (policy.chosen_tokens, policy.rejected_tokens) if policy else (ref[:, 0] * 0, ref[:, 1] * 0)
+            return PairLogps(ref[:, 0], ref[:, 1], *counts)
+        if self.mode in ("adapter", "precomputed") and self.reference is None:
+            # the policy itself: adapters off for LoRA; a full fine-tune's precompute pass runs before any update
+            with adapters_off(engine) if hasattr(_module(engine), "disable_adapter") else contextlib.nullcontext():
+                return self.logps(engine, batch)
+        return self.logps(self.reference, batch)
 
-    def forward_backward(self, engine: Any, batches: list[dict[str, torch.Tensor]], loss_sum: torch.Tensor) -> None:
+    def forward_backward(self, engine: Any, batches: list[dict[str, Any]], loss_sum: torch.Tensor) -> None:
         """Each micro-batch's loss is the mean over its pairs; DeepSpeed divides it by the accumulation steps and
         averages the gradients over ranks: the step's gradient is that of the mean over all its pairs."""
         for b in batches:
             b = to_device(b, self.device)
-            ref = self.reference_logps(engine, b)
+            if self.mode == "precomputed" and "ref_logps" not in b:
+                raise RuntimeError("pref.reference=precomputed: a batch without its reference log-probs (prepare() "
+                                   "did not run)")
+            ref = None if self.mode == "precomputed" else self.reference_logps(engine, b)
             policy = self.logps(engine, b)
+            if self.mode == "precomputed":
+                ref = self.reference_logps(engine, b, policy)
             out = pair_loss(self.objective, policy, ref, beta=self.pref.beta,
                             label_smoothing=self.pref.label_smoothing, simpo_gamma=self.pref.simpo_gamma)
             loss = out.loss.mean()

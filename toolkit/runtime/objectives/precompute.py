@@ -1,0 +1,136 @@
+"""pref.reference=precomputed: the reference's log-probs of every pair, computed once before training by the policy
+itself (the reference is the policy's starting point: a full fine-tune's model before its first update, a LoRA
+run's base with the adapters off), so training holds one model and runs no reference forward.
+
+The pass replays the first epoch's micro-batches exactly as training draws them (the same sampler, collator and
+ranks), so at step 1 the stored values are bit for bit what a live reference would compute and the first-loss check
+(ln 2 for DPO) holds in bf16 too. Every rank then holds every pair's values (a gather of two floats a pair).
+
+They are saved twice: `reference_logps.pt` in the run directory (a resume reads it: by then the policy is no longer
+the reference, so it could not recompute them) and in the cache (`data.cache_dir`/../reference, by default
+$TOOLKIT_CACHE/reference), keyed by everything that changes the values (the model's weights as named, the pairs,
+precision, kernels, batching), so a later run of the same model on the same pairs (another beta, learning rate or
+length of run) skips the pass. TRL's precompute_ref_log_probs never worked under DeepSpeed until July 2026
+(../shared/notes/preference.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from toolkit.launch import dist
+
+FILE = "reference_logps.pt"
+
+
+def cache_dir(data_cache_dir: str | None) -> Path:
+    from toolkit.runtime.data.corpus import default_cache_dir
+
+    return (Path(data_cache_dir) if data_cache_dir else default_cache_dir()).parent / "reference"
+
+
+def _weights(name: str) -> list[Any]:
+    """A model directory's weight files by name, size and modification time (hashing gigabytes would cost more than
+    the pass it saves); a preset's name alone (its weights are the seed's, hashed with it)."""
+    path = Path(name)
+    if not path.is_dir():
+        return [name]
+    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".json"))
+    return [name, *[(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files]]
+
+
+def key_of(cfg: Any, resolved: Any, rows: Any, world: int) -> str:
+    """What the stored values depend on: weights, pairs, numerics and the first epoch's batching."""
+    h = hashlib.sha256()
+    for r in rows:
+        for field in ("prompt", "chosen", "rejected"):
+            h.update(torch.tensor(list(r[field]), dtype=torch.int32).numpy().tobytes())
+            h.update(b"|")
+    t = cfg.train
+    settings = {"weights": _weights(cfg.model.name), "seed": t.seed, "precision": resolved.precision,
+                "attention": resolved.attention.implementation, "liger": resolved.liger.kwargs,
+                "packing": resolved.packing, "micro": t.micro_batch_size, "world": world,
+                "shuffle": cfg.data.shuffle, "pairs": h.hexdigest(), "n": len(rows)}
+    blob = json.dumps(settings, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:24]
+
+
+def _load(path: Path, key: str, n: int) -> torch.Tensor | None:
+    if not path.is_file():
+        return None
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if saved.get("key") != key or saved["logps"].shape != (n, 2):
+        return None
+    return saved["logps"]
+
+
+def _save(path: Path, key: str, logps: torch.Tensor) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    torch.save({"key": key, "logps": logps}, tmp)
+    tmp.replace(path)  # atomic: a reader never sees half a file
+
+
+@torch.no_grad()
+def _compute(step: Any, engine: Any, rows: Any, collator: Any, sampler: Any) -> torch.Tensor:
+    """This rank's first-epoch micro-batches through the reference; every pair's values gathered on every rank."""
+    from toolkit.runtime.data.batches import to_device
+
+    mine: list[tuple[int, float, float]] = []
+    sampler.set_epoch(0)
+    engine.eval()
+    for indices in sampler:
+        batch = to_device(collator([rows[i] for i in indices]), step.device)
+        ref = step.reference_logps(engine, {k: v for k, v in batch.items() if k != "ref_logps"})
+        mine += zip(indices, ref.chosen.tolist(), ref.rejected.tolist(), strict=True)
+    sampler.drawn.clear()
+    engine.train()
+    out = torch.full((len(rows), 2), float("nan"))
+    for part in dist.all_gather_object(mine):
+        for i, c, r in part:
+            out[i] = torch.tensor([c, r])
+    if torch.isnan(out).any():
+        raise RuntimeError(f"precomputed reference: {int(torch.isnan(out[:, 0]).sum())} of {len(rows)} pairs were in "
+                           "no rank's first epoch")
+    return out
+
+
+def attach(step: Any, engine: Any, rows: Any, collator: Any, sampler: Any, run_dir: Path, cache: Path, key: str,
+           resumed: bool) -> str:
+    """Every row gets ref_chosen / ref_rejected (the collator passes them on as ref_logps); returns the line to
+    print: where the values came from."""
+    local, shared = run_dir / FILE, cache / f"{key}.pt"
+    found: list[Any] = [None, ""]
+    if dist.rank() == 0:
+        for path, where in ((local, f"{local} (this run's)"), (shared, f"the cache ({shared})")):
+            values = _load(path, key, len(rows))
+            if values is not None:
+                found = [values, where]
+                break
+    values, where = dist.broadcast_object(found)
+    t0 = time.perf_counter()
+    if values is None:
+        if resumed:
+            raise RuntimeError(f"pref.reference=precomputed: {local} is missing or belongs to other pairs or settings, "
+                               "and a resumed policy is no longer the reference: it cannot be recomputed. Restore the "
+                               "file, or start the run again")
+        values = _compute(step, engine, rows, collator, sampler)
+        where = f"computed in {time.perf_counter() - t0:.1f}s"
+    if dist.rank() == 0:
+        if not local.is_file():
+            _save(local, key, values)
+        if not shared.is_file():
+            try:
+                _save(shared, key, values)
+            except OSError as e:  # a read-only cache costs later runs the pass, not this one its run
+                where += f" (not cached: {e})"
+    for i, (c, r) in enumerate(values.tolist()):
+        rows[i]["ref_chosen"], rows[i]["ref_rejected"] = c, r
+    return f"reference log-probs of {len(rows):,} pairs: {where}"
