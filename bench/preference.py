@@ -1,0 +1,144 @@
+"""The toolkit's DPO against TRL's DPOTrainer, and against SFT on the same tokens (issue 47), one command per pair
+file, every run in its own launch (the real deepspeed launcher), rows written as each run ends:
+
+    python bench/preference.py --pairs /tmp/dc/pairs_short.jsonl --tokenizer /tmp/dc/llama --micro 16 \\
+        --rows tk-z3,tk-z3-pre,trl-z3,trl-best-z3,tk-z2,trl-z2,sft-z3 --out OUT/short
+
+Rows (NAME-zS, S the ZeRO stage; the same model, pairs, micro-batch of pairs, global batch, learning rate, bf16, and
+the repo's ds_configs/zeroS.json for every system):
+  tk         toolkit/train.py, train.objective=dpo, defaults: pairs packed one row per micro-batch, log-probs through
+             the head in chunks, reference auto (engine: a frozen ZeRO-3 copy) for a full fine-tune;
+  tk-pre     the same with pref.reference=precomputed (the pass before training is timed apart, not in tokens/s);
+  tk-lora    LoRA (the toolkit's defaults), reference adapter;
+  trl        bench/preference_trl.py --mode default: TRL's DPOTrainer at its defaults;
+  trl-best   bench/preference_trl.py --mode best --precompute: Liger, padding-free, precomputed reference;
+  trl-lora   TRL default with the same LoRA;
+  sft        the toolkit's SFT on the same sequences (every chosen and rejected as a prompt + completion row), packed
+             into rows of --sft-seq tokens: what a preference step's tokens cost as next-token training.
+tokens/s counts the real tokens of both sequences of each pair (prompt included; for sft every real token), per
+second over the steps after --warmup; peak is torch's max allocated over ranks. The model: --model (a preset, random
+init; its vocabulary holds the tokenizer's ids).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _toolkit(name: str, stage: int, args: argparse.Namespace, out: Path) -> list[str]:
+    run_dir = out / name
+    total = args.warmup + args.steps
+    common = [f"model.name={args.model}", f"model.tokenizer={args.tokenizer}", "train.path=raw",
+              "train.precision=bf16", "train.export=false", f"train.lr={args.lr}", "train.warmup_steps=1",
+              "train.log_every=1", f"train.max_steps={total}", "memory.every=1", "metrics.tensorboard=false",
+              f"train.run_dir={run_dir}", f"data.cache_dir={out / 'cache'}", "train.overwrite=true"]
+    if name.startswith("sft"):
+        return [*_launch(args), str(ROOT / "toolkit/train.py"), "--ds", str(ROOT / f"ds_configs/zero{stage}.json"),
+                *common, f"data.source={out / 'sft.jsonl'}", f"data.seq_len={args.sft_seq}",
+                f"train.micro_batch_size={args.sft_micro}", "data.packing=true"]
+    extra = {"tk": [], "tk-pre": ["pref.reference=precomputed"], "tk-lora": ["lora.enabled=true"],
+             "tk-pad": ["data.packing=false"]}[name.rsplit("-z", 1)[0]]
+    return [*_launch(args), str(ROOT / "toolkit/train.py"), "--ds", str(ROOT / f"ds_configs/zero{stage}.json"),
+            *common, "train.objective=dpo", f"data.source={args.pairs}", f"data.seq_len={args.max_length}",
+            f"train.micro_batch_size={args.micro}", *extra]
+
+
+def _trl(name: str, stage: int, args: argparse.Namespace, out: Path) -> list[str]:
+    kind = name.rsplit("-z", 1)[0]
+    flags = {"trl": ["--mode", "default"], "trl-best": ["--mode", "best", "--precompute"],
+             "trl-lora": ["--mode", "default", "--lora"]}[kind]
+    return [*_launch(args), str(ROOT / "bench/preference_trl.py"), "--model", args.model, "--tokenizer",
+            args.tokenizer, "--pairs", args.pairs, "--ds", str(ROOT / f"ds_configs/zero{stage}.json"), "--micro",
+            str(args.micro), "--grad-accum", "1", "--steps", str(args.warmup + args.steps), "--warmup-steps",
+            str(args.warmup), "--max-length", str(args.max_length), "--lr", str(args.lr), *flags,
+            "--out", str(out / f"{name}.json")]
+
+
+def _launch(args: argparse.Namespace) -> list[str]:
+    return ["deepspeed", "--num_gpus", str(args.gpus), "--master_port", str(29500 + int(time.time()) % 1000)]
+
+
+def _toolkit_row(run_dir: Path, warmup: int) -> dict[str, Any]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = [r for r in lines if "loss" in r]
+    timed = [r for r in lines if r["step"] > warmup]
+    snaps = [json.loads(x) for f in sorted((run_dir / "memory").glob("rank*.jsonl")) for x in f.read_text().splitlines()]
+    peaks = [s["peak_allocated_gib"] for s in snaps if s.get("peak_allocated_gib") is not None]
+    return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+            "step_time_s": statistics.median(r["step_time_s"] for r in timed),
+            "peak_gib": max(peaks) if peaks else None, "losses": [round(r["loss"], 5) for r in lines],
+            "accuracy_last": lines[-1].get("rewards/accuracies")}
+
+
+def _sft_file(pairs: Path, out: Path) -> None:
+    """Every chosen and rejected sequence as an SFT row (prompt + completion): the same tokens, next-token loss."""
+    with pairs.open() as f, out.open("w") as g:
+        for line in f:
+            row = json.loads(line)
+            for side in ("chosen", "rejected"):
+                g.write(json.dumps({"prompt": row["prompt"], "response": row[side]}) + "\n")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pairs", required=True)
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--model", default="llama-1b")
+    ap.add_argument("--rows", required=True, help="comma-separated NAME-zSTAGE (module docstring)")
+    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--micro", type=int, default=8, help="pairs per micro-batch (and per step: grad_accum 1)")
+    ap.add_argument("--max-length", type=int, default=2048, help="tokens per sequence at most (no pair is cut)")
+    ap.add_argument("--sft-seq", type=int, default=4096)
+    ap.add_argument("--sft-micro", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--budget-s", type=float, default=540, help="no run starts after this many seconds")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    _sft_file(Path(args.pairs), out / "sft.jsonl")
+    rows: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
+    for name in args.rows.split(","):
+        if time.perf_counter() - t_start > args.budget_s:
+            rows.append({"row": name, "error": "not run: budget spent"})
+            continue
+        stage = int(name.rsplit("-z", 1)[1])
+        cmd = (_trl if name.startswith("trl") else _toolkit)(name, stage, args, out)
+        t0 = time.perf_counter()
+        with (out / f"{name}.log").open("w") as log:
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env=os.environ | {"PYTHONUNBUFFERED": "1"}).returncode
+        row: dict[str, Any] = {"row": name, "stage": stage, "rc": rc, "wall_s": round(time.perf_counter() - t0, 1),
+                               "micro_pairs": args.micro, "gpus": args.gpus}
+        try:
+            if name.startswith("trl"):
+                got = json.loads((out / f"{name}.json").read_text())
+                row |= {"tokens_per_s": got["tokens_per_s"], "peak_gib": got["peak_gib"],
+                        "step_time_s": got.get("step_time_s"), "losses": got.get("losses"),
+                        "precompute_s": got.get("precompute_s"), "trl": got.get("trl_version")}
+            else:
+                row |= _toolkit_row(out / name, args.warmup)
+        except (OSError, ValueError, KeyError) as e:
+            row["error"] = f"{type(e).__name__}: {e}"
+            row["log_tail"] = (out / f"{name}.log").read_text()[-3000:]
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "log_tail")}), flush=True)
+        (out / "preference.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
