@@ -40,6 +40,9 @@ def _runs(tmp: Path) -> list[dict]:
     add("dpo-zero3-precomputed", "zero3", "train.objective=dpo", "pref.reference=precomputed", "train.resume=latest")
     add("dpo-precomputed-cached", "zero2", "train.objective=dpo", "pref.reference=precomputed", "train.max_steps=2",
         "train.lr=5e-4")
+    for ref in ("engine", "precomputed"):  # held-out pairs: a quarter of them, evaluated at step 2 and at the end
+        add(f"dpo-eval-{ref}", "zero2", "train.objective=dpo", f"pref.reference={ref}", "data.eval_fraction=0.25",
+            "train.max_steps=4", "train.eval_every=2")
     add("ipo-zero2", "zero2", "train.objective=ipo", "train.max_steps=2")
     add("simpo-zero2", "zero2", "train.objective=simpo", "pref.beta=2.0")  # the paper's scale (2 to 10)
     add("orpo-zero2", "zero2", "train.objective=orpo")
@@ -142,3 +145,18 @@ def test_the_reward_metrics_reach_tensorboard(runs: Path) -> None:
     accuracy = [e.value for e in acc.Scalars("pref/rewards/accuracies")]
     assert accuracy == pytest.approx([r["rewards/accuracies"] for r in _lines(runs / "dpo-zero0")], abs=1e-6)
     assert {"pref/rewards/margins", "pref/logps/chosen", "train/loss"} <= set(acc.Tags()["scalars"])
+
+
+@pytest.mark.timeout(60)
+def test_held_out_pairs_are_evaluated_against_either_reference(runs: Path) -> None:
+    evals = {}
+    for ref in ("engine", "precomputed"):
+        lines = [json.loads(x) for x in (runs / f"dpo-eval-{ref}" / "metrics.jsonl").read_text().splitlines()]
+        evals[ref] = [r for r in lines if "eval_loss" in r]
+        assert [r["step"] for r in evals[ref]] == [2, 4]
+        assert all(r["eval_pairs"] == 12 for r in evals[ref])  # 48 x 0.25, whatever the ranks
+    for a, b in zip(evals["engine"], evals["precomputed"], strict=True):
+        assert a["eval_loss"] == pytest.approx(b["eval_loss"], abs=1e-5)
+        assert a["eval_rewards/margins"] == pytest.approx(b["eval_rewards/margins"], abs=1e-5)
+    assert evals["engine"][-1]["eval_loss"] < math.log(2)  # the learnable pairs: held-out ones are won too
+    assert "12 held-out pairs: computed in" in (runs / "launch.log").read_text()

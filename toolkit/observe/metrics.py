@@ -256,8 +256,12 @@ class MetricsLogger:
         if not self.is_main:
             return
         self._write({"step": step, **rec})
-        msg = f"eval step {step}: loss {rec['eval_loss']:.4f}, perplexity {rec['eval_ppl']:.2f} " \
-              f"({rec['eval_tokens']:,} tokens, {rec['eval_s']:.1f} s)"
+        if "eval_pairs" in rec:  # held-out preference pairs
+            msg = f"eval step {step}: loss {rec['eval_loss']:.4f}, accuracy {rec['eval_rewards/accuracies']:.3f}, " \
+                  f"margin {rec['eval_rewards/margins']:.4f} ({rec['eval_pairs']:,} pairs, {rec['eval_s']:.1f} s)"
+        else:
+            msg = f"eval step {step}: loss {rec['eval_loss']:.4f}, perplexity {rec['eval_ppl']:.2f} " \
+                  f"({rec['eval_tokens']:,} tokens, {rec['eval_s']:.1f} s)"
         if self._bar is not None:
             self._bar.write(msg)
         else:
@@ -344,8 +348,10 @@ def closing_summary(
         )
     if evals:
         first, last = evals[0], evals[-1]
+        tail = f"perplexity {last['eval_ppl']:.2f}" if "eval_ppl" in last else \
+            f"accuracy {last['eval_rewards/accuracies']:.3f} on {last['eval_pairs']:,} held-out pairs"
         lines.append(f"  eval loss   {first['eval_loss']:.4f} (step {first['step']}) -> {last['eval_loss']:.4f} "
-                     f"(step {last['step']}), perplexity {last['eval_ppl']:.2f}")
+                     f"(step {last['step']}), {tail}")
     pref = [r for r in losses if r.get("rewards/accuracies") is not None]
     if pref:
         a, b = pref[0], pref[-1]

@@ -143,8 +143,12 @@ def throughput_summary(data: RunData) -> tuple[str, list[str]]:
     ev = [r for r in data.evals if r["eval_loss"] is not None]
     if ev:
         rows.append(["first eval loss", f"{ev[0]['eval_loss']:.4f} (step {ev[0]['step']})"])
-        rows.append(["final eval loss (perplexity)",
-                     f"{ev[-1]['eval_loss']:.4f} ({_fmt(ev[-1]['eval_ppl'], 2)}, step {ev[-1]['step']})"])
+        if ev[-1].get("eval_pairs") is not None:  # held-out preference pairs
+            rows.append(["final eval loss (accuracy)", f"{ev[-1]['eval_loss']:.4f} "
+                         f"({_fmt(ev[-1]['eval_rewards/accuracies'], 3)}, step {ev[-1]['step']})"])
+        else:
+            rows.append(["final eval loss (perplexity)",
+                         f"{ev[-1]['eval_loss']:.4f} ({_fmt(ev[-1]['eval_ppl'], 2)}, step {ev[-1]['step']})"])
     pref = [r for r in m if r.get("rewards/accuracies") is not None]
     if pref:  # a preference run: TRL's reward metrics, first and last logged
         a, b = pref[0], pref[-1]

@@ -39,6 +39,8 @@ MOE_TAGS = {"moe_aux_loss": "moe/aux_loss"}  # Mixture-of-Experts runs only
 EVAL_TAGS = {"eval_loss": "eval/loss", "eval_ppl": "eval/perplexity"}
 PREF_TAGS = {k: f"pref/{k}" for k in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
                                       "logps/chosen", "logps/rejected")}  # train.objective other than sft
+PREF_TAGS |= {f"eval_{k}": f"eval/{k}" for k in ("rewards/accuracies", "rewards/margins", "rewards/chosen",
+                                                 "rewards/rejected")}  # held-out pairs
 GEN_TAGS = {"gen_tokens_per_s": "generate/tokens_per_s", "gen_s": "generate/seconds",
             "gen_exact_match": "generate/exact_match"}  # eval.generate lines (runtime/generation/)
 # memory snapshot key -> tag. Null values (GPU fields on CPU) are left out, not written as NaN.

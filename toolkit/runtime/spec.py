@@ -159,7 +159,6 @@ def _check_objective(cfg: Config) -> None:
         (cfg.model.task != "causal_lm", f"needs model.task=causal_lm, not {cfg.model.task}"),
         (t.sequence_parallel > 1, "does not run with train.sequence_parallel yet"),
         (t.micro_batch_size == "auto", "takes a number of pairs for train.micro_batch_size (auto: not yet)"),
-        (bool(d.eval_source or d.eval_fraction), "has no held-out pairs yet: drop data.eval_source / eval_fraction"),
         # the reference must compute what the policy computes at step 1: the same kernels, eager, in bf16 or fp32
         (t.precision == "fp8", "does not run in float8 yet (the reference would not match the policy)"),
         (t.compile == "torch", "does not compile yet (the reference would not match the policy): train.compile=off"),
@@ -167,10 +166,11 @@ def _check_objective(cfg: Config) -> None:
     for bad, why in refusals:
         if bad:
             raise ConfigError(f"train.objective={t.objective} {why}")
-    if d.source != "synthetic":
-        from toolkit.runtime.objectives.pairs import check_file
+    from toolkit.runtime.objectives.pairs import check_file
 
-        check_file(d.source, "data.source")
+    for what, source in (("data.source", d.source), ("data.eval_source", d.eval_source)):
+        if source and source != "synthetic":
+            check_file(source, what)
 
 
 def _check_generation(cfg: Config) -> None:

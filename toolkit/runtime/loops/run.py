@@ -152,7 +152,7 @@ def _train(p: RunSpec) -> int:
     if cfg.train.objective == "sft":
         rows, eval_rows = build_rows(cfg, p.model_config.vocab_size, pad_id, tokenizer)
     else:
-        rows, eval_rows = _pair_rows(p, tokenizer), None
+        rows, eval_rows = _pair_rows(p, tokenizer)
     rows = even_rows(rows, cfg.train.micro_batch_size * cfg.train.grad_accum, p.data_world)
     if cfg.train.max_steps == 0:  # one epoch of the data actually loaded
         p.total_steps = steps_per_epoch(len(rows), cfg, p.data_world)
@@ -161,7 +161,7 @@ def _train(p: RunSpec) -> int:
     keep_alive = _deepspeed_config_alive(p)  # must exist before the model under ZeRO-3
     built = build(p)
     model, sp = built.model, built.sp
-    pref = _preference(p, keep_alive, model, rows)
+    pref = _preference(p, keep_alive, model, rows, eval_rows, pad_id)
     metrics = metrics_logger(p, model)
     metrics.memory_reading = mem.reading  # every rank's memory for wandb / mlflow (metrics.report_to)
     generate = _generation(p, tokenizer, rows, metrics)
@@ -183,7 +183,8 @@ def _train(p: RunSpec) -> int:
         # whole on every rank under sequence parallelism: no boundaries, so the attention is not sharded
         fixed_batch=resume.fixed_batch(rows, Collator(pad_id=pad_id, task=cfg.model.task,
                                                       boundaries=attn.boundaries and sp is None)),
-        evaluate=evaluator(p, eval_rows, collator, metrics, sp, generate), sp=sp, aux_coef=built.aux_coef, pref=pref)
+        evaluate=evaluator(p, eval_rows, collator, metrics, sp, generate, pref), sp=sp, aux_coef=built.aux_coef,
+        pref=pref)
     watchdog.follow(lambda: (state.phase, state.step))
     metrics.engine_starting(f"ZeRO-{r.stage}, {cfg.train.path} path, {p.world_size} ranks")
     step, stopped = 0, False
@@ -238,21 +239,33 @@ def _deepspeed_config_alive(p: RunSpec) -> Any:
     return HfDeepSpeedConfig(p.ds)
 
 
-def _pair_rows(p: RunSpec, tokenizer: Any) -> Rows:
-    """A preference run's pairs (objectives/pairs.py): from data.source, or learnable synthetic ones."""
+def _pair_rows(p: RunSpec, tokenizer: Any) -> tuple[Rows, Rows | None]:
+    """A preference run's pairs (objectives/pairs.py), from data.source or learnable synthetic ones, and its
+    held-out pairs (data.eval_source, or a data.eval_fraction drawn as for SFT rows) or None."""
+    from toolkit.runtime.data.batches import split_eval
     from toolkit.runtime.objectives import pairs
 
     cfg = p.cfg
     length = cfg.pref.max_length or cfg.data.seq_len
+
+    def read(source: str, what: str) -> Rows:
+        got, note = pairs.load_file(source, tokenizer, length, what)
+        if dist.rank() == 0:
+            print(note, flush=True)
+        return Rows(got)
+
     if cfg.data.source == "synthetic":
-        return Rows(pairs.synthetic(cfg.data.num_samples, length, p.model_config.vocab_size, cfg.train.seed))
-    rows, note = pairs.load_file(cfg.data.source, tokenizer, length, "data.source")
-    if dist.rank() == 0:
-        print(note, flush=True)
-    return Rows(rows)
+        rows = Rows(pairs.synthetic(cfg.data.num_samples, length, p.model_config.vocab_size, cfg.train.seed))
+    else:
+        rows = read(cfg.data.source, "data.source")
+    if cfg.data.eval_source:
+        return rows, read(cfg.data.eval_source, "data.eval_source")
+    if cfg.data.eval_fraction:
+        return split_eval(rows, cfg.data.eval_fraction, cfg.train.seed)
+    return rows, None
 
 
-def _preference(p: RunSpec, keep_alive: Any, model: Any, rows: Rows) -> Any:
+def _preference(p: RunSpec, keep_alive: Any, model: Any, rows: Rows, eval_rows: Rows | None, pad_id: int) -> Any:
     """train.objective other than sft: the step that runs its windows, with the reference engine where it has one
     (and where the reference is precomputed, where its values are kept); dropout off in the policy (as TRL does by
     default)."""
@@ -266,11 +279,12 @@ def _preference(p: RunSpec, keep_alive: Any, model: Any, rows: Rows) -> Any:
 
     reference = build_reference(cfg, p.model_config, p.ds, keep_alive, r) if r.reference == "engine" else None
     step = PreferenceStep(cfg, r.reference, model, reference)
+    step.eval_rows, step.collate = eval_rows, PairCollator(pad_id, r.packing, r.attention.boundaries)
     if r.reference == "precomputed":
         from toolkit.runtime.objectives import precompute
 
         step.stored = (p.run_dir, precompute.cache_dir(cfg.data.cache_dir),
-                       precompute.key_of(cfg, r, rows, p.data_world))
+                       precompute.key_of(cfg, r, rows, p.data_world, eval_rows))
     return step
 
 

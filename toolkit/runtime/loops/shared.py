@@ -29,18 +29,20 @@ if TYPE_CHECKING:
 
 
 def evaluator(p: RunSpec, rows: Rows | None, collate: Collator, metrics: MetricsLogger, sp: Any = None,
-              generate: Callable[[Any, int, bool], None] | None = None) -> Evaluator | None:
+              generate: Callable[[Any, int, bool], None] | None = None, pref: Any = None) -> Evaluator | None:
     """eval(engine, step, final): the held-out loss every train.eval_every steps and at the end, and generation
     every eval.generate_every steps (the final generation comes after training, in loops/run.py); None when
-    neither is asked for. Every rank calls it (ZeRO-3 forwards are collectives)."""
+    neither is asked for. Every rank calls it (ZeRO-3 forwards are collectives). pref: a preference run's step,
+    which evaluates its held-out pairs (objectives/step.py)."""
     every, gen_every = p.cfg.train.eval_every, p.cfg.eval.generate_every if generate is not None else 0
     if rows is None and not gen_every:
         return None
 
     def run(engine: Any, step: int, final: bool) -> None:
         if rows is not None and (final or (every and step % every == 0 and step < p.total_steps)):
-            metrics.log_eval(step, evaluate(engine, rows, collate, p.cfg.train.micro_batch_size, p.cfg.model.task,
-                                            sp))
+            micro = p.cfg.train.micro_batch_size
+            metrics.log_eval(step, pref.evaluate(engine, rows, micro) if pref is not None else
+                             evaluate(engine, rows, collate, micro, p.cfg.model.task, sp))
         if generate is not None and gen_every and not final and step % gen_every == 0 and step < p.total_steps:
             generate(engine, step, False)
 

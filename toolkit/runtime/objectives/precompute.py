@@ -46,10 +46,11 @@ def _weights(name: str) -> list[Any]:
     return [name, *[(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files]]
 
 
-def key_of(cfg: Any, resolved: Any, rows: Any, world: int) -> str:
-    """What the stored values depend on: weights, pairs, numerics and the first epoch's batching."""
+def key_of(cfg: Any, resolved: Any, rows: Any, world: int, eval_rows: Any = None) -> str:
+    """What the stored values depend on: weights, pairs (held-out ones too), numerics and the first epoch's
+    batching."""
     h = hashlib.sha256()
-    for r in rows:
+    for r in [*rows, *(eval_rows or [])]:
         for field in ("prompt", "chosen", "rejected"):
             h.update(torch.tensor(list(r[field]), dtype=torch.int32).numpy().tobytes())
             h.update(b"|")
@@ -62,35 +63,34 @@ def key_of(cfg: Any, resolved: Any, rows: Any, world: int) -> str:
     return hashlib.sha256(blob).hexdigest()[:24]
 
 
-def _load(path: Path, key: str, n: int) -> torch.Tensor | None:
+def _load(path: Path, key: str, n: int) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     saved = torch.load(path, map_location="cpu", weights_only=True)
     if saved.get("key") != key or saved["logps"].shape != (n, 2):
         return None
-    return saved["logps"]
+    return saved
 
 
-def _save(path: Path, key: str, logps: torch.Tensor) -> None:
+def _save(path: Path, saved: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    torch.save({"key": key, "logps": logps}, tmp)
+    torch.save(saved, tmp)
     tmp.replace(path)  # atomic: a reader never sees half a file
 
 
 @torch.no_grad()
-def _compute(step: Any, engine: Any, rows: Any, collator: Any, sampler: Any) -> torch.Tensor:
-    """This rank's first-epoch micro-batches through the reference; every pair's values gathered on every rank."""
+def _compute(step: Any, engine: Any, rows: Any, collator: Any, batches: Any) -> torch.Tensor:
+    """This rank's `batches` (lists of row indices; -1: a stand-in, where a rank has fewer) through the reference;
+    every pair's values gathered on every rank."""
     from toolkit.runtime.data.batches import to_device
 
     mine: list[tuple[int, float, float]] = []
-    sampler.set_epoch(0)
     engine.eval()
-    for indices in sampler:
-        batch = to_device(collator([rows[i] for i in indices]), step.device)
+    for indices in batches:
+        batch = to_device(collator([rows[max(i, 0)] for i in indices]), step.device)
         ref = step.reference_logps(engine, {k: v for k, v in batch.items() if k != "ref_logps"})
-        mine += zip(indices, ref.chosen.tolist(), ref.rejected.tolist(), strict=True)
-    sampler.drawn.clear()
+        mine += [x for x in zip(indices, ref.chosen.tolist(), ref.rejected.tolist(), strict=True) if x[0] >= 0]
     engine.train()
     out = torch.full((len(rows), 2), float("nan"))
     for part in dist.all_gather_object(mine):
@@ -103,9 +103,9 @@ def _compute(step: Any, engine: Any, rows: Any, collator: Any, sampler: Any) -> 
 
 
 def attach(step: Any, engine: Any, rows: Any, collator: Any, sampler: Any, run_dir: Path, cache: Path, key: str,
-           resumed: bool) -> str:
-    """Every row gets ref_chosen / ref_rejected (the collator passes them on as ref_logps); returns the line to
-    print: where the values came from."""
+           resumed: bool, eval_rows: Any = None) -> str:
+    """Every row (and held-out row) gets ref_chosen / ref_rejected (the collator passes them on as ref_logps);
+    returns the line to print: where the values came from."""
     local, shared = run_dir / FILE, cache / f"{key}.pt"
     found: list[Any] = [None, ""]
     if dist.rank() == 0:
@@ -114,23 +114,33 @@ def attach(step: Any, engine: Any, rows: Any, collator: Any, sampler: Any, run_d
             if values is not None:
                 found = [values, where]
                 break
-    values, where = dist.broadcast_object(found)
+    saved, where = dist.broadcast_object(found)
     t0 = time.perf_counter()
-    if values is None:
+    if saved is None:
         if resumed:
             raise RuntimeError(f"pref.reference=precomputed: {local} is missing or belongs to other pairs or settings, "
                                "and a resumed policy is no longer the reference: it cannot be recomputed. Restore the "
                                "file, or start the run again")
-        values = _compute(step, engine, rows, collator, sampler)
+        sampler.set_epoch(0)
+        saved = {"key": key, "logps": _compute(step, engine, rows, collator, sampler), "eval": None}
+        sampler.drawn.clear()
+        if eval_rows is not None:
+            from toolkit.runtime.loops.evaluate import rank_batches
+
+            micro = sampler.micro
+            saved["eval"] = _compute(step, engine, eval_rows, collator,
+                                     rank_batches(len(eval_rows), micro, sampler.rank, sampler.world))
         where = f"computed in {time.perf_counter() - t0:.1f}s"
     if dist.rank() == 0:
         if not local.is_file():
-            _save(local, key, values)
+            _save(local, saved)
         if not shared.is_file():
             try:
-                _save(shared, key, values)
+                _save(shared, saved)
             except OSError as e:  # a read-only cache costs later runs the pass, not this one its run
                 where += f" (not cached: {e})"
-    for i, (c, r) in enumerate(values.tolist()):
-        rows[i]["ref_chosen"], rows[i]["ref_rejected"] = c, r
-    return f"reference log-probs of {len(rows):,} pairs: {where}"
+    for part, values in ((rows, saved["logps"]), (eval_rows, saved.get("eval"))):
+        for i, (c, r) in enumerate(values.tolist() if part is not None else []):
+            part[i]["ref_chosen"], part[i]["ref_rejected"] = c, r
+    held = f" and {len(eval_rows):,} held-out pairs" if eval_rows is not None else ""
+    return f"reference log-probs of {len(rows):,} pairs{held}: {where}"

@@ -53,6 +53,10 @@ class PreferenceStep:
         self._windows = 0
         self.stored: tuple[Any, Any, str] | None = None
         """pref.reference=precomputed: (run directory, cache directory, key) of the values (precompute.py)."""
+        self.eval_rows: Any = None
+        """Held-out pairs (data.eval_source / data.eval_fraction): a precomputed reference covers them too."""
+        self.collate: Any = None
+        """The run's PairCollator, for the held-out pairs."""
 
     def prepare(self, engine: Any, rows: Any, collator: Any, sampler: Any, resumed: bool) -> None:
         """Before the first step: a precomputed reference's values attached to the rows (computed, or loaded)."""
@@ -60,7 +64,8 @@ class PreferenceStep:
             return
         from toolkit.runtime.objectives import precompute
 
-        note = precompute.attach(self, engine, rows, collator, sampler, *self.stored, resumed=resumed)
+        note = precompute.attach(self, engine, rows, collator, sampler, *self.stored, resumed=resumed,
+                                 eval_rows=self.eval_rows)
         if dist.rank() == 0:
             print(note, flush=True)
 
@@ -117,6 +122,43 @@ class PreferenceStep:
                 (policy.chosen.detach() / n_tokens_c).mean(), (policy.rejected.detach() / n_tokens_r).mean(),
             ]).float() / self.grad_accum
         self._windows += 1
+
+    @torch.no_grad()
+    def evaluate(self, engine: Any, rows: Any, micro: int) -> dict[str, Any]:
+        """The held-out pairs' loss and TRL's metrics (eval_ prefixed), means over every pair whatever the world size.
+        Every rank runs the same number of forwards (a collective under ZeRO-3); a rank past the end runs a stand-in
+        that counts nothing."""
+        import time
+
+        from toolkit.runtime.loops.evaluate import rank_batches
+
+        t0 = time.perf_counter()
+        sums = torch.zeros(len(METRICS) + 2, dtype=torch.float64, device=self.device)  # + loss, pairs
+        was_training = engine.training
+        engine.eval()
+        try:
+            for idx in rank_batches(len(rows), micro, dist.rank(), dist.world_size()):
+                b = to_device(self.collate([rows[max(i, 0)] for i in idx]), self.device)
+                ref = None if self.mode == "precomputed" else self.reference_logps(engine, b)
+                policy = self.logps(engine, b)
+                if self.mode == "precomputed":
+                    ref = self.reference_logps(engine, b, policy)
+                out = pair_loss(self.objective, policy, ref, beta=self.pref.beta,
+                                label_smoothing=self.pref.label_smoothing, simpo_gamma=self.pref.simpo_gamma)
+                real = torch.tensor([i >= 0 for i in idx], device=self.device, dtype=torch.float64)
+                per_pair = torch.stack([out.chosen_rewards, out.rejected_rewards, out.margins, out.accuracy,
+                                        policy.chosen / policy.chosen_tokens.clamp(min=1),
+                                        policy.rejected / policy.rejected_tokens.clamp(min=1), out.loss]).double()
+                sums[:-1] += per_pair @ real
+                sums[-1] += real.sum()
+        finally:
+            engine.train(was_training)
+        total = dist.all_reduce_tensor(sums)
+        n = max(float(total[-1]), 1.0)
+        rec: dict[str, Any] = {f"eval_{k}": float(v) / n for k, v in zip(METRICS, total[:len(METRICS)].tolist(),
+                                                                         strict=True)}
+        return {"eval_loss": float(total[-2]) / n, **rec, "eval_pairs": int(total[-1]),
+                "eval_s": time.perf_counter() - t0}
 
     def take(self) -> dict[str, float]:
         """The metrics since the last log line: means over its windows, micro-batches and ranks (a collective).
