@@ -80,13 +80,17 @@ def _toolkit_row(run_dir: Path, warmup: int) -> dict[str, Any]:
             "accuracy_last": lines[-1].get("rewards/accuracies")}
 
 
-def _sft_file(pairs: Path, out: Path) -> None:
-    """Every chosen and rejected sequence as an SFT row (prompt + completion): the same tokens, next-token loss."""
-    with pairs.open() as f, out.open("w") as g:
-        for line in f:
-            row = json.loads(line)
+def _files(pairs: Path, n: int, out: Path) -> Path:
+    """The first n pairs (what the runs consume: a precomputed reference's pass covers the whole file, in TRL and
+    here), and every chosen and rejected sequence of them as an SFT row (prompt + response): the same tokens."""
+    rows = [json.loads(x) for x in pairs.read_text().splitlines()[:n]]
+    used = out / "pairs.jsonl"
+    used.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with (out / "sft.jsonl").open("w") as g:
+        for row in rows:
             for side in ("chosen", "rejected"):
                 g.write(json.dumps({"prompt": row["prompt"], "response": row[side]}) + "\n")
+    return used
 
 
 def main() -> int:
@@ -108,7 +112,7 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    _sft_file(Path(args.pairs), out / "sft.jsonl")
+    args.pairs = str(_files(Path(args.pairs), (args.warmup + args.steps) * args.micro * args.gpus, out))
     rows: list[dict[str, Any]] = []
     t_start = time.perf_counter()
     for name in args.rows.split(","):

@@ -97,3 +97,22 @@ def test_preference_runs_refuse_what_they_do_not_support_and_name_a_bad_pair_row
     proc = train(tmp_path, "train.objective=dpo", "train.path=raw", "pref.reference=adapter")
     assert_one_line_error(proc, "pref.reference=adapter needs lora.enabled=true")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_before_launch(tmp_path: Path) -> None:
+    """Its ids past the embedding would end the first forward in an IndexError; it is one line before launch."""
+    from types import SimpleNamespace
+
+    from conftest import write_tokenizer
+
+    from toolkit.config.ds_config import ConfigError
+    from toolkit.config.schema import load_config
+    from toolkit.runtime.spec import _check_vocabulary
+
+    tok = write_tokenizer(tmp_path / "tok")
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n")
+    cfg = load_config(None, [f"model.tokenizer={tok}", f"data.source={pairs}"])
+    _check_vocabulary(cfg, SimpleNamespace(vocab_size=1000))  # fits
+    with pytest.raises(ConfigError, match=r"has \d+ ids but the model tiny embeds 5"):
+        _check_vocabulary(cfg, SimpleNamespace(vocab_size=5))

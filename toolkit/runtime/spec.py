@@ -123,6 +123,7 @@ def build_spec(inputs: RunInputs, machine: Machine | None = None, ranks_per_node
     else:
         _check_objective(cfg)
     _check_generation(cfg)
+    _check_vocabulary(cfg, mc)
     # max_steps=0 means one epoch: known here for synthetic data, after tokenizing for a file
     # (loops/run.py fills it then; a DeepSpeed scheduler "auto" needing it is reported as unfillable).
     synthetic = cfg.data.source == "synthetic"
@@ -171,6 +172,21 @@ def _check_objective(cfg: Config) -> None:
     for what, source in (("data.source", d.source), ("data.eval_source", d.eval_source)):
         if source and source != "synthetic":
             check_file(source, what)
+
+
+def _check_vocabulary(cfg: Config, mc: Any) -> None:
+    """A tokenizer with more ids than the model's embedding has rows would fail deep in the first forward (an
+    IndexError in the embedding); where a file is tokenized, say so before launch."""
+    if cfg.data.source == "synthetic" and not cfg.eval.generate_source:
+        return
+    from toolkit.runtime.model import build_tokenizer
+
+    tok = build_tokenizer(cfg)
+    vocab = getattr(mc.get_text_config() if hasattr(mc, "get_text_config") else mc, "vocab_size", None)
+    if tok is not None and vocab and len(tok) > vocab:
+        raise ConfigError(f"the tokenizer ({cfg.model.tokenizer or cfg.model.name}) has {len(tok):,} ids but the model "
+                          f"{cfg.model.name} embeds {vocab:,}: take the model's own tokenizer, or a model whose "
+                          "vocabulary holds it")
 
 
 def _check_generation(cfg: Config) -> None:

@@ -7,7 +7,7 @@ ranks), so at step 1 the stored values are bit for bit what a live reference wou
 (ln 2 for DPO) holds in bf16 too. Every rank then holds every pair's values (a gather of two floats a pair).
 
 They are saved twice: `reference_logps.pt` in the run directory (a resume reads it: by then the policy is no longer
-the reference, so it could not recompute them) and in the cache (`data.cache_dir`/../reference, by default
+the reference, so it could not recompute them) and in the cache (`data.cache_dir`/reference, by default
 $TOOLKIT_CACHE/reference), keyed by everything that changes the values (the model's weights as named, the pairs,
 precision, kernels, batching), so a later run of the same model on the same pairs (another beta, learning rate or
 length of run) skips the pass. TRL's precompute_ref_log_probs never worked under DeepSpeed until July 2026
@@ -33,7 +33,7 @@ FILE = "reference_logps.pt"
 def cache_dir(data_cache_dir: str | None) -> Path:
     from toolkit.runtime.data.corpus import default_cache_dir
 
-    return (Path(data_cache_dir) if data_cache_dir else default_cache_dir()).parent / "reference"
+    return Path(data_cache_dir) / "reference" if data_cache_dir else default_cache_dir().parent / "reference"
 
 
 def _weights(name: str) -> list[Any]:
