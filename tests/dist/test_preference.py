@@ -15,7 +15,7 @@ from conftest import write_tokenizer
 
 pytestmark = pytest.mark.dist
 
-COMMON = ["train.path=raw", "train.precision=fp32", "memory.every=0", "data.num_samples=48", "data.seq_len=24",
+COMMON = ["train.precision=fp32", "memory.every=0", "data.num_samples=48", "data.seq_len=24",
           "train.max_steps=10", "train.lr=1e-3", "train.log_every=1", "train.warmup_steps=1", "train.export=false"]
 
 
@@ -27,11 +27,15 @@ def _runs(tmp: Path) -> list[dict]:
     runs: list[dict] = []
 
     def add(name: str, stage: str, *extra: str) -> None:
-        runs.append({"name": name, "argv": ["--ds", _ds(stage), *COMMON, f"train.run_dir={tmp / name}", *extra]})
+        path = [] if any(x.startswith("train.path=") for x in extra) else ["train.path=raw"]
+        runs.append({"name": name, "argv": ["--ds", _ds(stage), *COMMON, *path, f"train.run_dir={tmp / name}", *extra]})
 
     add("dpo-lora-zero3", "zero3", "train.objective=dpo", "lora.enabled=true")
     add("dpo-zero0", "zero0", "train.objective=dpo")
     add("dpo-zero3", "zero3", "train.objective=dpo")
+    add("dpo-trainer-zero3", "zero3", "train.objective=dpo", "train.path=trainer")
+    add("dpo-trainer-zero2-precomputed-accum", "zero2", "train.objective=dpo", "train.path=trainer",
+        "pref.reference=precomputed", "train.micro_batch_size=2", "train.grad_accum=2")
     add("dpo-zero2-ref-offload", "zero2", "train.objective=dpo", "pref.reference_offload=true")
     add("dpo-zero0-padded", "zero0", "train.objective=dpo", "data.packing=false")
     # precomputed: stopped at step 5 with a checkpoint, resumed from this run's stored values; another run (another
@@ -71,7 +75,8 @@ def _lines(run: Path) -> list[dict]:
 
 @pytest.mark.timeout(1000)
 @pytest.mark.parametrize("name", ["dpo-lora-zero3", "dpo-zero0", "dpo-zero3", "dpo-zero2-ref-offload", "dpo-file-auto",
-                                  "dpo-zero3-precomputed", "dpo-precomputed-cached"])
+                                  "dpo-zero3-precomputed", "dpo-precomputed-cached", "dpo-trainer-zero3",
+                                  "dpo-trainer-zero2-precomputed-accum"])
 def test_dpo_starts_at_ln2_in_every_reference_mode(runs: Path, name: str) -> None:
     lines = _lines(runs / name)
     assert lines[0]["loss"] == pytest.approx(math.log(2), abs=1e-5), lines[0]
@@ -87,9 +92,13 @@ def test_zero3_the_offloaded_and_the_precomputed_reference_train_as_zero0(runs: 
     base = [r["loss"] for r in _lines(runs / "dpo-zero0")]
     assert len(base) == 10
     # the precomputed run stopped at step 5 and resumed: its log holds both halves
-    for name in ("dpo-zero3", "dpo-zero2-ref-offload", "dpo-zero3-precomputed"):
+    # the Trainer path: the same losses and metrics; and with 2 micro-batches of 2 pairs a step, those of 4 pairs
+    for name in ("dpo-zero3", "dpo-zero2-ref-offload", "dpo-zero3-precomputed", "dpo-trainer-zero3",
+                 "dpo-trainer-zero2-precomputed-accum"):
         losses = {r["step"]: r["loss"] for r in _lines(runs / name)}
         assert [losses[s] for s in range(1, 11)] == pytest.approx(base, abs=1e-4), name
+    margins = [r["rewards/margins"] for r in _lines(runs / "dpo-zero0")]
+    assert [r["rewards/margins"] for r in _lines(runs / "dpo-trainer-zero3")] == pytest.approx(margins, abs=1e-5)
 
 
 @pytest.mark.timeout(60)

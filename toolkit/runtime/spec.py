@@ -156,7 +156,6 @@ def _check_objective(cfg: Config) -> None:
     """A preference run: what it supports so far, and its pair file row by row, before launch."""
     t, d = cfg.train, cfg.data
     refusals = [
-        (t.path != "raw", "runs on the raw path for now: add train.path=raw"),
         (cfg.model.task != "causal_lm", f"needs model.task=causal_lm, not {cfg.model.task}"),
         (t.sequence_parallel > 1, "does not run with train.sequence_parallel yet"),
         (t.micro_batch_size == "auto", "takes a number of pairs for train.micro_batch_size (auto: not yet)"),

@@ -190,11 +190,11 @@ def _train(p: RunSpec) -> int:
     step, stopped = 0, False
     try:
         with mem.oom_guard(lambda: (state.phase, state.step)):
+            batches = collator if pref is None else pref.collate
             if cfg.train.path == "trainer":
-                engine, step, stopped = run_trainer(p, keep_alive, model, ListDataset(rows), collator, order,
+                engine, step, stopped = run_trainer(p, keep_alive, model, ListDataset(rows), batches, order,
                                                     metrics, mem, state)
             else:
-                batches = collator if pref is None else PairCollator(pad_id, r.packing, attn.boundaries)
                 engine, step, stopped = RawLoop(p, model, ListDataset(rows), batches, order, metrics, mem,
                                                 state).train()
             state.profiler.close(step)

@@ -12,7 +12,7 @@ from toolkit.observe import breakdown
 from toolkit.observe.memory import MemoryCallback, MemoryMonitor
 from toolkit.observe.metrics import MetricsLogger
 from toolkit.runtime import moe
-from toolkit.runtime.data.batches import Collator, EpochOrder, ListDataset, steps_per_epoch
+from toolkit.runtime.data.batches import Collator, EpochOrder, ListDataset, ShardedBatches, steps_per_epoch
 from toolkit.runtime.faults import integrity, resume, watchdog
 from toolkit.runtime.faults.checkpoint import begin_save, end_save, mark_complete
 from toolkit.runtime.faults.guards import NonFiniteError
@@ -63,6 +63,7 @@ def run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collato
     t = p.cfg.train
     counter = metrics.counter
     sp = state.sp
+    pref = state.pref
     global_batch = t.micro_batch_size * t.grad_accum * p.world_size // t.sequence_parallel
     universal: str | None = None
     aux_coef = state.aux_coef
@@ -88,6 +89,9 @@ def run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collato
 
         def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                          num_items_in_batch: Any = None) -> Any:
+            if pref is not None:  # a preference objective: the mean over the micro-batch's pairs (objectives/step.py)
+                loss = pref.loss(model, inputs)
+                return (loss, None) if return_outputs else loss
             if not (aux_coef and model.training):
                 return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             # the Trainer multiplies the model's loss by the world size and never divides by the accumulation
@@ -117,6 +121,10 @@ def run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collato
             leaf_check(trainer.model)  # the Trainer has built the engine by now
             autoep_check(p, trainer.model)
             integrity.install(trainer.model_wrapped)  # shards digested as they are written
+            if pref is not None:  # a precomputed reference: its values before the first step (loaded on a resume)
+                pref.prepare(trainer.model_wrapped, dataset.rows, collator,
+                             ShardedBatches(order, t.micro_batch_size, dist.rank(), p.world_size),
+                             resumed=p.resume_from is not None)
             if p.resume_from:  # the Trainer has loaded the checkpoint by now
                 resume.verify(trainer.model_wrapped, state.fixed_batch, p.resume_from, p.run_dir, p.precision,
                               p.world_size, t.grad_accum, universal)
@@ -176,7 +184,7 @@ def run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collato
             if not logs or "loss" not in logs:
                 return
             metrics.log(st.global_step, float(logs["loss"]), float(logs.get("learning_rate", 0.0)),
-                        logs.get("grad_norm"))
+                        logs.get("grad_norm"), extra=pref.take() if pref is not None else None)
             norm = logs.get("grad_norm")
             if not math.isfinite(float(logs["loss"])) or (
                     p.precision != "fp16" and norm is not None and not math.isfinite(float(norm))):
@@ -196,6 +204,11 @@ def run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collato
         # without num_items_in_batch each rank's slice would take its own mean (a slice of prompt only: NaN)
         raise ValueError(f"train.sequence_parallel on the HF Trainer path needs a model whose loss takes "
                          f"num_items_in_batch ({type(trainer.model).__name__} does not); use train.path=raw")
+    if pref is not None:
+        # the preference loss is a mean over the micro-batch's pairs, not normalized by num_items_in_batch: the
+        # Trainer then divides it by the accumulation steps, as the raw loop's engine.backward does (declared as
+        # for seq_cls below: every transformers 5.x reads it)
+        trainer.model_accepts_loss_kwargs = False
     if p.cfg.model.task == "seq_cls":
         # The Trainer sees **kwargs on forward and assumes the model normalizes by num_items_in_batch,
         # then multiplies the (plain mean) classification loss by the world size: loss and gradients

@@ -50,7 +50,7 @@ class PreferenceStep:
         if reference is not None:
             self.heads[id(_module(reference))] = SelectedHead.of(_module(reference))
         self._stats = torch.zeros(len(METRICS), device=self.device)
-        self._windows = 0
+        self._micro = 0
         self.stored: tuple[Any, Any, str] | None = None
         """pref.reference=precomputed: (run directory, cache directory, key) of the values (precompute.py)."""
         self.eval_rows: Any = None
@@ -98,30 +98,35 @@ class PreferenceStep:
                 return self.logps(engine, batch)
         return self.logps(self.reference, batch)
 
+    def loss(self, engine: Any, b: dict[str, Any]) -> torch.Tensor:
+        """One micro-batch (on the device): the reference's log-probs, the policy's, the mean of the objective's
+        per-pair losses; its metrics are added to the log window's."""
+        if self.mode == "precomputed" and "ref_logps" not in b:
+            raise RuntimeError("pref.reference=precomputed: a batch without its reference log-probs (prepare() "
+                               "did not run)")
+        ref = None if self.mode == "precomputed" else self.reference_logps(engine, b)
+        policy = self.logps(engine, b)
+        if self.mode == "precomputed":
+            ref = self.reference_logps(engine, b, policy)
+        out = pair_loss(self.objective, policy, ref, beta=self.pref.beta,
+                        label_smoothing=self.pref.label_smoothing, simpo_gamma=self.pref.simpo_gamma)
+        n_tokens_c, n_tokens_r = policy.chosen_tokens.clamp(min=1), policy.rejected_tokens.clamp(min=1)
+        self._stats += torch.stack([
+            out.chosen_rewards.mean(), out.rejected_rewards.mean(), out.margins.mean(), out.accuracy.mean(),
+            (policy.chosen.detach() / n_tokens_c).mean(), (policy.rejected.detach() / n_tokens_r).mean(),
+        ]).float()
+        self._micro += 1
+        return out.loss.mean()
+
     def forward_backward(self, engine: Any, batches: list[dict[str, Any]], loss_sum: torch.Tensor) -> None:
-        """Each micro-batch's loss is the mean over its pairs; DeepSpeed divides it by the accumulation steps and
-        averages the gradients over ranks: the step's gradient is that of the mean over all its pairs."""
+        """The raw loop's window. Each micro-batch's loss is the mean over its pairs; DeepSpeed divides it by the
+        accumulation steps and averages the gradients over ranks: the step's gradient is that of the mean over all
+        its pairs. (The Trainer path calls `loss` from its compute_loss and does the same.)"""
         for b in batches:
-            b = to_device(b, self.device)
-            if self.mode == "precomputed" and "ref_logps" not in b:
-                raise RuntimeError("pref.reference=precomputed: a batch without its reference log-probs (prepare() "
-                                   "did not run)")
-            ref = None if self.mode == "precomputed" else self.reference_logps(engine, b)
-            policy = self.logps(engine, b)
-            if self.mode == "precomputed":
-                ref = self.reference_logps(engine, b, policy)
-            out = pair_loss(self.objective, policy, ref, beta=self.pref.beta,
-                            label_smoothing=self.pref.label_smoothing, simpo_gamma=self.pref.simpo_gamma)
-            loss = out.loss.mean()
+            loss = self.loss(engine, to_device(b, self.device))
             engine.backward(loss)
             engine.step()
             loss_sum += loss.detach() / self.grad_accum
-            n_tokens_c, n_tokens_r = policy.chosen_tokens.clamp(min=1), policy.rejected_tokens.clamp(min=1)
-            self._stats += torch.stack([
-                out.chosen_rewards.mean(), out.rejected_rewards.mean(), out.margins.mean(), out.accuracy.mean(),
-                (policy.chosen.detach() / n_tokens_c).mean(), (policy.rejected.detach() / n_tokens_r).mean(),
-            ]).float() / self.grad_accum
-        self._windows += 1
 
     @torch.no_grad()
     def evaluate(self, engine: Any, rows: Any, micro: int) -> dict[str, Any]:
@@ -161,10 +166,10 @@ class PreferenceStep:
                 "eval_s": time.perf_counter() - t0}
 
     def take(self) -> dict[str, float]:
-        """The metrics since the last log line: means over its windows, micro-batches and ranks (a collective).
-        logps/* are per-token means of the completions, so long and short pairs compare."""
+        """The metrics since the last log line: means over its micro-batches and ranks (a collective). logps/* are
+        per-token means of the completions, so long and short pairs compare."""
         world = dist.world_size()
-        stats = dist.all_reduce_tensor(self._stats.clone()) / (max(self._windows, 1) * world)
+        stats = dist.all_reduce_tensor(self._stats.clone()) / (max(self._micro, 1) * world)
         self._stats.zero_()
-        self._windows = 0
+        self._micro = 0
         return {k: float(v) for k, v in zip(METRICS, stats.tolist(), strict=True)}
