@@ -10,6 +10,9 @@ the repo's ds_configs/zeroS.json for every system):
              the head in chunks, reference auto (engine: a frozen ZeRO-3 copy) for a full fine-tune;
   tk-pre     the same with pref.reference=precomputed (the pass before training is timed apart, not in tokens/s);
   tk-lora    LoRA (the toolkit's defaults), reference adapter;
+  tk-pad     tk with data.packing=false: pairs side by side, padded (TRL's layout), for the packing gain;
+  tk-syn, tk-syn-pre  tk (and tk-pre) on synthetic pairs of exactly --syn-seq tokens a sequence, --syn-micro pairs
+             a micro-batch: the shape `toolkit plan --objective dpo` models, for its peak against the measured one;
   trl        bench/preference_trl.py --mode default: TRL's DPOTrainer at its defaults;
   trl-best   bench/preference_trl.py --mode best --precompute: Liger, padding-free, precomputed reference;
   trl-lora   TRL default with the same LoRA;
@@ -23,6 +26,7 @@ init; its vocabulary holds the tokenizer's ids).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -46,8 +50,15 @@ def _toolkit(name: str, stage: int, args: argparse.Namespace, out: Path) -> list
         return [*_launch(args), str(ROOT / "toolkit/train.py"), "--ds", str(ROOT / f"ds_configs/zero{stage}.json"),
                 *common, f"data.source={out / 'sft.jsonl'}", f"data.seq_len={args.sft_seq}",
                 f"train.micro_batch_size={args.sft_micro}", "data.packing=true"]
+    kind = name.rsplit("-z", 1)[0]
+    if kind.startswith("tk-syn"):  # synthetic pairs, every sequence --syn-seq long: what toolkit plan models
+        ref = ["pref.reference=precomputed"] if kind == "tk-syn-pre" else []
+        return [*_launch(args), str(ROOT / "toolkit/train.py"), "--ds", str(ROOT / f"ds_configs/zero{stage}.json"),
+                *common, "train.objective=dpo", "data.source=synthetic", f"data.seq_len={args.syn_seq}",
+                f"data.num_samples={total * args.syn_micro * args.gpus}", f"train.micro_batch_size={args.syn_micro}",
+                *ref]
     extra = {"tk": [], "tk-pre": ["pref.reference=precomputed"], "tk-lora": ["lora.enabled=true"],
-             "tk-pad": ["data.packing=false"]}[name.rsplit("-z", 1)[0]]
+             "tk-pad": ["data.packing=false"]}[kind]
     return [*_launch(args), str(ROOT / "toolkit/train.py"), "--ds", str(ROOT / f"ds_configs/zero{stage}.json"),
             *common, "train.objective=dpo", f"data.source={args.pairs}", f"data.seq_len={args.max_length}",
             f"train.micro_batch_size={args.micro}", *extra]
@@ -60,12 +71,13 @@ def _trl(name: str, stage: int, args: argparse.Namespace, out: Path) -> list[str
     return [*_launch(args), str(ROOT / "bench/preference_trl.py"), "--model", args.model, "--tokenizer",
             args.tokenizer, "--pairs", args.pairs, "--ds", str(ROOT / f"ds_configs/zero{stage}.json"), "--micro",
             str(args.micro), "--grad-accum", "1", "--steps", str(args.warmup + args.steps), "--warmup-steps",
-            str(args.warmup), "--max-length", str(args.max_length), "--lr", str(args.lr), *flags,
+            str(args.warmup), "--max-length", str(args.max_length), *flags,
             "--out", str(out / f"{name}.json")]
 
 
 def _launch(args: argparse.Namespace) -> list[str]:
-    return ["deepspeed", "--num_gpus", str(args.gpus), "--master_port", str(29500 + int(time.time()) % 1000)]
+    where = ["--include", args.include] if args.include else ["--num_gpus", str(args.gpus)]
+    return ["deepspeed", *where, "--master_port", str(args.port + int(time.time()) % 100)]
 
 
 def _toolkit_row(run_dir: Path, warmup: int) -> dict[str, Any]:
@@ -74,7 +86,12 @@ def _toolkit_row(run_dir: Path, warmup: int) -> dict[str, Any]:
     timed = [r for r in lines if r["step"] > warmup]
     snaps = [json.loads(x) for f in sorted((run_dir / "memory").glob("rank*.jsonl")) for x in f.read_text().splitlines()]
     peaks = [s["peak_allocated_gib"] for s in snaps if s.get("peak_allocated_gib") is not None]
-    return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+    # over the window after the warmup steps, as the TRL script measures: each line's tokens/s covers the time since
+    # the line before it (train.log_every=1)
+    start = next(r for r in lines if r["step"] == warmup)
+    window = sum(r["tokens_per_s"] * (r["elapsed_s"] - a["elapsed_s"]) for a, r in itertools.pairwise(lines)
+                 if r["step"] > warmup)
+    return {"tokens_per_s": window / (lines[-1]["elapsed_s"] - start["elapsed_s"]),
             "step_time_s": statistics.median(r["step_time_s"] for r in timed),
             "peak_gib": max(peaks) if peaks else None, "losses": [round(r["loss"], 5) for r in lines],
             "accuracy_last": lines[-1].get("rewards/accuracies")}
@@ -100,11 +117,15 @@ def main() -> int:
     ap.add_argument("--model", default="llama-1b")
     ap.add_argument("--rows", required=True, help="comma-separated NAME-zSTAGE (module docstring)")
     ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--include", default="", help="the launcher's --include (localhost:1: the second GPU alone)")
+    ap.add_argument("--port", type=int, default=29500, help="master ports from here (two drivers side by side)")
     ap.add_argument("--micro", type=int, default=8, help="pairs per micro-batch (and per step: grad_accum 1)")
     ap.add_argument("--max-length", type=int, default=2048, help="tokens per sequence at most (no pair is cut)")
     ap.add_argument("--sft-seq", type=int, default=4096)
     ap.add_argument("--sft-micro", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--syn-seq", type=int, default=1024, help="tk-syn rows: tokens per sequence")
+    ap.add_argument("--syn-micro", type=int, default=4, help="tk-syn rows: pairs per micro-batch")
+    ap.add_argument("--lr", type=float, default=1e-3, help="the toolkit's default, which the TRL script also sets")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=540, help="no run starts after this many seconds")
@@ -130,12 +151,14 @@ def main() -> int:
         try:
             if name.startswith("trl"):
                 got = json.loads((out / f"{name}.json").read_text())
-                row |= {"tokens_per_s": got["tokens_per_s"], "peak_gib": got["peak_gib"],
-                        "step_time_s": got.get("step_time_s"), "losses": got.get("losses"),
-                        "precompute_s": got.get("precompute_s"), "trl": got.get("trl_version")}
+                steps = got["step_times_s"][args.warmup:]
+                row |= {"tokens_per_s": got["tokens_per_s"], "peak_gib": got["peak_gpu_gib"],
+                        "step_time_s": statistics.median(steps) if steps else None, "losses": got.get("losses"),
+                        "precompute_s": got.get("precompute_s"), "trl": got["versions"].get("trl"),
+                        "settings": got.get("settings"), "padded_tokens_per_s": got.get("padded_tokens_per_s")}
             else:
                 row |= _toolkit_row(out / name, args.warmup)
-        except (OSError, ValueError, KeyError) as e:
+        except Exception as e:
             row["error"] = f"{type(e).__name__}: {e}"
             row["log_tail"] = (out / f"{name}.log").read_text()[-3000:]
         rows.append(row)

@@ -4,6 +4,7 @@ log-softmax (values and gradients)."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -67,3 +68,23 @@ def test_chunked_logprobs_equal_a_whole_log_softmax_with_gradients(chunk: int) -
     assert torch.allclose(got.double(), whole, atol=1e-5)
     gh, gw = torch.autograd.grad((got * upstream).sum(), (hidden, weight))
     assert torch.allclose(gh, dh, atol=1e-6) and torch.allclose(gw, dw, atol=1e-5)
+
+
+def test_the_first_loss_check_stops_another_model_and_lets_bf16_rounding_train(capsys: pytest.CaptureFixture) -> None:
+    """fp32: policy = reference to 1e-3; bf16: the rounding measured between a ZeRO-2 policy and its ZeRO-3 reference
+    (0.7021 on one H200) trains on with a line; a reference 0.09 off (Liger in the policy only) stops."""
+    from types import SimpleNamespace
+
+    from toolkit.runtime.loops.shared import first_loss_check
+
+    def spec(precision: str) -> Any:
+        cfg = SimpleNamespace(train=SimpleNamespace(objective="dpo"), pref=SimpleNamespace(beta=0.1))
+        return SimpleNamespace(cfg=cfg, precision=precision)
+
+    first_loss_check(spec("fp32"), math.log(2) + 5e-4)
+    with pytest.raises(RuntimeError, match=r"not 0\.693147"):
+        first_loss_check(spec("fp32"), 0.7021)
+    first_loss_check(spec("bf16"), 0.7021)
+    assert "bf16 rounding" in capsys.readouterr().out
+    with pytest.raises(RuntimeError, match="other kernels"):
+        first_loss_check(spec("bf16"), 0.784)

@@ -89,16 +89,31 @@ def autoep_check(p: RunSpec, model: Any) -> None:
         print(f"AutoEP: {n} MoE layers replaced by DeepSpeed's AutoEPMoELayer", flush=True)
 
 
+FIRST_LOSS_ROUNDING = 0.05
+"""How far (relative, at least 1) a preference run's first loss may sit from its policy = reference value in bf16/fp16
+before the run stops: rounding moves it by about a hundredth, another model or kernel by about a tenth."""
+
+
 def first_loss_check(p: RunSpec, loss: float) -> None:
     t = p.cfg.train
     if t.objective != "sft":
         from toolkit.runtime.objectives.step import first_loss
 
         want = first_loss(t.objective, p.cfg.pref.beta)
-        if want is not None and abs(loss - want) > 1e-3 * max(1.0, want):
+        if want is None:
+            return
+        off = abs(loss - want) / max(1.0, want)
+        # In bf16 a reference run by other code than the policy's (a ZeRO-3 engine beside a ZeRO-2 policy) differs by
+        # rounding: 0.7021 against ln 2 on llama-1b, short pairs, one H200. Other weights or kernels move it further
+        # (0.784 with Liger's kernels in the policy only): those stop the run; rounding is said and trains on.
+        stop = 1e-3 if p.precision == "fp32" else FIRST_LOSS_ROUNDING
+        if off > stop:
             raise RuntimeError(f"train.objective={t.objective}: the first step's loss is {loss:.6f}, not {want:.6f} as "
                                "it is when the policy is its own reference: the reference model is not the policy's "
-                               "starting point (other weights, dropout, or another precision)")
+                               "starting point (other weights, dropout, other kernels, or another precision)")
+        if off > 1e-3 and dist.rank() == 0:
+            print(f"train.objective={t.objective}: the first step's loss is {loss:.6f} against {want:.6f} (policy = "
+                  f"reference): {p.precision} rounding between the reference's code and the policy's", flush=True)
         return
     msg = check_first_loss(loss, p.model_config.vocab_size, p.cfg.model.task, not is_preset(p.cfg.model.name))
     if msg:

@@ -10,7 +10,8 @@ Sequences are numbered pair by pair, chosen then rejected: sequence 2i is pair i
   predicted by the previous sequence's last token); it is a prompt token in any case.
 
 Each batch carries `seq_ids` ([rows, positions], the sequence each label belongs to, -1 on padding), which the step
-takes out before the forward, and `ref_logps` ([pairs, 2]) where the reference's log-probs were precomputed.
+takes out before the forward, and `ref_logps` (a list of (chosen, rejected) floats a pair) where the reference's
+log-probs were precomputed.
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ class PairCollator:
         seqs = [s for r in rows for s in sequences(r)]
         out = self._packed(seqs) if self.packed else self._side_by_side(seqs)
         if "ref_chosen" in rows[0]:
-            out["ref_logps"] = torch.tensor([[r["ref_chosen"], r["ref_rejected"]] for r in rows], dtype=torch.float32)
+            # Python floats, not a tensor: the HF Trainer casts every floating-point input to the DeepSpeed dtype, and
+            # a summed log-prob near -1,000 in bf16 is off by up to 4 (TRL's precompute under DeepSpeed bf16 has that
+            # bug: its first DPO loss 0.80, not ln 2, measured on llama-1b with TRL 1.16)
+            out["ref_logps"] = [(float(r["ref_chosen"]), float(r["ref_rejected"])) for r in rows]
         return out
 
     def _side_by_side(self, seqs: list[dict[str, list[int]]]) -> dict[str, Any]:

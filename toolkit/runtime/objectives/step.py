@@ -89,7 +89,7 @@ class PreferenceStep:
         if self.objective in REFERENCE_FREE:
             return None
         if self.mode == "precomputed" and "ref_logps" in batch:
-            ref = batch["ref_logps"]
+            ref = torch.tensor(batch["ref_logps"], dtype=torch.float32).to(self.device, non_blocking=True)
             counts = (policy.chosen_tokens, policy.rejected_tokens) if policy else (ref[:, 0] * 0, ref[:, 1] * 0)
             return PairLogps(ref[:, 0], ref[:, 1], *counts)
         if self.mode in ("adapter", "precomputed") and self.reference is None:
