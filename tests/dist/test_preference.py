@@ -143,6 +143,7 @@ def test_a_pair_file_says_what_became_of_its_rows(runs: Path) -> None:
     log = (runs / "launch.log").read_text()
     assert "data.source: 20 preference pairs from" in log and "16 kept, 4 dropped: chosen and rejected are the same" \
         in log, log[-4000:]
+    assert "(tokenized before: " in log  # the second run of the file read its tokens from the cache
 
 
 @pytest.mark.timeout(60)

@@ -3,6 +3,7 @@ pairs through one forward, side by side or packed, giving the same log-probs."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from pathlib import Path
@@ -226,3 +227,17 @@ def test_lora_adapters_off_give_the_base_models_logits(model: Any) -> None:
         with adapters_off(policy):
             got = policy(input_ids=ids).logits
     torch.testing.assert_close(got, want)
+
+
+def test_a_pair_file_is_tokenized_once_into_the_cache(tmp_path: Path, tok: Any) -> None:
+    """The second read comes from the cache, the same rows; another max_length is another entry."""
+    src = tmp_path / "pairs.jsonl"
+    src.write_text("".join(json.dumps({"prompt": "what did the cat do", "chosen": "sat on the mat",
+                                       "rejected": "ran on the log" if i % 3 else "sat on the mat"}) + "\n"
+                           for i in range(10)))
+    first, said = P.load_cached(src, tok, 24, "data.source", tmp_path / "cache")
+    again, said_again = P.load_cached(src, tok, 24, "data.source", tmp_path / "cache")
+    assert again == first and len(first) == 6
+    assert "tokenized before" not in said and said_again.startswith(said + " (tokenized before: ")
+    _, other = P.load_cached(src, tok, 12, "data.source", tmp_path / "cache")
+    assert "tokenized before" not in other and len(list((tmp_path / "cache" / "pairs").glob("*.pt"))) == 2

@@ -248,8 +248,10 @@ def _pair_rows(p: RunSpec, tokenizer: Any) -> tuple[Rows, Rows | None]:
     cfg = p.cfg
     length = cfg.pref.max_length or cfg.data.seq_len
 
+    from toolkit.runtime.data.corpus import default_cache_dir
+
     def read(source: str, what: str) -> Rows:
-        got, note = pairs.load_file(source, tokenizer, length, what)
+        got, note = pairs.load_cached(source, tokenizer, length, what, cfg.data.cache_dir or default_cache_dir())
         if dist.rank() == 0:
             print(note, flush=True)
         return Rows(got)

@@ -21,6 +21,7 @@ is a ConfigError naming the row and the field.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,3 +185,65 @@ def load_file(path: Any, tokenizer: Any, max_length: int, label: str) -> tuple[l
         raise ConfigError(f"{label}: {path}: no usable pair ({counts(pairs)})")
     said = ", ".join(f"{n:,} {what}" for what, n in counts(pairs).items())
     return rows, f"{label}: {len(pairs):,} preference pairs from {path}: {said} (at most {max_length} tokens a sequence)"
+
+
+CACHE_VERSION = 1
+
+
+def load_cached(path: Any, tokenizer: Any, max_length: int, label: str, cache_root: Any) -> tuple[list[dict], str]:
+    """load_file, tokenized once: the rows go to `cache_root`/pairs/NAME.pt (token ids as flat int32 tensors),
+    keyed by the file (path, size, modification time), the tokenizer (corpus.tokenizer_identity) and max_length, as
+    SFT files are cached; a later launch reads them back. Every rank reads the cache or tokenizes; rank 0 writes."""
+    import hashlib
+    import json
+    import os
+    from pathlib import Path
+
+    import torch
+
+    from toolkit.launch import dist
+    from toolkit.runtime.data.corpus import tokenizer_identity
+
+    if tokenizer is None:
+        raise ConfigError(f"{label} is a file: set model.tokenizer to a local tokenizer directory")
+    src = Path(path)
+    st = src.stat()
+    key = {"version": CACHE_VERSION, "file": str(src.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+           "tokenizer": tokenizer_identity(tokenizer), "max_length": max_length}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    cached = Path(cache_root) / "pairs" / f"{src.stem[:40]}-{digest}.pt"
+    if cached.is_file():
+        saved = torch.load(cached, weights_only=True)
+        rows = _unflatten(saved)
+        return rows, f"{saved['note']} (tokenized before: {cached})"
+    rows, note = load_file(path, tokenizer, max_length, label)
+    if dist.rank() == 0:
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_name(f".{cached.name}.{os.getpid()}")
+            torch.save({**_flatten(rows), "note": note}, tmp)
+            tmp.replace(cached)  # atomic: another launch never reads half a file
+        except OSError as e:  # a read-only cache costs later launches the tokenizing, not this one its run
+            note += f" (not cached: {e})"
+    return rows, note
+
+
+def _flatten(rows: list[dict]) -> dict[str, Any]:
+    import torch
+
+    out: dict[str, Any] = {}
+    for field in FIELDS:
+        out[field] = torch.tensor([t for r in rows for t in r[field]], dtype=torch.int32)
+        out[f"{field}_lens"] = torch.tensor([len(r[field]) for r in rows], dtype=torch.int64)
+    return out
+
+
+def _unflatten(saved: dict[str, Any]) -> list[dict]:
+    parts = {}
+    for field in FIELDS:
+        flat, lens = saved[field].tolist(), saved[f"{field}_lens"].tolist()
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        parts[field] = [flat[a:b] for a, b in itertools.pairwise(starts)]
+    return [as_row(Pair(p, c, r)) for p, c, r in zip(parts["prompt"], parts["chosen"], parts["rejected"], strict=True)]
