@@ -341,3 +341,26 @@ def test_a_preference_run_shows_its_accuracy_and_margin(tmp_path: Path) -> None:
     assert "preference accuracy" in md and "0.000 (step 1) -> 0.875 (step 3)" in md
     text = closing_summary(lines, run, 3, 3, {}, False)
     assert "preference  accuracy 0.000 -> 0.875, reward margin 0.0000 -> 0.2000" in text
+
+
+def test_a_preference_runs_plot_shows_its_reward_accuracy_and_the_held_out_one(tmp_path: Path) -> None:
+    from toolkit.observe.plot import _pyplot, plot_preference
+    from toolkit.observe.rundata import load_run
+
+    run = make_run(tmp_path)
+    lines = [{"step": s, "loss": 0.69 - 0.1 * s, "tokens_per_s": 100.0, "rewards/accuracies": acc, "rewards/margins": acc}
+             for s, acc in ((1, 0.0), (2, 0.5), (3, 0.875))]
+    held = {"step": 3, "eval_loss": 0.5, "eval_pairs": 12, "eval_rewards/accuracies": 0.75, "eval_rewards/margins": 0.1}
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in [*lines, held]))
+    assert report(run, output=tmp_path / "out") == 0
+    assert (tmp_path / "out" / "report.png").read_bytes()[:8] == PNG_MAGIC
+    plt = _pyplot()
+    fig, ax = plt.subplots()
+    acc = plot_preference(ax, load_run(run))
+    got = {line.get_label(): list(line.get_ydata()) for line in acc.get_lines()}
+    assert got == {"reward accuracy": [0.0, 0.5, 0.875], "reward accuracy (held out)": [0.75]}
+    plt.close(fig)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0, "tokens_per_s": 1.0}) + "\n")
+    fig, ax = plt.subplots()
+    assert plot_preference(ax, load_run(run)) is None  # an SFT run: no second axis
+    plt.close(fig)

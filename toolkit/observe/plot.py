@@ -75,6 +75,27 @@ def _plot_evals(ax: Any, data: RunData, color: str) -> None:
         ax.legend(fontsize=8, loc="lower left")
 
 
+def plot_preference(ax: Any, data: RunData) -> Any:
+    """A preference run (train.objective): its reward accuracy on a right-hand axis of the loss panel (green), the
+    held-out pairs' as squares; returns that axis, or None for a run without reward metrics."""
+    pts = [(r["step"], r["rewards/accuracies"]) for r in data.metrics if r.get("rewards/accuracies") is not None]
+    if not pts:
+        return None
+    acc = ax.twinx()
+    acc.plot([p[0] for p in pts], [p[1] for p in pts], color="tab:green", marker=_marker(len(pts)), ms=3,
+             label="reward accuracy")
+    held = [(r["step"], r["eval_rewards/accuracies"]) for r in data.evals
+            if r.get("eval_rewards/accuracies") is not None]
+    if held:
+        acc.plot([p[0] for p in held], [p[1] for p in held], color="tab:green", ls="--", marker="s", ms=4,
+                 label="reward accuracy (held out)")
+    acc.set_ylim(-0.02, 1.02)
+    acc.set_ylabel("reward accuracy (chosen won)", color="tab:green")
+    acc.legend(fontsize=8, loc="center right")
+    ax.set_title("loss and reward accuracy")
+    return acc
+
+
 def _no_data(ax: Any, what: str) -> None:
     ax.text(0.5, 0.5, what, transform=ax.transAxes, ha="center", va="center", color="gray")
 
@@ -129,6 +150,7 @@ def plot_run(data: RunData, name: str, path: Path) -> None:
         else:
             _no_data(ax_loss, "no loss in metrics.jsonl")
         _plot_evals(ax_loss, data, "black")
+        plot_preference(ax_loss, data)
         steps, tps = _series(data, "tokens_per_s")
         if tps:
             ax_tps.plot(steps, tps, color="black", marker=_marker(len(tps)), ms=3, label="tokens/s")
