@@ -50,6 +50,11 @@ def _runs(tmp: Path) -> list[dict]:
     add("ipo-zero2", "zero2", "train.objective=ipo", "train.max_steps=2")
     add("simpo-zero2", "zero2", "train.objective=simpo", "pref.beta=2.0")  # the paper's scale (2 to 10)
     add("orpo-zero2", "zero2", "train.objective=orpo")
+    # a Bradley-Terry reward model: a sequence classifier scoring chosen above rejected; raw ZeRO-0, Trainer ZeRO-3
+    add("reward-zero0", "zero0", "train.objective=reward", "model.task=seq_cls", "data.eval_fraction=0.25",
+        "train.eval_every=5")
+    add("reward-trainer-zero3", "zero3", "train.objective=reward", "model.task=seq_cls", "train.path=trainer",
+        "data.eval_fraction=0.25", "train.eval_every=5")
     tok = write_tokenizer(tmp / "tokenizer")
     pairs = tmp / "pairs.jsonl"
     with pairs.open("w") as f:
@@ -170,3 +175,18 @@ def test_held_out_pairs_are_evaluated_against_either_reference(runs: Path) -> No
         assert a["eval_rewards/margins"] == pytest.approx(b["eval_rewards/margins"], abs=1e-5)
     assert evals["engine"][-1]["eval_loss"] < math.log(2)  # the learnable pairs: held-out ones are won too
     assert "12 held-out pairs: computed in" in (runs / "launch.log").read_text()
+
+
+@pytest.mark.timeout(60)
+def test_a_reward_model_learns_to_score_chosen_above_rejected_on_both_paths(runs: Path) -> None:
+    raw, trainer = _lines(runs / "reward-zero0"), _lines(runs / "reward-trainer-zero3")
+    assert [r["loss"] for r in trainer] == pytest.approx([r["loss"] for r in raw], abs=1e-4)
+    assert min(r["rewards/accuracies"] for r in raw[-3:]) >= 0.75, [r["rewards/accuracies"] for r in raw]
+    assert raw[-1]["loss"] < raw[0]["loss"] and raw[-1]["rewards/margins"] > 0
+    assert "logps/chosen" not in raw[0]  # scores, not log-probs
+    held = [json.loads(x) for x in (runs / "reward-zero0" / "metrics.jsonl").read_text().splitlines()
+            if "eval_loss" in x]
+    # evaluated at 5 and 10 on the held-out quarter (12 pairs; 36 training pairs are memorized before they generalize)
+    assert [r["step"] for r in held] == [5, 10] and all(r["eval_pairs"] == 12 for r in held)
+    record = json.loads((runs / "reward-zero0" / "resolved.json").read_text())
+    assert record["objective"] == "reward" and record["reference"] is None and record["packing"] is False

@@ -88,3 +88,17 @@ def test_the_first_loss_check_stops_another_model_and_lets_bf16_rounding_train(c
     assert "bf16 rounding" in capsys.readouterr().out
     with pytest.raises(RuntimeError, match="other kernels"):
         first_loss_check(spec("bf16"), 0.784)
+
+
+def test_the_reward_models_loss_is_bradley_terry_with_optional_centering() -> None:
+    from toolkit.runtime.objectives.losses import reward_loss
+
+    c, r = torch.tensor([1.0, -0.5, 2.0]), torch.tensor([0.0, 0.5, 2.0])
+    out = reward_loss(c, r)
+    want = torch.tensor([math.log1p(math.exp(-(a - b))) for a, b in zip(c.tolist(), r.tolist(), strict=True)])
+    torch.testing.assert_close(out.loss, want)
+    assert out.accuracy.tolist() == [1.0, 0.0, 0.0] and out.margins.tolist() == [1.0, -1.0, 0.0]
+    centred = reward_loss(c, r, center_rewards_coefficient=0.01).loss
+    torch.testing.assert_close(centred, want + 0.01 * (c + r) ** 2)
+    with pytest.raises(ValueError, match="reward_loss"):
+        pair_loss("reward", PairLogps(c, r, c, r), None, beta=0.1)

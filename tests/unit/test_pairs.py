@@ -241,3 +241,24 @@ def test_a_pair_file_is_tokenized_once_into_the_cache(tmp_path: Path, tok: Any) 
     assert "tokenized before" not in said and said_again.startswith(said + " (tokenized before: ")
     _, other = P.load_cached(src, tok, 12, "data.source", tmp_path / "cache")
     assert "tokenized before" not in other and len(list((tmp_path / "cache" / "pairs").glob("*.pt"))) == 2
+
+
+def test_stored_reference_values_are_found_by_key_or_on_a_resume_by_model_and_pairs(tmp_path: Path) -> None:
+    """Another rank count trims another number of rows and changes the key; a resume still finds each pair's value
+    (the first n of the same pairs, the same model), a fresh run does not; a corrupt file is no file."""
+    from toolkit.runtime.objectives import precompute as pc
+
+    rows = [P.as_row(p) for p in _pairs(6, 50)]
+    hashes = pc.row_hashes(rows)
+    saved = {"key": "k-2ranks", "model_key": "m", "rows": hashes, "held": [], "logps": torch.arange(12.0).view(6, 2)}
+    assert pc._matches(saved, "k-2ranks", "m", hashes, [], resumed=False) is saved
+    four = pc._matches(saved, "k-4ranks", "m", hashes[:4], [], resumed=True)
+    assert four is not None and four["logps"].tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert pc._matches(saved, "k-4ranks", "m", hashes[:4], [], resumed=False) is None  # a fresh run computes
+    assert pc._matches(saved, "k-4ranks", "other model", hashes[:4], [], resumed=True) is None
+    assert pc._matches(saved, "k-4ranks", "m", hashes[1:5], [], resumed=True) is None  # other pairs
+    bad = tmp_path / "reference_logps.pt"
+    bad.write_bytes(b"not a torch file")
+    assert pc._load(bad) is None
+    pc._save(bad, saved)
+    assert pc._load(bad)["key"] == "k-2ranks"

@@ -339,7 +339,7 @@ class MoeConfig:
     size and accumulation (toolkit/runtime/moe/); eval losses and the resume check leave it out."""
 
 
-OBJECTIVES = ("sft", "dpo", "ipo", "simpo", "orpo")
+OBJECTIVES = ("sft", "dpo", "ipo", "simpo", "orpo", "reward")
 
 
 @dataclass
@@ -361,13 +361,17 @@ class PrefConfig:
     """reference=engine: its parameters on the CPU (fetched per layer as ZeRO-3 offload does)."""
     max_length: int = 0
     """Tokens per sequence (prompt + completion) at most; 0: data.seq_len."""
+    center_rewards_coefficient: float = 0.0
+    """reward: weight of the mean squared sum of each pair's rewards (Eisenstein et al. 2023), keeping them centred
+    on 0; TRL's RewardConfig name. 0: off."""
 
     def __post_init__(self) -> None:
         checks = [(self.beta > 0, f"pref.beta must be > 0, got {self.beta}"),
                   (0 <= self.label_smoothing < 0.5, f"pref.label_smoothing must be in [0, 0.5), got {self.label_smoothing}"),
                   (self.reference in ("auto", "adapter", "engine", "precomputed"),
                    f"pref.reference must be auto, adapter, engine or precomputed, got {self.reference!r}"),
-                  (self.max_length >= 0, "pref.max_length must be >= 0")]
+                  (self.max_length >= 0, "pref.max_length must be >= 0"),
+                  (self.center_rewards_coefficient >= 0, "pref.center_rewards_coefficient must be >= 0")]
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
@@ -467,6 +471,8 @@ class Config:
 def packing(cfg: Config) -> tuple[bool, str]:
     """(pack this run's rows, why): data.packing with auto resolved."""
     d, task = cfg.data, cfg.model.task
+    if cfg.train.objective == "reward":
+        return False, "train.objective=reward: each sequence's last token is scored, so pairs go side by side, padded"
     if cfg.train.objective != "sft":
         if d.packing is False:
             return False, "data.packing=false: each pair's chosen and rejected side by side, padded to the longest"

@@ -42,8 +42,8 @@ def model_config(cfg: Config) -> Any:
         if not (path / "config.json").is_file():
             raise ConfigError(f"model.name: {path} has no config.json; is it a Hugging Face model directory?")
         mc = AutoConfig.from_pretrained(path, local_files_only=True)
-    if cfg.model.task == "seq_cls":
-        mc.num_labels = cfg.model.num_labels
+    if cfg.model.task == "seq_cls":  # a reward model (train.objective=reward) scores a sequence with one output
+        mc.num_labels = 1 if cfg.train.objective == "reward" else cfg.model.num_labels
     # No KV cache in training forwards under checkpointing or packing: transformers only reads packed position
     # ids as separate sequences when no cache is passed (masking_utils._preprocess_mask_arguments), and a
     # training forward builds one whenever config.use_cache is on. generate() asks for its own cache.

@@ -268,7 +268,8 @@ def _objective(cfg: Config) -> tuple[str, str | None, str]:
     if t.objective == "sft":
         return "sft", None, "next-token loss"
     knobs = {"dpo": f"beta {pref.beta}, label_smoothing {pref.label_smoothing}", "ipo": f"beta {pref.beta}",
-             "simpo": f"beta {pref.beta}, gamma {pref.simpo_gamma}", "orpo": f"lambda (pref.beta) {pref.beta}"}
+             "simpo": f"beta {pref.beta}, gamma {pref.simpo_gamma}", "orpo": f"lambda (pref.beta) {pref.beta}",
+             "reward": f"Bradley-Terry, center_rewards_coefficient {pref.center_rewards_coefficient}"}
     if t.objective in REFERENCE_FREE:
         return t.objective, None, f"{t.objective} ({knobs[t.objective]}), reference-free"
     mode, why = mode_of(pref.reference, bool(cfg.lora.enabled))

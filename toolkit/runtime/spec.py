@@ -156,7 +156,9 @@ def _check_objective(cfg: Config) -> None:
     """A preference run: what it supports so far, and its pair file row by row, before launch."""
     t, d = cfg.train, cfg.data
     refusals = [
-        (cfg.model.task != "causal_lm", f"needs model.task=causal_lm, not {cfg.model.task}"),
+        (t.objective != "reward" and cfg.model.task != "causal_lm", f"needs model.task=causal_lm, not {cfg.model.task}"),
+        (t.objective == "reward" and cfg.model.task != "seq_cls",
+         "trains a sequence classifier with one output: add model.task=seq_cls"),
         (t.sequence_parallel > 1, "does not run with train.sequence_parallel yet"),
         (t.micro_batch_size == "auto", "takes a number of pairs for train.micro_batch_size (auto: not yet)"),
         # the reference must compute what the policy computes at step 1: the same kernels, eager, in bf16 or fp32
@@ -176,7 +178,7 @@ def _check_objective(cfg: Config) -> None:
 def _check_vocabulary(cfg: Config, mc: Any) -> None:
     """A tokenizer with more ids than the model's embedding has rows would fail deep in the first forward (an
     IndexError in the embedding); where a file is tokenized, say so before launch."""
-    if cfg.data.source == "synthetic" and not cfg.eval.generate_source:
+    if cfg.data.source == "synthetic" and not (cfg.data.eval_source or cfg.eval.generate_source):
         return
     from toolkit.runtime.model import build_tokenizer
 

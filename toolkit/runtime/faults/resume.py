@@ -247,8 +247,9 @@ def fixed_batch_loss(model: Any, batch: dict[str, Any]) -> float:
     model.eval()
     try:
         with torch.no_grad():
-            loss = model(**to_device(batch, dist.device())).loss
-        return float(loss)
+            out = model(**to_device(batch, dist.device()))
+        # a batch without labels (a reward model's): the mean of the model's outputs proves the weights as well
+        return float(out.loss if out.loss is not None else out.logits.float().mean())
     finally:
         model.train(was_training)
 

@@ -181,8 +181,7 @@ def _train(p: RunSpec) -> int:
     state = RunState(
         profiler=StepProfiler(p.run_dir, rank, list(cfg.train.profile_steps)),
         # whole on every rank under sequence parallelism: no boundaries, so the attention is not sharded
-        fixed_batch=resume.fixed_batch(rows, Collator(pad_id=pad_id, task=cfg.model.task,
-                                                      boundaries=attn.boundaries and sp is None)),
+        fixed_batch=_fixed_batch(cfg, rows, pad_id, attn.boundaries and sp is None),
         evaluate=evaluator(p, eval_rows, collator, metrics, sp, generate, pref), sp=sp, aux_coef=built.aux_coef,
         pref=pref)
     watchdog.follow(lambda: (state.phase, state.step))
@@ -224,6 +223,16 @@ def _train(p: RunSpec) -> int:
                               "SIGTERM: preempted, checkpoint written" if state.preempted else "train.stop_after"),
               flush=True)
     return 0
+
+
+def _fixed_batch(cfg: Any, rows: Rows, pad_id: int, boundaries: bool) -> dict[str, Any]:
+    """The batch a checkpoint's load is proved on (faults/resume.py). A preference run's rows are its pairs' chosen
+    sequences; a reward model scores them (no labels: the proof is its scores)."""
+    task = cfg.model.task if cfg.train.objective == "sft" else "causal_lm"
+    batch = resume.fixed_batch(rows, Collator(pad_id=pad_id, task=task, boundaries=boundaries))
+    if cfg.train.objective == "reward":
+        batch.pop("labels")
+    return batch
 
 
 def _deepspeed_config_alive(p: RunSpec) -> Any:
@@ -278,6 +287,8 @@ def _preference(p: RunSpec, keep_alive: Any, model: Any, rows: Rows, eval_rows: 
     from toolkit.runtime.objectives.step import PreferenceStep
 
     disable_dropout(model)
+    if cfg.train.objective == "reward":  # transformers scores each row's last token that is not padding
+        model.config.pad_token_id = pad_id
 
     reference = build_reference(cfg, p.model_config, p.ds, keep_alive, r) if r.reference == "engine" else None
     step = PreferenceStep(cfg, r.reference, model, reference)
@@ -286,7 +297,7 @@ def _preference(p: RunSpec, keep_alive: Any, model: Any, rows: Rows, eval_rows: 
         from toolkit.runtime.objectives import precompute
 
         step.stored = (p.run_dir, precompute.cache_dir(cfg.data.cache_dir),
-                       precompute.key_of(cfg, r, rows, p.data_world, eval_rows))
+                       precompute.key_of(cfg, r, rows, p.data_world, eval_rows, p.model_config))
     return step
 
 

@@ -20,6 +20,9 @@ from typing import Any
 import torch
 
 IGNORE = -100
+# config attributes of families whose forward changes the head's output after it (a soft-cap: Gemma 2/3; a scale:
+# Cohere, Granite, HyperCLOVA X; a multiplier: Falcon-H1): those take the whole logits
+SCALED_HEADS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
 # tokens per chunk: about 1 GiB of fp32 logits for a 128K vocabulary at 2,048
 DEFAULT_CHUNK = 2048
 
@@ -101,7 +104,8 @@ class SelectedHead:
     @staticmethod
     def of(model: Any, chunk: int = DEFAULT_CHUNK) -> SelectedHead | None:
         config = getattr(model, "config", None)
-        if any(getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale")):
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if any(getattr(c, k, None) not in (None, 1, 1.0) for c in (config, text) for k in SCALED_HEADS):
             return None
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if not isinstance(head, torch.nn.Linear) or head.bias is not None:

@@ -9,6 +9,9 @@ chosen and rejected, their margin, and whether the chosen won. Pure torch: testa
 - ipo (Azar et al. 2023, TRL loss_type="ipo"): ((pc - rc) - (pr - rr) - 1 / (2 beta))^2 on length-averaged log-probs.
 - simpo (Meng et al. 2024; TRL: CPOConfig(loss_type="simpo", cpo_alpha=0), the paper's recipe, without CPO's NLL
   term): reference-free, length-averaged: -log sigmoid(beta * (avg_c - avg_r) - gamma), gamma = TRL's simpo_gamma.
+- reward (a Bradley-Terry reward model, Ouyang et al. 2022; TRL's RewardTrainer): a sequence classifier with one
+  output scores each sequence; -log sigmoid(r_chosen - r_rejected), plus center_rewards_coefficient times the mean of
+  (r_chosen + r_rejected)^2 (Eisenstein et al. 2023). `reward_loss` takes the scores, not log-probs.
 - orpo (Hong et al. 2024, TRL ORPO): reference-free: the chosen completions' NLL (a token-level mean over the batch, as
   TRL's cross-entropy takes it) minus beta (the paper's lambda) times log sigmoid of the log odds ratio of the
   length-averaged probabilities.
@@ -21,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
-REFERENCE_FREE = ("simpo", "orpo")
+OBJECTIVES = ("dpo", "ipo", "simpo", "orpo", "reward")
+REFERENCE_FREE = ("simpo", "orpo", "reward")
 
 
 @dataclass
@@ -59,6 +62,8 @@ def pair_loss(objective: str, policy: PairLogps, reference: PairLogps | None, *,
     """The objective's per-pair loss. reference: None for the reference-free objectives (simpo, orpo)."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    if objective == "reward":
+        raise ValueError("a reward model's loss takes its scores, not log-probs: reward_loss")
     if objective in REFERENCE_FREE:
         avg_c, avg_r = policy.averaged()
         if objective == "simpo":
@@ -82,3 +87,11 @@ def pair_loss(objective: str, policy: PairLogps, reference: PairLogps | None, *,
         logits = (pc - rc) - (pr - rr)
         loss = -F.logsigmoid(beta * logits) * (1 - label_smoothing) - F.logsigmoid(-beta * logits) * label_smoothing
     return PairLoss(loss, beta * (pc - rc).detach(), beta * (pr - rr).detach())
+
+
+def reward_loss(chosen: torch.Tensor, rejected: torch.Tensor, center_rewards_coefficient: float = 0.0) -> PairLoss:
+    """A Bradley-Terry reward model's per-pair loss from the scores of the chosen and rejected sequences."""
+    loss = -F.logsigmoid(chosen - rejected)
+    if center_rewards_coefficient:
+        loss = loss + center_rewards_coefficient * (chosen + rejected) ** 2
+    return PairLoss(loss, chosen.detach(), rejected.detach())

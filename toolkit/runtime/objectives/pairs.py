@@ -213,9 +213,11 @@ def load_cached(path: Any, tokenizer: Any, max_length: int, label: str, cache_ro
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     cached = Path(cache_root) / "pairs" / f"{src.stem[:40]}-{digest}.pt"
     if cached.is_file():
-        saved = torch.load(cached, weights_only=True)
-        rows = _unflatten(saved)
-        return rows, f"{saved['note']} (tokenized before: {cached})"
+        try:
+            saved = torch.load(cached, weights_only=True)
+            return _unflatten(saved), f"{saved['note']} (tokenized before: {cached})"
+        except Exception:  # a truncated or foreign file: tokenize again (rank 0 replaces it below)
+            pass
     rows, note = load_file(path, tokenizer, max_length, label)
     if dist.rank() == 0:
         try:

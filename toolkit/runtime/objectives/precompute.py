@@ -46,30 +46,56 @@ def _weights(name: str) -> list[Any]:
     return [name, *[(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files]]
 
 
-def key_of(cfg: Any, resolved: Any, rows: Any, world: int, eval_rows: Any = None) -> str:
-    """What the stored values depend on: weights, pairs (held-out ones too), numerics and the first epoch's
-    batching."""
-    h = hashlib.sha256()
-    for r in [*rows, *(eval_rows or [])]:
-        for field in ("prompt", "chosen", "rejected"):
-            h.update(torch.tensor(list(r[field]), dtype=torch.int32).numpy().tobytes())
-            h.update(b"|")
+def row_hashes(rows: Any) -> list[int]:
+    """A 64-bit fingerprint of each pair's tokens (Python's tuple hash: the same in every process, ints being
+    unsalted), so a resume on another rank count (other rows trimmed) finds its pairs' values by prefix."""
+    return [hash((tuple(r["prompt"]), tuple(r["chosen"]), tuple(r["rejected"]))) for r in rows]
+
+
+def key_of(cfg: Any, resolved: Any, rows: Any, world: int, eval_rows: Any = None, model_config: Any = None
+           ) -> tuple[str, str]:
+    """(key, model key). The key: everything the stored values depend on (the model, the pairs, the first epoch's
+    batching). The model key: the model and its numerics alone, what a resume on another rank count needs to match.
+    The model: its name (a directory's weight files by name, size and time), its built config (model.num_layers and
+    model.rope_factor included) and the seed of a preset's random init."""
     t = cfg.train
-    settings = {"weights": _weights(cfg.model.name), "seed": t.seed, "precision": resolved.precision,
-                "attention": resolved.attention.implementation, "liger": resolved.liger.kwargs,
-                "packing": resolved.packing, "micro": t.micro_batch_size, "world": world,
-                "shuffle": cfg.data.shuffle, "pairs": h.hexdigest(), "n": len(rows)}
-    blob = json.dumps(settings, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:24]
+    mc = model_config.to_json_string(use_diff=False) if model_config is not None else None
+    model = {"weights": _weights(cfg.model.name), "config": mc, "seed": t.seed, "precision": resolved.precision,
+             "attention": resolved.attention.implementation, "liger": resolved.liger.kwargs,
+             "packing": resolved.packing, "lora": bool(cfg.lora.enabled)}
+    pairs = hashlib.sha256(json.dumps([row_hashes(rows), row_hashes(eval_rows or [])]).encode()).hexdigest()
+    batching = {"micro": t.micro_batch_size, "world": world, "shuffle": cfg.data.shuffle, "pairs": pairs}
+
+    def digest(obj: Any) -> str:
+        return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+    return digest({**model, **batching}), digest(model)
 
 
-def _load(path: Path, key: str, n: int) -> dict[str, Any] | None:
+def _load(path: Path) -> dict[str, Any] | None:
+    """A stored file, or None where there is none or it cannot be read (a later pass replaces it)."""
     if not path.is_file():
         return None
-    saved = torch.load(path, map_location="cpu", weights_only=True)
-    if saved.get("key") != key or saved["logps"].shape != (n, 2):
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        return saved if isinstance(saved, dict) and {"key", "model_key", "logps", "rows"} <= saved.keys() else None
+    except Exception:  # a truncated or foreign file is as good as none
         return None
-    return saved
+
+
+def _matches(saved: dict[str, Any] | None, key: str, model_key: str, rows: list[int], held: list[int],
+             resumed: bool) -> dict[str, Any] | None:
+    """The stored values for these rows: the same key; or, on a resume, the same model and these pairs first (another
+    rank count trims another number of rows: the values are per pair)."""
+    if saved is None:
+        return None
+    if saved["key"] == key:
+        return saved
+    n = len(rows)
+    same_pairs = saved["rows"][:n] == rows and saved.get("held", []) == held
+    if resumed and saved["model_key"] == model_key and same_pairs:
+        return {**saved, "logps": saved["logps"][:n]}
+    return None
 
 
 def _save(path: Path, saved: dict[str, Any]) -> None:
@@ -102,45 +128,55 @@ def _compute(step: Any, engine: Any, rows: Any, collator: Any, batches: Any) -> 
     return out
 
 
-def attach(step: Any, engine: Any, rows: Any, collator: Any, sampler: Any, run_dir: Path, cache: Path, key: str,
-           resumed: bool, eval_rows: Any = None) -> str:
+def attach(step: Any, engine: Any, rows: Any, collator: Any, sampler: Any, run_dir: Path, cache: Path,
+           keys: tuple[str, str], resumed: bool, eval_rows: Any = None) -> str:
     """Every row (and held-out row) gets ref_chosen / ref_rejected (the collator passes them on as ref_logps);
-    returns the line to print: where the values came from."""
+    returns the line to print: where the values came from. Rank 0 reads and writes the files and tells the others
+    (an error there is raised on every rank, not left to hang them)."""
+    key, model_key = keys
     local, shared = run_dir / FILE, cache / f"{key}.pt"
+    mine, held = row_hashes(rows), row_hashes(eval_rows or [])
     found: list[Any] = [None, ""]
     if dist.rank() == 0:
         for path, where in ((local, f"{local} (this run's)"), (shared, f"the cache ({shared})")):
-            values = _load(path, key, len(rows))
-            if values is not None:
-                found = [values, where]
+            saved = _matches(_load(path), key, model_key, mine, held, resumed and path == local)
+            if saved is not None:
+                found = [saved, where]
                 break
     saved, where = dist.broadcast_object(found)
     t0 = time.perf_counter()
     if saved is None:
         if resumed:
-            raise RuntimeError(f"pref.reference=precomputed: {local} is missing or belongs to other pairs or settings, "
-                               "and a resumed policy is no longer the reference: it cannot be recomputed. Restore the "
-                               "file, or start the run again")
+            raise RuntimeError(f"pref.reference=precomputed: {local} is missing or belongs to another model or other "
+                               "pairs, and a resumed policy is no longer the reference: it cannot be recomputed. "
+                               "Restore the file, or start the run again")
         sampler.set_epoch(0)
-        saved = {"key": key, "logps": _compute(step, engine, rows, collator, sampler), "eval": None}
+        saved = {"key": key, "model_key": model_key, "rows": mine, "held": held,
+                 "logps": _compute(step, engine, rows, collator, sampler), "eval": None}
         sampler.drawn.clear()
         if eval_rows is not None:
             from toolkit.runtime.loops.evaluate import rank_batches
 
-            micro = sampler.micro
             saved["eval"] = _compute(step, engine, eval_rows, collator,
-                                     rank_batches(len(eval_rows), micro, sampler.rank, sampler.world))
+                                     rank_batches(len(eval_rows), sampler.micro, sampler.rank, sampler.world))
         where = f"computed in {time.perf_counter() - t0:.1f}s"
+    failed = ""
     if dist.rank() == 0:
-        if not local.is_file():
-            _save(local, saved)
-        if not shared.is_file():
+        if not where.startswith(str(local)):  # this run's own copy: what a resume reads
+            try:
+                _save(local, {**saved, "key": key})
+            except OSError as e:
+                failed = f"pref.reference=precomputed: cannot write {local} ({e}); a resume would need it"
+        if not failed and not shared.is_file():
             try:
                 _save(shared, saved)
             except OSError as e:  # a read-only cache costs later runs the pass, not this one its run
                 where += f" (not cached: {e})"
+    failed = dist.broadcast_object(failed)
+    if failed:
+        raise RuntimeError(failed)
     for part, values in ((rows, saved["logps"]), (eval_rows, saved.get("eval"))):
         for i, (c, r) in enumerate(values.tolist() if part is not None else []):
             part[i]["ref_chosen"], part[i]["ref_rejected"] = c, r
-    held = f" and {len(eval_rows):,} held-out pairs" if eval_rows is not None else ""
-    return f"reference log-probs of {len(rows):,} pairs{held}: {where}"
+    n_held = f" and {len(eval_rows):,} held-out pairs" if eval_rows is not None else ""
+    return f"reference log-probs of {len(rows):,} pairs{n_held}: {where}"

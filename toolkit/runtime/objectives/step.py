@@ -19,7 +19,7 @@ from toolkit.launch import dist
 from toolkit.runtime.data.batches import to_device
 from toolkit.runtime.objectives.batch import PRIVATE, logits_token_logps, sequence_sums
 from toolkit.runtime.objectives.logprobs import SelectedHead
-from toolkit.runtime.objectives.losses import REFERENCE_FREE, PairLogps, pair_loss
+from toolkit.runtime.objectives.losses import REFERENCE_FREE, PairLogps, PairLoss, pair_loss, reward_loss
 from toolkit.runtime.objectives.reference import adapters_off
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
@@ -49,10 +49,13 @@ class PreferenceStep:
         self.heads = {id(policy): SelectedHead.of(policy)}
         if reference is not None:
             self.heads[id(_module(reference))] = SelectedHead.of(_module(reference))
-        self._stats = torch.zeros(len(METRICS), device=self.device)
+        # a reward model has scores, not log-probs: its lines carry the rewards only
+        self.metrics = METRICS[:4] if self.objective == "reward" else METRICS
+        self._stats = torch.zeros(len(self.metrics), device=self.device)
         self._micro = 0
-        self.stored: tuple[Any, Any, str] | None = None
-        """pref.reference=precomputed: (run directory, cache directory, key) of the values (precompute.py)."""
+        self.stored: tuple[Any, Any, tuple[str, str]] | None = None
+        """pref.reference=precomputed: (run directory, cache directory, (key, model key)) of the values
+        (precompute.py)."""
         self.eval_rows: Any = None
         """Held-out pairs (data.eval_source / data.eval_fraction): a precomputed reference covers them too."""
         self.collate: Any = None
@@ -98,23 +101,39 @@ class PreferenceStep:
                 return self.logps(engine, batch)
         return self.logps(self.reference, batch)
 
+    def scores(self, model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A reward model's scores of each pair's chosen and rejected sequence (rows side by side, chosen first)."""
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        scores = out.logits.squeeze(-1).float()
+        return scores[0::2], scores[1::2]
+
+    def _pair_loss(self, engine: Any, b: dict[str, Any]) -> tuple[PairLoss, PairLogps | None]:
+        """The objective's per-pair losses of one micro-batch, and the policy's log-probs (None for a reward model)."""
+        if self.objective == "reward":
+            return reward_loss(*self.scores(engine, b), self.pref.center_rewards_coefficient), None
+        ref = None if self.mode == "precomputed" else self.reference_logps(engine, b)
+        policy = self.logps(engine, b)
+        if self.mode == "precomputed":
+            ref = self.reference_logps(engine, b, policy)
+        return pair_loss(self.objective, policy, ref, beta=self.pref.beta, label_smoothing=self.pref.label_smoothing,
+                         simpo_gamma=self.pref.simpo_gamma), policy
+
+    def _per_pair(self, out: PairLoss, policy: PairLogps | None) -> list[torch.Tensor]:
+        """The log line's metrics, per pair, in self.metrics' order."""
+        got = [out.chosen_rewards, out.rejected_rewards, out.margins, out.accuracy]
+        if policy is not None:
+            got += [policy.chosen.detach() / policy.chosen_tokens.clamp(min=1),
+                    policy.rejected.detach() / policy.rejected_tokens.clamp(min=1)]
+        return got
+
     def loss(self, engine: Any, b: dict[str, Any]) -> torch.Tensor:
         """One micro-batch (on the device): the reference's log-probs, the policy's, the mean of the objective's
         per-pair losses; its metrics are added to the log window's."""
         if self.mode == "precomputed" and "ref_logps" not in b:
             raise RuntimeError("pref.reference=precomputed: a batch without its reference log-probs (prepare() "
                                "did not run)")
-        ref = None if self.mode == "precomputed" else self.reference_logps(engine, b)
-        policy = self.logps(engine, b)
-        if self.mode == "precomputed":
-            ref = self.reference_logps(engine, b, policy)
-        out = pair_loss(self.objective, policy, ref, beta=self.pref.beta,
-                        label_smoothing=self.pref.label_smoothing, simpo_gamma=self.pref.simpo_gamma)
-        n_tokens_c, n_tokens_r = policy.chosen_tokens.clamp(min=1), policy.rejected_tokens.clamp(min=1)
-        self._stats += torch.stack([
-            out.chosen_rewards.mean(), out.rejected_rewards.mean(), out.margins.mean(), out.accuracy.mean(),
-            (policy.chosen.detach() / n_tokens_c).mean(), (policy.rejected.detach() / n_tokens_r).mean(),
-        ]).float()
+        out, policy = self._pair_loss(engine, b)
+        self._stats += torch.stack([x.mean() for x in self._per_pair(out, policy)]).float()
         self._micro += 1
         return out.loss.mean()
 
@@ -138,29 +157,23 @@ class PreferenceStep:
         from toolkit.runtime.loops.evaluate import rank_batches
 
         t0 = time.perf_counter()
-        sums = torch.zeros(len(METRICS) + 2, dtype=torch.float64, device=self.device)  # + loss, pairs
+        sums = torch.zeros(len(self.metrics) + 2, dtype=torch.float64, device=self.device)  # + loss, pairs
         was_training = engine.training
         engine.eval()
         try:
             for idx in rank_batches(len(rows), micro, dist.rank(), dist.world_size()):
                 b = to_device(self.collate([rows[max(i, 0)] for i in idx]), self.device)
-                ref = None if self.mode == "precomputed" else self.reference_logps(engine, b)
-                policy = self.logps(engine, b)
-                if self.mode == "precomputed":
-                    ref = self.reference_logps(engine, b, policy)
-                out = pair_loss(self.objective, policy, ref, beta=self.pref.beta,
-                                label_smoothing=self.pref.label_smoothing, simpo_gamma=self.pref.simpo_gamma)
+                out, policy = self._pair_loss(engine, b)
                 real = torch.tensor([i >= 0 for i in idx], device=self.device, dtype=torch.float64)
-                per_pair = torch.stack([out.chosen_rewards, out.rejected_rewards, out.margins, out.accuracy,
-                                        policy.chosen / policy.chosen_tokens.clamp(min=1),
-                                        policy.rejected / policy.rejected_tokens.clamp(min=1), out.loss]).double()
+                per_pair = torch.stack([*self._per_pair(out, policy), out.loss]).double()
                 sums[:-1] += per_pair @ real
                 sums[-1] += real.sum()
         finally:
             engine.train(was_training)
         total = dist.all_reduce_tensor(sums)
         n = max(float(total[-1]), 1.0)
-        rec: dict[str, Any] = {f"eval_{k}": float(v) / n for k, v in zip(METRICS, total[:len(METRICS)].tolist(),
+        rec: dict[str, Any] = {f"eval_{k}": float(v) / n for k, v in zip(self.metrics,
+                                                                         total[:len(self.metrics)].tolist(),
                                                                          strict=True)}
         return {"eval_loss": float(total[-2]) / n, **rec, "eval_pairs": int(total[-1]),
                 "eval_s": time.perf_counter() - t0}
@@ -172,4 +185,4 @@ class PreferenceStep:
         stats = dist.all_reduce_tensor(self._stats.clone()) / (max(self._micro, 1) * world)
         self._stats.zero_()
         self._micro = 0
-        return {k: float(v) for k, v in zip(METRICS, stats.tolist(), strict=True)}
+        return {k: float(v) for k, v in zip(self.metrics, stats.tolist(), strict=True)}
