@@ -15,8 +15,7 @@ from conftest import write_tokenizer
 from toolkit.config.ds_config import ConfigError
 from toolkit.config.schema import load_config
 from toolkit.runtime.data import corpus
-from toolkit.runtime.data.batches import Collator, Rows, build_rows, split_eval
-from toolkit.runtime.loops.evaluate import rank_batches
+from toolkit.runtime.data.batches import Collator, Rows, build_rows, rank_batches, split_eval
 
 
 @pytest.fixture()

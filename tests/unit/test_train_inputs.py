@@ -87,8 +87,10 @@ def test_generation_prompt_file_is_checked_before_launch(tmp_path: Path) -> None
 
 @pytest.mark.timeout(200)
 def test_preference_runs_refuse_what_they_do_not_support_and_name_a_bad_pair_row(tmp_path: Path) -> None:
-    proc = train(tmp_path, "train.objective=dpo", "train.sequence_parallel=2")
-    assert_one_line_error(proc, "train.objective=dpo does not run with train.sequence_parallel yet")
+    proc = train(tmp_path, "train.objective=dpo", "model.task=seq_cls")
+    assert_one_line_error(proc, "train.objective=dpo needs model.task=causal_lm, not seq_cls")
+    proc = train(tmp_path, "train.objective=reward")
+    assert_one_line_error(proc, "train.objective=reward trains a sequence classifier with one output: add model.task=seq_cls")
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n"
                      + json.dumps({"prompt": "a", "chosen": "b"}) + "\n")

@@ -383,6 +383,19 @@ class ShardedBatches(Sampler[list[int]]):
         return self.order.n // (self.micro * self.world)
 
 
+def rank_batches(n: int, micro: int, rank: int, world: int) -> list[list[int]]:
+    """Row indices of each of this rank's eval batches; every rank gets the same count. An empty batch (a
+    rank past the end) is [-1]: a masked stand-in."""
+    per_round = micro * world
+    rounds = max(1, -(-n // per_round))
+    out = []
+    for r in range(rounds):
+        start = r * per_round + rank * micro
+        idx = list(range(start, min(start + micro, n)))
+        out.append(idx or [-1])
+    return out
+
+
 def steps_per_epoch(n_samples: int, cfg: Config, world: int) -> int:
     """Optimizer steps in one pass over n_samples (what train.max_steps=0 means)."""
     per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * world

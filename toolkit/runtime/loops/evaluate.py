@@ -16,21 +16,8 @@ from typing import Any
 import torch
 
 from toolkit.launch import dist
-from toolkit.runtime.data.batches import to_device
+from toolkit.runtime.data.batches import rank_batches, to_device
 from toolkit.runtime.data.corpus import IGNORE_INDEX
-
-
-def rank_batches(n: int, micro: int, rank: int, world: int) -> list[list[int]]:
-    """Row indices of each of this rank's eval batches; every rank gets the same count. An empty batch (a
-    rank past the end) is [-1]: a masked stand-in."""
-    per_round = micro * world
-    rounds = max(1, -(-n // per_round))
-    out = []
-    for r in range(rounds):
-        start = r * per_round + rank * micro
-        idx = list(range(start, min(start + micro, n)))
-        out.append(idx or [-1])
-    return out
 
 
 @torch.no_grad()

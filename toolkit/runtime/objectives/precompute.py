@@ -155,7 +155,7 @@ def attach(step: Any, engine: Any, rows: Any, collator: Any, sampler: Any, run_d
                  "logps": _compute(step, engine, rows, collator, sampler), "eval": None}
         sampler.drawn.clear()
         if eval_rows is not None:
-            from toolkit.runtime.loops.evaluate import rank_batches
+            from toolkit.runtime.data.batches import rank_batches
 
             saved["eval"] = _compute(step, engine, eval_rows, collator,
                                      rank_batches(len(eval_rows), sampler.micro, sampler.rank, sampler.world))

@@ -154,7 +154,7 @@ class PreferenceStep:
         that counts nothing."""
         import time
 
-        from toolkit.runtime.loops.evaluate import rank_batches
+        from toolkit.runtime.data.batches import rank_batches
 
         t0 = time.perf_counter()
         sums = torch.zeros(len(self.metrics) + 2, dtype=torch.float64, device=self.device)  # + loss, pairs
