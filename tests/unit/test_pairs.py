@@ -260,5 +260,5 @@ def test_stored_reference_values_are_found_by_key_or_on_a_resume_by_model_and_pa
     bad = tmp_path / "reference_logps.pt"
     bad.write_bytes(b"not a torch file")
     assert pc._load(bad) is None
-    pc._save(bad, saved)
+    pc.save_atomic(bad, saved)
     assert pc._load(bad)["key"] == "k-2ranks"

@@ -196,7 +196,6 @@ def load_cached(path: Any, tokenizer: Any, max_length: int, label: str, cache_ro
     SFT files are cached; a later launch reads them back. Every rank reads the cache or tokenizes; rank 0 writes."""
     import hashlib
     import json
-    import os
     from pathlib import Path
 
     import torch
@@ -220,11 +219,10 @@ def load_cached(path: Any, tokenizer: Any, max_length: int, label: str, cache_ro
             pass
     rows, note = load_file(path, tokenizer, max_length, label)
     if dist.rank() == 0:
+        from toolkit.runtime.objectives.precompute import save_atomic
+
         try:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cached.with_name(f".{cached.name}.{os.getpid()}")
-            torch.save({**_flatten(rows), "note": note}, tmp)
-            tmp.replace(cached)  # atomic: another launch never reads half a file
+            save_atomic(cached, {**_flatten(rows), "note": note})
         except OSError as e:  # a read-only cache costs later launches the tokenizing, not this one its run
             note += f" (not cached: {e})"
     return rows, note

@@ -98,7 +98,8 @@ def _matches(saved: dict[str, Any] | None, key: str, model_key: str, rows: list[
     return None
 
 
-def _save(path: Path, saved: dict[str, Any]) -> None:
+def save_atomic(path: Path, saved: dict[str, Any]) -> None:
+    """torch.save through a temporary file and a rename: a reader (another launch) never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     torch.save(saved, tmp)
@@ -164,12 +165,12 @@ def attach(step: Any, engine: Any, rows: Any, collator: Any, sampler: Any, run_d
     if dist.rank() == 0:
         if not where.startswith(str(local)):  # this run's own copy: what a resume reads
             try:
-                _save(local, {**saved, "key": key})
+                save_atomic(local, {**saved, "key": key})
             except OSError as e:
                 failed = f"pref.reference=precomputed: cannot write {local} ({e}); a resume would need it"
         if not failed and not shared.is_file():
             try:
-                _save(shared, saved)
+                save_atomic(shared, saved)
             except OSError as e:  # a read-only cache costs later runs the pass, not this one its run
                 where += f" (not cached: {e})"
     failed = dist.broadcast_object(failed)
