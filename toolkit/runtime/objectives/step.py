@@ -1,9 +1,9 @@
-"""A preference run's micro-batches on the raw path: the reference's log-probs (no gradients, or precomputed), the
+"""A preference run's micro-batches, on either path: the reference's log-probs (no gradients, or precomputed), the
 policy's, the objective's loss, its backward; and the per-pair metrics a log line carries (TRL's names).
 
 Log-probs come from the hidden states through the output head in chunks of tokens (logprobs.SelectedHead): no
-[tokens, vocabulary] logits tensor exists whole, for the policy or the reference. Models whose head is not a plain
-matrix (a soft-cap, a logit scale) take the whole logits instead, a row at a time.
+[tokens, vocabulary] logits tensor exists whole, for the policy or the reference. Models whose forward changes the
+head's output (logprobs.SCALED_HEADS) take the whole logits instead, a row at a time.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def _module(engine_or_model: Any) -> Any:
 
 
 class PreferenceStep:
-    """Called by the raw loop for each window when train.objective is not sft."""
+    """What a run with train.objective other than sft calls: the raw loop for each window (forward_backward), the
+    Trainer's compute_loss for each micro-batch (loss)."""
 
     def __init__(self, cfg: Config, mode: str | None, policy: Any, reference: Any = None) -> None:
         self.objective, self.pref, self.mode, self.reference = cfg.train.objective, cfg.pref, mode, reference
@@ -87,14 +88,15 @@ class PreferenceStep:
     @torch.no_grad()
     def reference_logps(self, engine: Any, batch: dict[str, Any], policy: PairLogps | None = None
                         ) -> PairLogps | None:
-        """The reference's log-probs of the batch: None for reference-free objectives; with `policy`, a precomputed
-        reference takes its token counts from it."""
+        """The reference's log-probs of the batch: None for reference-free objectives; a precomputed reference's
+        stored sums, with the token counts of `policy` (the same sequences)."""
         if self.objective in REFERENCE_FREE:
             return None
         if self.mode == "precomputed" and "ref_logps" in batch:
+            if policy is None:
+                raise ValueError("a precomputed reference takes its token counts from the policy's log-probs")
             ref = torch.tensor(batch["ref_logps"], dtype=torch.float32).to(self.device, non_blocking=True)
-            counts = (policy.chosen_tokens, policy.rejected_tokens) if policy else (ref[:, 0] * 0, ref[:, 1] * 0)
-            return PairLogps(ref[:, 0], ref[:, 1], *counts)
+            return PairLogps(ref[:, 0], ref[:, 1], policy.chosen_tokens, policy.rejected_tokens)
         if self.mode in ("adapter", "precomputed") and self.reference is None:
             # the policy itself: adapters off for LoRA; a full fine-tune's precompute pass runs before any update
             with adapters_off(engine) if hasattr(_module(engine), "disable_adapter") else contextlib.nullcontext():
