@@ -11,8 +11,10 @@ the repo's ds_configs/zeroS.json for every system):
   tk-pre     the same with pref.reference=precomputed (the pass before training is timed apart, not in tokens/s);
   tk-lora    LoRA (the toolkit's defaults), reference adapter;
   tk-pad     tk with data.packing=false: pairs side by side, padded (TRL's layout), for the packing gain;
+  tk-gc, tk-pre-gc  tk (and tk-pre) with model.gradient_checkpointing=true: TRL's default checkpoints too;
   tk-syn, tk-syn-pre  tk (and tk-pre) on synthetic pairs of exactly --syn-seq tokens a sequence, --syn-micro pairs
-             a micro-batch: the shape `toolkit plan --objective dpo` models, for its peak against the measured one;
+             a micro-batch: the shape `toolkit plan --objective dpo` models; the row carries the plan's peak and
+             tokens/s for that choice (planned_*) beside the measured ones;
   trl        bench/preference_trl.py --mode default: TRL's DPOTrainer at its defaults;
   trl-best   bench/preference_trl.py --mode best --precompute: Liger, padding-free, precomputed reference;
   trl-lora   TRL default with the same LoRA;
@@ -57,8 +59,9 @@ def _toolkit(name: str, stage: int, args: argparse.Namespace, out: Path) -> list
                 *common, "train.objective=dpo", "data.source=synthetic", f"data.seq_len={args.syn_seq}",
                 f"data.num_samples={total * args.syn_micro * args.gpus}", f"train.micro_batch_size={args.syn_micro}",
                 *ref]
+    gc = "model.gradient_checkpointing=true"
     extra = {"tk": [], "tk-pre": ["pref.reference=precomputed"], "tk-lora": ["lora.enabled=true"],
-             "tk-pad": ["data.packing=false"]}[kind]
+             "tk-pad": ["data.packing=false"], "tk-gc": [gc], "tk-pre-gc": ["pref.reference=precomputed", gc]}[kind]
     return [*_launch(args), str(ROOT / "toolkit/train.py"), "--ds", str(ROOT / f"ds_configs/zero{stage}.json"),
             *common, "train.objective=dpo", f"data.source={args.pairs}", f"data.seq_len={args.max_length}",
             f"train.micro_batch_size={args.micro}", *extra]
@@ -97,6 +100,18 @@ def _toolkit_row(run_dir: Path, warmup: int) -> dict[str, Any]:
             "accuracy_last": lines[-1].get("rewards/accuracies")}
 
 
+def _planned(name: str, stage: int, args: argparse.Namespace) -> dict[str, Any]:
+    """`toolkit plan --objective dpo`'s peak and tokens/s for a tk-syn row's exact choice."""
+    ref = "precomputed" if name.startswith("tk-syn-pre") else "engine"
+    cmd = [sys.executable, "-m", "toolkit", "plan", "--model", args.model, "--gpus", str(args.gpus),
+           "--gpu-mem", str(args.gpu_mem), "--seq", str(args.syn_seq), "--global-batch", str(args.syn_micro * args.gpus),
+           "--objective", "dpo", "--reference", ref, "--stage", str(stage), "--offload", "none", "--micro-batch",
+           str(args.syn_micro), "--json"]
+    got = json.loads(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout)
+    row = next(c for c in got["candidates"] if not c["grad_ckpt"])
+    return {"planned_peak_gib": row["gpu_peak_gib"], "planned_tokens_per_s": row["tokens_per_s_per_gpu"] * args.gpus}
+
+
 def _files(pairs: Path, n: int, out: Path) -> Path:
     """The first n pairs (what the runs consume: a precomputed reference's pass covers the whole file, in TRL and
     here), and every chosen and rejected sequence of them as an SFT row (prompt + response): the same tokens."""
@@ -125,6 +140,7 @@ def main() -> int:
     ap.add_argument("--sft-micro", type=int, default=2)
     ap.add_argument("--syn-seq", type=int, default=1024, help="tk-syn rows: tokens per sequence")
     ap.add_argument("--syn-micro", type=int, default=4, help="tk-syn rows: pairs per micro-batch")
+    ap.add_argument("--gpu-mem", type=float, default=139, help="tk-syn rows: the plan's --gpu-mem (an H200: 139)")
     ap.add_argument("--lr", type=float, default=1e-3, help="the toolkit's default, which the TRL script also sets")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
@@ -158,6 +174,8 @@ def main() -> int:
                         "settings": got.get("settings"), "padded_tokens_per_s": got.get("padded_tokens_per_s")}
             else:
                 row |= _toolkit_row(out / name, args.warmup)
+                if name.startswith("tk-syn"):
+                    row |= _planned(name, stage, args)
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {e}"
             row["log_tail"] = (out / f"{name}.log").read_text()[-3000:]

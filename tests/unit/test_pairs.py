@@ -113,7 +113,7 @@ def _logps(model: Any, batch: dict[str, Any], chunk: int | None) -> Any:
             with head.targets(batch["labels"]):  # a cache turns transformers' packed detection off
                 tok = model(**inputs, use_cache=False).logits
             head.remove()
-    return sequence_sums(tok, batch["labels"], batch["seq_ids"])
+    return sequence_sums(tok, batch["labels"], batch["seq_ids"], batch["sequences"])
 
 
 def test_packed_pairs_give_the_log_probs_of_the_same_pairs_side_by_side(model: Any) -> None:
@@ -157,7 +157,7 @@ def test_the_chunked_head_gives_the_gradients_of_the_whole_logits(model: Any) ->
                 tok = model(**inputs, use_cache=False).logits
         else:
             tok = logits_token_logps(model(**inputs, use_cache=False).logits, batch["labels"])
-        s = sequence_sums(tok, batch["labels"], batch["seq_ids"])
+        s = sequence_sums(tok, batch["labels"], batch["seq_ids"], batch["sequences"])
         (s.chosen - 0.5 * s.rejected).sum().backward()
         grads.append([q.grad.clone() for q in (model.lm_head.weight, model.model.layers[0].mlp.up_proj.weight)])
     SelectedHead.of(model).remove()

@@ -9,8 +9,9 @@ Sequences are numbered pair by pair, chosen then rejected: sequence 2i is pair i
   CUDA the varlen kernel gets each sequence's boundaries. The first label of each sequence is masked (it would be
   predicted by the previous sequence's last token); it is a prompt token in any case.
 
-Each batch carries `seq_ids` ([rows, positions], the sequence each label belongs to, -1 on padding), which the step
-takes out before the forward, and `ref_logps` (a list of (chosen, rejected) floats a pair) where the reference's
+Each batch carries `seq_ids` ([rows, positions], the sequence each label belongs to, -1 on padding) and `sequences`
+(their count, a Python int: read from the device it would be a host sync between the forward and the backward), which
+the step takes out before the forward, and `ref_logps` (a list of (chosen, rejected) floats a pair) where the reference's
 log-probs were precomputed.
 """
 
@@ -24,7 +25,7 @@ import torch
 from toolkit.runtime.objectives.logprobs import IGNORE
 from toolkit.runtime.objectives.losses import PairLogps
 
-PRIVATE = ("seq_ids", "ref_logps")
+PRIVATE = ("seq_ids", "sequences", "ref_logps")
 """Batch keys the step reads and the model must not see."""
 
 
@@ -48,6 +49,7 @@ class PairCollator:
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         seqs = [s for r in rows for s in sequences(r)]
         out = self._packed(seqs) if self.packed else self._side_by_side(seqs)
+        out["sequences"] = len(seqs)
         if "ref_chosen" in rows[0]:
             # Python floats, not a tensor: the HF Trainer casts every floating-point input to the DeepSpeed dtype, and
             # a summed log-prob near -1,000 in bf16 is off by up to 4 (TRL's precompute under DeepSpeed bf16 has that
@@ -83,16 +85,16 @@ class PairCollator:
         return out
 
 
-def sequence_sums(token_logps: torch.Tensor, labels: torch.Tensor, seq_ids: torch.Tensor) -> PairLogps:
+def sequence_sums(token_logps: torch.Tensor, labels: torch.Tensor, seq_ids: torch.Tensor, n: int) -> PairLogps:
     """Each pair's summed completion log-probs and token counts from per-position log-probs.
 
     token_logps: [rows, positions], position t's log-prob of the label at t + 1 (0 where that label is ignored);
-    labels and seq_ids: [rows, positions] as the batch carries them."""
+    labels and seq_ids: [rows, positions] as the batch carries them; n: the number of sequences (the batch's
+    `sequences`)."""
     per_label = torch.zeros_like(token_logps)
     per_label[:, 1:] = token_logps[:, :-1]  # the state at t predicts the label at t + 1
     counted = labels != IGNORE
     counted[:, 0] = False
-    n = int(seq_ids.max()) + 1
     slot = seq_ids.masked_fill(~counted, n).reshape(-1)  # padding and prompt tokens go to a dump slot
     sums = torch.zeros(n + 1, dtype=torch.float32, device=token_logps.device).index_add(
         0, slot, per_label.reshape(-1).float())

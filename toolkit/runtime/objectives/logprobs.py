@@ -7,8 +7,9 @@ pairs, not tokens (Liger #439), so at micro-batch 1 (usual under ZeRO-3) a pair'
 backward recomputes them chunk by chunk (one more head matmul per chunk, as Liger's fused loss pays).
 
 The output embedding is read outside its module's forward, in the forward and again in the backward: under ZeRO-3 a
-caller gathers it for both (or declares the read, as speed/kernels.py does for Liger's fused loss). The gradient
-into the hidden states is taken in the weight's dtype (bf16 in training), as Liger's fused loss takes it.
+caller gathers it for both (or declares the read, as speed/kernels.py does for Liger's fused loss). The gradients
+into the hidden states and the weight are matmuls in the weight's dtype (bf16 in training), as Liger's fused loss
+takes them; the weight's is summed over chunks in fp32.
 """
 
 from __future__ import annotations
@@ -53,13 +54,17 @@ class _SelectedLogprobs(torch.autograd.Function):
             if ctx.needs_input_grad[1] else None
         for s in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[s:s + ctx.chunk]
-            # d(selected - logsumexp) / d logits = onehot(label) - softmax, times the incoming gradient
-            d_logits = -torch.exp((h @ weight.t()).float() - lse[s:s + ctx.chunk, None]) * g[s:s + ctx.chunk, None]
+            # d(selected - logsumexp) / d logits = onehot(label) - softmax, times the incoming gradient; in place,
+            # so one fp32 [chunk, vocabulary] buffer lives at a time
+            d_logits = (h @ weight.t()).float().sub_(lse[s:s + ctx.chunk, None]).exp_().mul_(-g[s:s + ctx.chunk, None])
             d_logits.scatter_add_(1, index[s:s + ctx.chunk, None], g[s:s + ctx.chunk, None])
+            # both matmuls in the weight's dtype (bf16 in training), as Liger's fused loss takes them: an fp32
+            # [vocabulary, chunk] x [chunk, hidden] product runs without tensor cores, several times slower
+            d_logits = d_logits.to(weight.dtype)
             if d_hidden is not None:
-                d_hidden[s:s + ctx.chunk] = (d_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+                d_hidden[s:s + ctx.chunk] = (d_logits @ weight).to(hidden.dtype)
             if d_weight is not None:
-                d_weight += d_logits.t() @ h.float()
+                d_weight += (d_logits.t() @ h.to(weight.dtype)).float()  # the chunks summed in fp32
         return d_hidden, None if d_weight is None else d_weight.to(weight.dtype), None, None
 
 

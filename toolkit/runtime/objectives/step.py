@@ -83,25 +83,28 @@ class PreferenceStep:
                 token_logps = model(**inputs, use_cache=False).logits
         else:
             token_logps = logits_token_logps(model(**inputs, use_cache=False).logits, labels)
-        return sequence_sums(token_logps, labels, batch["seq_ids"])
+        return sequence_sums(token_logps, labels, batch["seq_ids"], batch["sequences"])
 
     @torch.no_grad()
-    def reference_logps(self, engine: Any, batch: dict[str, Any], policy: PairLogps | None = None
-                        ) -> PairLogps | None:
-        """The reference's log-probs of the batch: None for reference-free objectives; a precomputed reference's
-        stored sums, with the token counts of `policy` (the same sequences)."""
+    def reference_logps(self, engine: Any, batch: dict[str, Any]) -> PairLogps | None:
+        """The reference's log-probs of the batch, computed (precomputed values come from `stored_logps`);
+        None for reference-free objectives."""
         if self.objective in REFERENCE_FREE:
             return None
-        if self.mode == "precomputed" and "ref_logps" in batch:
-            if policy is None:
-                raise ValueError("a precomputed reference takes its token counts from the policy's log-probs")
-            ref = torch.tensor(batch["ref_logps"], dtype=torch.float32).to(self.device, non_blocking=True)
-            return PairLogps(ref[:, 0], ref[:, 1], policy.chosen_tokens, policy.rejected_tokens)
         if self.mode in ("adapter", "precomputed") and self.reference is None:
             # the policy itself: adapters off for LoRA; a full fine-tune's precompute pass runs before any update
             with adapters_off(engine) if hasattr(_module(engine), "disable_adapter") else contextlib.nullcontext():
                 return self.logps(engine, batch)
         return self.logps(self.reference, batch)
+
+    def stored_logps(self, batch: dict[str, Any]) -> torch.Tensor:
+        """A precomputed reference's sums of the batch's pairs, [pairs, 2] on the device, copied from pinned memory
+        without waiting: a copy from pageable memory may wait for the stream, and after the policy's forward that
+        wait would leave the GPU idle while the backward is queued."""
+        ref = torch.tensor(batch["ref_logps"], dtype=torch.float32)
+        if self.device.type == "cuda":
+            ref = ref.pin_memory()
+        return ref.to(self.device, non_blocking=True)
 
     def scores(self, model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """A reward model's scores of each pair's chosen and rejected sequence (rows side by side, chosen first)."""
@@ -113,10 +116,11 @@ class PreferenceStep:
         """The objective's per-pair losses of one micro-batch, and the policy's log-probs (None for a reward model)."""
         if self.objective == "reward":
             return reward_loss(*self.scores(engine, b), self.pref.center_rewards_coefficient), None
-        ref = None if self.mode == "precomputed" else self.reference_logps(engine, b)
+        stored = self.stored_logps(b) if self.mode == "precomputed" else None  # queued before the forward
+        ref = None if stored is not None else self.reference_logps(engine, b)
         policy = self.logps(engine, b)
-        if self.mode == "precomputed":
-            ref = self.reference_logps(engine, b, policy)
+        if stored is not None:
+            ref = PairLogps(stored[:, 0], stored[:, 1], policy.chosen_tokens, policy.rejected_tokens)
         return pair_loss(self.objective, policy, ref, beta=self.pref.beta, label_smoothing=self.pref.label_smoothing,
                          simpo_gamma=self.pref.simpo_gamma), policy
 
