@@ -12,6 +12,7 @@ the repo's ds_configs/zeroS.json for every system):
   tk-lora    LoRA (the toolkit's defaults), reference adapter;
   tk-pad     tk with data.packing=false: pairs side by side, padded (TRL's layout), for the packing gain;
   tk-gc, tk-pre-gc  tk (and tk-pre) with model.gradient_checkpointing=true: TRL's default checkpoints too;
+  tk-pre-half  tk-pre with half the pairs a micro-batch and grad_accum 2: the same pairs a step, half the activations;
   tk-syn, tk-syn-pre  tk (and tk-pre) on synthetic pairs of exactly --syn-seq tokens a sequence, --syn-micro pairs
              a micro-batch: the shape `toolkit plan --objective dpo` models; the row carries the plan's peak and
              tokens/s for that choice (planned_*) beside the measured ones;
@@ -61,7 +62,9 @@ def _toolkit(name: str, stage: int, args: argparse.Namespace, out: Path) -> list
                 *ref]
     gc = "model.gradient_checkpointing=true"
     extra = {"tk": [], "tk-pre": ["pref.reference=precomputed"], "tk-lora": ["lora.enabled=true"],
-             "tk-pad": ["data.packing=false"], "tk-gc": [gc], "tk-pre-gc": ["pref.reference=precomputed", gc]}[kind]
+             "tk-pad": ["data.packing=false"], "tk-gc": [gc], "tk-pre-gc": ["pref.reference=precomputed", gc],
+             "tk-pre-half": ["pref.reference=precomputed", f"train.micro_batch_size={args.micro // 2}",
+                             "train.grad_accum=2"]}[kind]
     return [*_launch(args), str(ROOT / "toolkit/train.py"), "--ds", str(ROOT / f"ds_configs/zero{stage}.json"),
             *common, "train.objective=dpo", f"data.source={args.pairs}", f"data.seq_len={args.max_length}",
             f"train.micro_batch_size={args.micro}", *extra]

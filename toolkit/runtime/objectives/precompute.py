@@ -57,11 +57,13 @@ def key_of(cfg: Any, resolved: Any, rows: Any, world: int, eval_rows: Any = None
     """(key, model key). The key: everything the stored values depend on (the model, the pairs, the first epoch's
     batching). The model key: the model and its numerics alone, what a resume on another rank count needs to match.
     The model: its name (a directory's weight files by name, size and time), its built config (model.num_layers and
-    model.rope_factor included) and the seed of a preset's random init."""
+    model.rope_factor included) and the seed of a preset's random init; the ZeRO stage, whose forward rounds
+    otherwise in bf16 (llama-1b, 1,500-token pairs: ZeRO-3's values gave a ZeRO-2 policy a first loss of 0.786, not
+    ln 2, one H200)."""
     t = cfg.train
     mc = model_config.to_json_string(use_diff=False) if model_config is not None else None
     model = {"weights": _weights(cfg.model.name), "config": mc, "seed": t.seed, "precision": resolved.precision,
-             "attention": resolved.attention.implementation, "liger": resolved.liger.kwargs,
+             "stage": resolved.stage, "attention": resolved.attention.implementation, "liger": resolved.liger.kwargs,
              "packing": resolved.packing, "lora": bool(cfg.lora.enabled)}
     pairs = hashlib.sha256(json.dumps([row_hashes(rows), row_hashes(eval_rows or [])]).encode()).hexdigest()
     batching = {"micro": t.micro_batch_size, "world": world, "shuffle": cfg.data.shuffle, "pairs": pairs}
