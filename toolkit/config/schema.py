@@ -131,7 +131,8 @@ class TrainConfig:
     path: str = "trainer"
     """trainer (HF Trainer) or raw (deepspeed.initialize loop)."""
     objective: str = "sft"
-    """sft (next-token loss), or a preference objective on pairs (raw path): dpo, ipo, simpo, orpo (pref.*)."""
+    """sft (next-token loss); a preference objective on pairs: dpo, ipo, simpo, orpo (pref.*), reward (a
+    Bradley-Terry reward model); or grpo, online RL with reward functions (rl.*, raw path)."""
     ds_config: str = "ds_configs/zero2.json"
     """DeepSpeed JSON; "auto" values are filled from this config."""
     precision: str = "auto"
@@ -339,7 +340,7 @@ class MoeConfig:
     size and accumulation (toolkit/runtime/moe/); eval losses and the resume check leave it out."""
 
 
-OBJECTIVES = ("sft", "dpo", "ipo", "simpo", "orpo", "reward")
+OBJECTIVES = ("sft", "dpo", "ipo", "simpo", "orpo", "reward", "grpo")
 
 
 @dataclass
@@ -377,6 +378,67 @@ class PrefConfig:
                 raise ConfigError(msg)
 
 
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+@dataclass
+class RLConfig:
+    """Online RL (train.objective=grpo, docs/rl.md); the knobs named as TRL's GRPOConfig names them, with its
+    defaults. train.micro_batch_size counts prompts (TRL counts completions): each brings num_generations."""
+
+    rewards: Any = field(default_factory=list)
+    """Reward functions: path/to/rewards.py:fn (then fn2 for another of the same file), or built-ins exact_match[=FIELD],
+    format=REGEX, length[=N] (toolkit/runtime/rl/rewards.py)."""
+    reward_weights: list[float] = field(default_factory=list)
+    """One weight per reward function (empty: 1.0 each); the reward is their weighted sum."""
+    num_generations: int = 8
+    """Completions per prompt (the group its advantages are normalized in)."""
+    max_prompt_length: int = 512
+    """Prompt tokens at most (a longer prompt keeps its end); 0: no limit."""
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    epsilon: float = 0.2
+    """The ratio's clip: [1 - epsilon, 1 + epsilon_high]."""
+    epsilon_high: float = 0.0
+    """0: epsilon (DAPO's clip-higher sets it above epsilon, e.g. 0.28)."""
+    beta: float = 0.0
+    """KL weight to the reference; 0 (TRL's default): no reference model at all."""
+    loss_type: str = "dapo"
+    """grpo (each sequence's mean), bnpo (the micro-batch's token mean), dr_grpo (sum over sequences x
+    max_completion_length), dapo (the step's token mean over all ranks; TRL's default)."""
+    scale_rewards: str = "group"
+    """Advantages divided by the group's reward std (group), the step's (batch) or not (none: Dr. GRPO)."""
+    num_iterations: int = 1
+    """Updates per rollout (TRL's mu); only 1 so far."""
+    log_completions_every: int = 10
+    """Every N steps (and step 1) a few prompts' completions and rewards go to run_dir/completions.jsonl; 0: never."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.scale_rewards, bool) or str(self.scale_rewards).lower() in ("true", "false"):
+            self.scale_rewards = "group" if str(self.scale_rewards).lower() == "true" else "none"  # TRL's old bool
+        checks = [(self.num_generations >= 2, f"rl.num_generations must be >= 2 (a group to compare within), got "
+                                              f"{self.num_generations}"),
+                  (self.max_completion_length >= 1, "rl.max_completion_length must be >= 1"),
+                  (self.max_prompt_length >= 0, "rl.max_prompt_length must be >= 0"),
+                  (self.temperature > 0, f"rl.temperature must be > 0 (completions are sampled), got {self.temperature}"),
+                  (0 < self.top_p <= 1, f"rl.top_p must be in (0, 1], got {self.top_p}"),
+                  (0 <= self.epsilon < 1, f"rl.epsilon must be in [0, 1), got {self.epsilon}"),
+                  (self.epsilon_high >= 0, "rl.epsilon_high must be >= 0"),
+                  (self.beta >= 0, f"rl.beta must be >= 0, got {self.beta}"),
+                  (self.loss_type in LOSS_TYPES, f"rl.loss_type must be one of {', '.join(LOSS_TYPES)}, got "
+                                                 f"{self.loss_type!r}"),
+                  (self.scale_rewards in SCALE_REWARDS, f"rl.scale_rewards must be one of {', '.join(SCALE_REWARDS)}, "
+                                                        f"got {self.scale_rewards!r}"),
+                  (self.num_iterations == 1, f"rl.num_iterations={self.num_iterations}: several updates per rollout "
+                                             "are not built yet; only 1 (TRL's default)"),
+                  (self.log_completions_every >= 0, "rl.log_completions_every must be >= 0")]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(msg)
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -388,6 +450,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
     pref: PrefConfig = field(default_factory=PrefConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     def __post_init__(self) -> None:
         t = self.train
@@ -473,6 +536,8 @@ def packing(cfg: Config) -> tuple[bool, str]:
     d, task = cfg.data, cfg.model.task
     if cfg.train.objective == "reward":
         return False, "train.objective=reward: each sequence's last token is scored, so pairs go side by side, padded"
+    if cfg.train.objective == "grpo":
+        return True, "train.objective=grpo: each micro-batch's completions packed into one row, kept apart, no padding"
     if cfg.train.objective != "sft":
         if d.packing is False:
             return False, "data.packing=false: each pair's chosen and rejected side by side, padded to the longest"

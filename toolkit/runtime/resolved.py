@@ -249,7 +249,8 @@ def resolve_run(cfg: Config, ds: dict[str, Any], model_config: Any, world: int, 
     offloading = _activation_offload(cfg, text, hidden_size(text), micro, machine)
     ranks = world // t.sequence_parallel
     groups = f"{ranks} sequence-parallel groups" if t.sequence_parallel > 1 else f"{ranks} rank{'s' * (ranks > 1)}"
-    what = "sequences" if t.objective == "sft" else "pairs (chosen and rejected: twice the sequences)"
+    what = {"sft": "sequences", "grpo": f"prompts (x {cfg.rl.num_generations} completions)"}.get(
+        t.objective, "pairs (chosen and rejected: twice the sequences)")
     batch_why = (f"micro {micro} x grad_accum {t.grad_accum} x {groups} = {micro * t.grad_accum * ranks} {what} "
                  f"of {cfg.data.seq_len:,} tokens; {total_steps if total_steps is not None else 'one epoch of'} steps")
     return Resolved(world, stage, precision[0], precision[1], fp8, adapter_autocast, micro, t.grad_accum, batch_why,
@@ -270,6 +271,16 @@ def _objective(cfg: Config) -> tuple[str, str | None, str]:
     knobs = {"dpo": f"beta {pref.beta}, label_smoothing {pref.label_smoothing}", "ipo": f"beta {pref.beta}",
              "simpo": f"beta {pref.beta}, gamma {pref.simpo_gamma}", "orpo": f"lambda (pref.beta) {pref.beta}",
              "reward": f"Bradley-Terry, center_rewards_coefficient {pref.center_rewards_coefficient}"}
+    if t.objective == "grpo":
+        rl = cfg.rl
+        what = (f"grpo ({rl.num_generations} completions a prompt of up to {rl.max_completion_length} tokens, "
+                f"temperature {rl.temperature}, loss_type {rl.loss_type}, scale_rewards {rl.scale_rewards}, epsilon "
+                f"{rl.epsilon}{f'/{rl.epsilon_high}' if rl.epsilon_high else ''}, beta {rl.beta})")
+        if not rl.beta:
+            return "grpo", None, f"{what}; no reference (rl.beta=0)"
+        mode, why = mode_of(pref.reference, bool(cfg.lora.enabled))
+        where = ", its parameters on the CPU" if mode == "engine" and pref.reference_offload else ""
+        return "grpo", mode, f"{what}; reference: {mode} ({why}{where})"
     if t.objective in REFERENCE_FREE:
         return t.objective, None, f"{t.objective} ({knobs[t.objective]}), reference-free"
     mode, why = mode_of(pref.reference, bool(cfg.lora.enabled))

@@ -165,9 +165,26 @@ def _check_objective(cfg: Config) -> None:
         (t.precision == "fp8", "does not run in float8 yet (the reference would not match the policy)"),
         (t.compile == "torch", "does not compile yet (the reference would not match the policy): train.compile=off"),
     ]
+    if t.objective == "grpo":
+        refusals += [
+            (t.path != "raw", "runs on the raw path so far: train.path=raw"),
+            (cfg.data.source == "synthetic", "needs a prompt file: data.source=prompts.jsonl (docs/rl.md)"),
+            (bool(d.eval_source or d.eval_fraction), "has no held-out evaluation yet: drop data.eval_source / "
+                                                     "data.eval_fraction"),
+            (cfg.eval.generate and not cfg.eval.generate_source,
+             "samples its own completions (run_dir/completions.jsonl): eval.generate needs eval.generate_source"),
+            (cfg.rl.beta > 0 and cfg.pref.reference == "precomputed",
+             "cannot precompute its reference (the completions are new every step): pref.reference=auto"),
+        ]
     for bad, why in refusals:
         if bad:
             raise ConfigError(f"train.objective={t.objective} {why}")
+    if t.objective == "grpo":
+        from toolkit.runtime.rl import prompts, rewards
+
+        rewards.load(cfg.rl.rewards, list(cfg.rl.reward_weights), cfg.rl.max_completion_length)  # imports the file
+        prompts.check_file(d.source)
+        return
     from toolkit.runtime.objectives.pairs import check_file
 
     for what, source in (("data.source", d.source), ("data.eval_source", d.eval_source)):

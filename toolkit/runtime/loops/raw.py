@@ -129,7 +129,8 @@ class RawLoop:
         batches = [next(stream) for _ in range(self.t.grad_accum)]
         samples = [i for _ in batches for i in sampler.drawn.popleft()]
         for b in batches if not sp or sp.rank == 0 else []:  # a group's batches are counted once
-            self.metrics.counter.add(b)
+            if "input_ids" in b:  # an RL step's prompts: it counts the sequences it trains on itself
+                self.metrics.counter.add(b)
         if sp:
             batches = [sp.shard(b) for b in batches]
         zero = torch.zeros((), device=self.device)

@@ -151,6 +151,8 @@ def _train(p: RunSpec) -> int:
     pad_id = tokenizer.pad_token_id if tokenizer is not None else p.model_config.pad_token_id or 0
     if cfg.train.objective == "sft":
         rows, eval_rows = build_rows(cfg, p.model_config.vocab_size, pad_id, tokenizer)
+    elif cfg.train.objective == "grpo":
+        rows, eval_rows = _prompt_rows(p, tokenizer), None
     else:
         rows, eval_rows = _pair_rows(p, tokenizer)
     rows = even_rows(rows, cfg.train.micro_batch_size * cfg.train.grad_accum, p.data_world)
@@ -161,8 +163,10 @@ def _train(p: RunSpec) -> int:
     keep_alive = _deepspeed_config_alive(p)  # must exist before the model under ZeRO-3
     built = build(p)
     model, sp = built.model, built.sp
-    pref = _preference(p, keep_alive, model, rows, eval_rows, pad_id)
+    pref = _preference(p, keep_alive, model, rows, eval_rows, pad_id, tokenizer)
     metrics = metrics_logger(p, model)
+    if hasattr(pref, "counter"):  # an RL step counts the sequences it generates and trains on
+        pref.counter = metrics.counter
     metrics.memory_reading = mem.reading  # every rank's memory for wandb / mlflow (metrics.report_to)
     generate = _generation(p, tokenizer, rows, metrics)
     mem.phase_boundary("model_loaded", 0)
@@ -229,6 +233,8 @@ def _fixed_batch(cfg: Any, rows: Rows, pad_id: int, boundaries: bool) -> dict[st
     """The batch a checkpoint's load is proved on (faults/resume.py). A preference run's rows are its pairs' chosen
     sequences; a reward model scores them (no labels: the proof is its scores)."""
     task = cfg.model.task if cfg.train.objective == "sft" else "causal_lm"
+    if cfg.train.objective == "grpo":  # prompts: the proof scores their tokens
+        rows = [{"input_ids": r["prompt_ids"], "labels": r["prompt_ids"]} for r in rows[:2]]
     batch = resume.fixed_batch(rows, Collator(pad_id=pad_id, task=task, boundaries=boundaries))
     if cfg.train.objective == "reward":
         batch.pop("labels")
@@ -276,13 +282,46 @@ def _pair_rows(p: RunSpec, tokenizer: Any) -> tuple[Rows, Rows | None]:
     return rows, None
 
 
-def _preference(p: RunSpec, keep_alive: Any, model: Any, rows: Rows, eval_rows: Rows | None, pad_id: int) -> Any:
+def _prompt_rows(p: RunSpec, tokenizer: Any) -> Rows:
+    """An RL run's prompts (rl/prompts.py), tokenized; prompts cut to rl.max_prompt_length are counted."""
+    from toolkit.runtime.rl import prompts
+
+    got, cut = prompts.load(p.cfg.data.source, tokenizer, p.cfg.rl.max_prompt_length)
+    if dist.rank() == 0:
+        note = f", {cut} cut to their last {p.cfg.rl.max_prompt_length} tokens (rl.max_prompt_length)" if cut else ""
+        print(f"data.source: {len(got)} prompts from {p.cfg.data.source}{note}", flush=True)
+    return Rows(got)
+
+
+def _rl_step(p: RunSpec, keep_alive: Any, model: Any, pad_id: int, tokenizer: Any) -> Any:
+    """train.objective=grpo: the step that rolls out and trains each window, with the reference engine where
+    rl.beta > 0 on a full fine-tune; dropout off in the policy (as TRL does)."""
+    from toolkit.config.ds_config import zero_stage
+    from toolkit.runtime.generation.evaluate import ids_of
+    from toolkit.runtime.objectives.reference import build_reference, disable_dropout
+    from toolkit.runtime.rl import rewards
+    from toolkit.runtime.rl.step import GRPOStep
+
+    cfg, r = p.cfg, p.resolved
+    disable_dropout(model)
+    reference = build_reference(cfg, p.model_config, p.ds, keep_alive, r) if r.reference == "engine" else None
+    _, eos_id = ids_of(p, tokenizer)
+    return GRPOStep(cfg, r.reference, model, reference, model_config=p.model_config, zero3=zero_stage(p.ds) == 3,
+                    pad_id=pad_id, eos_id=eos_id, tokenizer=tokenizer,
+                    rewards=rewards.load(cfg.rl.rewards, list(cfg.rl.reward_weights), cfg.rl.max_completion_length),
+                    run_dir=p.run_dir, boundaries=r.attention.boundaries)
+
+
+def _preference(p: RunSpec, keep_alive: Any, model: Any, rows: Rows, eval_rows: Rows | None, pad_id: int,
+                tokenizer: Any = None) -> Any:
     """train.objective other than sft: the step that runs its windows, with the reference engine where it has one
     (and where the reference is precomputed, where its values are kept); dropout off in the policy (as TRL does by
     default)."""
     cfg, r = p.cfg, p.resolved
     if cfg.train.objective == "sft":
         return None
+    if cfg.train.objective == "grpo":
+        return _rl_step(p, keep_alive, model, pad_id, tokenizer)
     from toolkit.runtime.objectives.reference import build_reference, disable_dropout
     from toolkit.runtime.objectives.step import PreferenceStep
 

@@ -72,17 +72,24 @@ class PairCollator:
         return {"input_ids": ids, "attention_mask": mask, "labels": labels, "seq_ids": seq_ids}
 
     def _packed(self, seqs: list[dict[str, list[int]]]) -> dict[str, Any]:
-        from toolkit.runtime.data.batches import document_boundaries
+        return pack(seqs, self.boundaries)
 
-        lens = [len(s["input_ids"]) for s in seqs]
-        ids = torch.tensor([t for s in seqs for t in s["input_ids"]])[None]
-        labels = torch.tensor([t for s in seqs for t in [IGNORE, *s["labels"][1:]]])[None]
-        pos = torch.cat([torch.arange(n) for n in lens])[None]
-        seq_ids = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lens))[None]
-        out = {"input_ids": ids, "labels": labels, "position_ids": pos, "seq_ids": seq_ids}
-        if self.boundaries:
-            out |= document_boundaries([lens], sum(lens))
-        return out
+
+def pack(seqs: list[dict[str, list[int]]], boundaries: bool = False) -> dict[str, Any]:
+    """Sequences ({"input_ids", "labels"}) one after another in a single row (module docstring: packed), with their
+    `seq_ids`; boundaries: the varlen kernel's cu_seq_lens / max_length keywords too. An RL step packs its
+    completions the same way (rl/step.py)."""
+    from toolkit.runtime.data.batches import document_boundaries
+
+    lens = [len(s["input_ids"]) for s in seqs]
+    ids = torch.tensor([t for s in seqs for t in s["input_ids"]])[None]
+    labels = torch.tensor([t for s in seqs for t in [IGNORE, *s["labels"][1:]]])[None]
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    seq_ids = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lens))[None]
+    out = {"input_ids": ids, "labels": labels, "position_ids": pos, "seq_ids": seq_ids, "sequences": len(seqs)}
+    if boundaries:
+        out |= document_boundaries([lens], sum(lens))
+    return out
 
 
 def sequence_sums(token_logps: torch.Tensor, labels: torch.Tensor, seq_ids: torch.Tensor, n: int) -> PairLogps:

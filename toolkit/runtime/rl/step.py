@@ -1,0 +1,261 @@
+"""GRPO on the raw path: each optimizer step is one rollout and one update.
+
+A step's window (grad_accum micro-batches of train.micro_batch_size prompts per rank):
+1. rollout: every prompt of the window x rl.num_generations completions in one `generate_local` call on the live
+   engine (under ZeRO-3 the whole model gathered once where it fits, freed before the backward; every completion
+   seeded by (train.seed, step, prompt row, sample), so a run repeats whatever the world size);
+2. rewards: the reward functions on this rank's completions (rewards.py), weighted and summed; advantages per prompt
+   group (loss.advantages), so no rank waits for another's groups;
+3. update: per micro-batch, its completions packed into one row (the varlen attention sees each sequence apart, as
+   packed pairs are), the reference's per-token log-probs where rl.beta > 0 (the base with adapters off under LoRA,
+   else the frozen ZeRO-3 engine preference runs use), the policy's through its output head in chunks
+   (objectives/logprobs.SelectedHead), the clipped loss (loss.token_loss), backward, engine.step().
+
+Each rollout is trained on once (rl.num_iterations=1, TRL's default): the ratio to the rollout's policy is 1 with its
+gradient, so `old` is the policy's own log-probs detached, and clipping starts to matter only with several passes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from toolkit.config.schema import Config
+from toolkit.launch import dist
+from toolkit.runtime.data.batches import to_device
+from toolkit.runtime.objectives.batch import PRIVATE, logits_token_logps, pack
+from toolkit.runtime.objectives.logprobs import IGNORE, SelectedHead
+from toolkit.runtime.objectives.reference import adapters_off
+from toolkit.runtime.rl import prompts as rl_prompts
+from toolkit.runtime.rl.loss import advantages, token_loss
+from toolkit.runtime.rl.rewards import Reward, score
+
+COMPLETIONS_FILE = "completions.jsonl"
+LOGGED_PROMPTS = 2  # prompts (with all their completions) written to completions.jsonl at a time
+
+
+def _module(engine_or_model: Any) -> Any:
+    return getattr(engine_or_model, "module", engine_or_model)
+
+
+def seed_of(seed: int, step: int, row: int, sample: int) -> int:
+    """A completion's sampling seed: its prompt row and sample number at this step, whatever rank draws it."""
+    return hash((seed, step, row, sample)) & 0x7FFFFFFF
+
+
+class GRPOStep:
+    """What a run with train.objective=grpo hands its windows to (raw path); the raw loop calls it as it calls a
+    preference step (forward_backward, take, prepare)."""
+
+    def __init__(self, cfg: Config, mode: str | None, policy: Any, reference: Any, *, model_config: Any, zero3: bool,
+                 pad_id: int, eos_id: int | None, tokenizer: Any, rewards: list[Reward], run_dir: Path,
+                 boundaries: bool) -> None:
+        self.rl, self.mode, self.reference, self.seed = cfg.rl, mode, reference, cfg.train.seed
+        self.grad_accum = cfg.train.grad_accum
+        self.mc, self.zero3, self.pad_id, self.eos_id = model_config, zero3, pad_id, eos_id
+        self.tokenizer, self.rewards, self.run_dir, self.boundaries = tokenizer, rewards, Path(run_dir), boundaries
+        self.device = dist.device()
+        self.heads = {id(policy): SelectedHead.of(policy)}
+        if reference is not None:
+            self.heads[id(_module(reference))] = SelectedHead.of(_module(reference))
+        self.gen = dataclasses.replace(cfg.eval, max_new_tokens=cfg.rl.max_completion_length, do_sample=True,
+                                       temperature=cfg.rl.temperature, top_p=cfg.rl.top_p)
+        self.collate = rl_prompts.collate
+        self.counter: Any = None
+        """The run's TokenCounter (loops/run.py sets it): a step counts the sequences it trains on."""
+        self._sums: dict[str, float] = defaultdict(float)
+        self._max_len = 0
+        self._dev = torch.zeros(2, device=self.device)  # KL sum, clipped tokens: read on log steps only
+
+    def prepare(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to do before the first step (a preference step's precomputed reference has its pass here)."""
+
+    # ------------------------------------------------------------------ rollout
+
+    def _texts(self, ids: list[list[int]]) -> list[Any]:
+        if self.tokenizer is None:
+            return ids
+        return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+    def _rollout(self, engine: Any, flat: list[dict[str, Any]], step: int
+                 ) -> tuple[list[list[int]], torch.Tensor, list[list[float]]]:
+        """(completions, advantages, each function's rewards) for this rank's prompts x num_generations."""
+        from toolkit.runtime.generation.batched import generate_local, stop_ids
+
+        g = self.rl.num_generations
+        prompts = [r["prompt_ids"] for r in flat for _ in range(g)]
+        seeds = [seed_of(self.seed, step, r["index"], k) for r in flat for k in range(g)]
+        t0 = time.perf_counter()
+        completions, stats = generate_local(engine, prompts, self.gen, mc=self.mc, zero3=self.zero3,
+                                            pad_id=self.pad_id, eos_id=self.eos_id, seeds=seeds)
+        t1 = time.perf_counter()
+        stops = stop_ids(_module(engine), self.eos_id)
+        fields = {k: [r["fields"][k] for r in flat for _ in range(g)] for k in (flat[0]["fields"] if flat else {})}
+        per_func, err = score(self.rewards, [r["prompt"] for r in flat for _ in range(g)], self._texts(completions),
+                              completions, fields, [r["line"] for r in flat for _ in range(g)])
+        # every rank learns of any rank's failure in the same collective, so none is left waiting in the next one
+        failed = next((e for e in dist.all_gather_object(err) if e), None)
+        if failed:
+            raise RuntimeError(failed)
+        values = torch.tensor(per_func, dtype=torch.float32).reshape(len(self.rewards), len(completions)).T
+        weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float32)
+        total = torch.nansum(values * weights, dim=1)
+        scale = self.rl.scale_rewards
+        batch_std = None
+        if scale == "batch":  # TRL: the std over the whole step's rewards, every rank's
+            n, s, sq = dist.all_reduce_sum([float(total.numel()), float(total.sum()), float((total ** 2).sum())])
+            batch_std = math.sqrt(max(sq / max(n, 1) - (s / max(n, 1)) ** 2, 0.0) * n / max(n - 1, 1))
+        adv, std = advantages(total, g, scale, batch_std)
+        t2 = time.perf_counter()
+        lengths = [len(c) for c in completions]
+        cut = sum(1 for c in completions if c and c[-1] not in stops and len(c) >= self.rl.max_completion_length)
+        s = self._sums
+        s["gen_s"] += t1 - t0
+        s["reward_s"] += t2 - t1
+        s["gen_tokens"] += sum(lengths)
+        s["completions"] += len(completions)
+        s["reward"] += float(total.sum())
+        s["groups"] += len(flat)
+        s["reward_std"] += float(std.sum())
+        s["zero_std"] += float((std < 1e-6).sum())
+        s["cut"] += cut
+        for k, r in enumerate(self.rewards):
+            col = values[:, k]
+            s[f"rewards/{r.name}/sum"] += float(torch.nansum(col))
+            s[f"rewards/{r.name}/n"] += float((~col.isnan()).sum())
+        self._max_len = max([self._max_len, *lengths])
+        del stats
+        return completions, adv, per_func
+
+    # ------------------------------------------------------------------ update
+
+    def _per_label(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
+        """Each position's log-prob of its own label (0 where none), [rows, positions]."""
+        inputs = {k: v for k, v in batch.items() if k not in PRIVATE and k != "labels"}
+        labels = batch["labels"]
+        head = self.heads.get(id(_module(model)))
+        if head is not None:
+            with head.targets(labels):
+                tok = model(**inputs, use_cache=False).logits
+        else:
+            tok = logits_token_logps(model(**inputs, use_cache=False).logits, labels)
+        out = torch.zeros_like(tok)
+        out[:, 1:] = tok[:, :-1]  # the state at t predicts the label at t + 1
+        return out
+
+    @torch.no_grad()
+    def _reference(self, engine: Any, batch: dict[str, Any]) -> torch.Tensor | None:
+        if not self.rl.beta:
+            return None
+        if self.reference is not None:
+            return self._per_label(self.reference, batch)
+        with adapters_off(engine) if hasattr(_module(engine), "disable_adapter") else contextlib.nullcontext():
+            return self._per_label(engine, batch)
+
+    def forward_backward(self, engine: Any, batches: list[dict[str, Any]], loss_sum: torch.Tensor) -> None:
+        rl, g = self.rl, self.rl.num_generations
+        step = int(getattr(engine, "global_steps", 0)) + 1
+        flat = [r for b in batches for r in b["rows"]]
+        completions, adv, per_func = self._rollout(engine, flat, step)
+        tokens = float(sum(len(c) for c in completions))
+        world = dist.world_size()
+        normalizer = None
+        if rl.loss_type == "dapo":  # the step's completion tokens over all ranks, per rank (TRL's num_items_in_batch)
+            normalizer = max(dist.all_reduce_sum([tokens])[0], 1.0) / world
+        self._log_completions(step, flat, completions, adv, per_func)
+        engine.train()
+        first = 0
+        for b in batches:
+            n = len(b["rows"]) * g
+            seqs = [{"input_ids": r["prompt_ids"] + c, "labels": [IGNORE] * len(r["prompt_ids"]) + c}
+                    for r, c in zip([r for r in b["rows"] for _ in range(g)], completions[first:first + n],
+                                    strict=True)]
+            batch = to_device(pack(seqs, self.boundaries), self.device)
+            if self.counter is not None:
+                self.counter.add(batch)
+            t0 = self._now()
+            ref_all = self._reference(engine, batch)
+            t1 = self._now()
+            counted = batch["labels"] != IGNORE
+            counted[:, 0] = False
+            lp_all = self._per_label(engine, batch)
+            lp = lp_all[counted]
+            out = token_loss(lp, lp.detach(), None if ref_all is None else ref_all[counted],
+                             batch["seq_ids"][counted], adv[first:first + n].to(self.device), n_seqs=n,
+                             epsilon=rl.epsilon, epsilon_high=rl.epsilon_high or rl.epsilon, beta=rl.beta,
+                             loss_type=rl.loss_type, max_completion_length=rl.max_completion_length,
+                             normalizer=normalizer)
+            if rl.loss_type == "dapo":  # already the step's token mean over ranks: no 1/grad_accum
+                engine.backward(out.loss, scale_wrt_gas=False)
+                loss_sum += out.loss.detach()
+            else:
+                engine.backward(out.loss)
+                loss_sum += out.loss.detach() / self.grad_accum
+            engine.step()
+            self._dev += torch.stack([out.kl_sum, out.clipped])
+            self._sums["train_tokens"] += out.tokens
+            self._sums["ref_s"] += t1 - t0
+            self._sums["train_s"] += self._now() - t1
+            first += n
+        self._sums["steps"] += 1
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":  # the phases' times, not their launch times
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    # ------------------------------------------------------------------ what a run shows
+
+    def _log_completions(self, step: int, flat: list[dict[str, Any]], completions: list[list[int]],
+                         adv: torch.Tensor, per_func: list[list[float]]) -> None:
+        every = self.rl.log_completions_every
+        if not every or dist.rank() != 0 or not (step == 1 or step % every == 0):
+            return
+        g = self.rl.num_generations
+        texts = self._texts(completions[:LOGGED_PROMPTS * g])
+        with (self.run_dir / COMPLETIONS_FILE).open("a") as f:
+            for k, text in enumerate(texts):
+                row = flat[k // g]
+                rewards = {r.name: (None if math.isnan(per_func[j][k]) else per_func[j][k])
+                           for j, r in enumerate(self.rewards)}
+                f.write(json.dumps({"step": step, "row": row["index"], "prompt": row["prompt"], "completion": text,
+                                    "rewards": rewards, "advantage": float(adv[k])}, default=str) + "\n")
+
+    def take(self) -> dict[str, float]:
+        """The metrics since the last log line, over every rank (a collective), named as TRL names them."""
+        keys = sorted(self._sums)
+        got = dist.all_gather_object([{k: self._sums.get(k, 0.0) for k in keys}, self._max_len,
+                                      self._dev.tolist()])
+        s: dict[str, float] = defaultdict(float)
+        for part, _, _ in got:
+            for k, v in part.items():
+                s[k] += v
+        kl_sum = sum(d[0] for _, _, d in got)
+        clipped = sum(d[1] for _, _, d in got)
+        steps = max(s["steps"] / len(got), 1.0)
+        n, groups, tokens = max(s["completions"], 1.0), max(s["groups"], 1.0), max(s["train_tokens"], 1.0)
+        rec = {"reward": s["reward"] / n, "reward_std": s["reward_std"] / groups,
+               "frac_reward_zero_std": s["zero_std"] / groups,
+               "completions/mean_length": s["gen_tokens"] / n, "completions/max_length": float(max(m for _, m, _ in got)),
+               "completions/clipped_ratio": s["cut"] / n, "clip_ratio": clipped / tokens,
+               # the slowest rank's phase times: the others wait for it in the next collective
+               "time/generate_s": max(p.get("gen_s", 0.0) for p, _, _ in got) / steps,
+               "time/reward_s": max(p.get("reward_s", 0.0) for p, _, _ in got) / steps,
+               "time/reference_s": max(p.get("ref_s", 0.0) for p, _, _ in got) / steps,
+               "time/train_s": max(p.get("train_s", 0.0) for p, _, _ in got) / steps}
+        if self.rl.beta:
+            rec["kl"] = kl_sum / tokens
+        for r in self.rewards:
+            rec[f"rewards/{r.name}/mean"] = s[f"rewards/{r.name}/sum"] / max(s[f"rewards/{r.name}/n"], 1.0)
+        self._sums.clear()
+        self._max_len = 0
+        self._dev.zero_()
+        return rec
