@@ -63,7 +63,7 @@ def token_loss(logps: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None,
     clipped = (high < low).float().sum().detach()
     tokens = int(logps.numel())
     if loss_type == "grpo":
-        lengths = torch.zeros(n_seqs, device=logps.device).index_add(0, seq, torch.ones_like(per_token))
+        lengths = torch.zeros(n_seqs, device=logps.device, dtype=per_token.dtype).index_add(0, seq, torch.ones_like(per_token))
         per_seq = torch.zeros(n_seqs, device=logps.device, dtype=per_token.dtype).index_add(0, seq, per_token)
         loss = (per_seq / lengths.clamp(min=1)).mean()
     elif loss_type == "bnpo":
