@@ -364,3 +364,23 @@ def test_a_preference_runs_plot_shows_its_reward_accuracy_and_the_held_out_one(t
     fig, ax = plt.subplots()
     assert plot_preference(ax, load_run(run)) is None  # an SFT run: no second axis
     plt.close(fig)
+
+
+def test_an_rl_run_shows_its_reward_in_the_summary_and_the_plot(tmp_path: Path) -> None:
+    from toolkit.observe.metrics import closing_summary
+    from toolkit.observe.plot import _pyplot, plot_preference
+    from toolkit.observe.rundata import load_run
+
+    run = make_run(tmp_path)
+    lines = [{"step": s, "loss": 0.0, "tokens_per_s": 100.0, "reward": r, "reward_std": 0.1,
+              "frac_reward_zero_std": z, "completions/mean_length": 7.5}
+             for s, r, z in ((1, 0.1, 0.5), (2, 0.2, 0.25), (3, 0.45, 0.25))]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert report(run, output=tmp_path / "out") == 0
+    text = closing_summary(lines, run, 3, 3, {}, False)
+    assert "reward      0.1000 (step 1) -> 0.4500 (step 3), completions 7.5 tokens, 25% of groups" in text
+    plt = _pyplot()
+    fig, ax = plt.subplots()
+    rew = plot_preference(ax, load_run(run))  # no reward accuracy: the RL axis
+    assert {line.get_label(): list(line.get_ydata()) for line in rew.get_lines()} == {"mean reward": [0.1, 0.2, 0.45]}
+    plt.close(fig)

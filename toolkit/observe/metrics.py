@@ -357,6 +357,12 @@ def closing_summary(
         a, b = pref[0], pref[-1]
         lines.append(f"  preference  accuracy {a['rewards/accuracies']:.3f} -> {b['rewards/accuracies']:.3f}, "
                      f"reward margin {a['rewards/margins']:.4f} -> {b['rewards/margins']:.4f}")
+    rl = [r for r in losses if r.get("reward") is not None and r.get("completions/mean_length") is not None]
+    if rl:  # train.objective=grpo (runtime/rl/)
+        a, b = rl[0], rl[-1]
+        lines.append(f"  reward      {a['reward']:.4f} (step {a['step']}) -> {b['reward']:.4f} (step {b['step']}), "
+                     f"completions {b['completions/mean_length']:.1f} tokens, "
+                     f"{b['frac_reward_zero_std']:.0%} of groups without reward spread")
     if gens:
         g = gens[-1]
         match = "" if g.get("gen_exact_match") is None else f", exact match {g['gen_exact_match']:.3f}"

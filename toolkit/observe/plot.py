@@ -80,7 +80,7 @@ def plot_preference(ax: Any, data: RunData) -> Any:
     held-out pairs' as squares; returns that axis, or None for a run without reward metrics."""
     pts = [(r["step"], r["rewards/accuracies"]) for r in data.metrics if r.get("rewards/accuracies") is not None]
     if not pts:
-        return None
+        return plot_rl(ax, data)
     acc = ax.twinx()
     acc.plot([p[0] for p in pts], [p[1] for p in pts], color="tab:green", marker=_marker(len(pts)), ms=3,
              label="reward accuracy")
@@ -94,6 +94,22 @@ def plot_preference(ax: Any, data: RunData) -> Any:
     acc.legend(fontsize=8, loc="center right")
     ax.set_title("loss and reward accuracy")
     return acc
+
+
+def plot_rl(ax: Any, data: RunData) -> Any:
+    """An RL run (train.objective=grpo): its mean reward on a right-hand axis of the loss panel (green); returns that
+    axis, or None for a run without rewards."""
+    pts = [(r["step"], r["reward"]) for r in data.metrics
+           if r.get("reward") is not None and r.get("completions/mean_length") is not None]
+    if not pts:
+        return None
+    rew = ax.twinx()
+    rew.plot([p[0] for p in pts], [p[1] for p in pts], color="tab:green", marker=_marker(len(pts)), ms=3,
+             label="mean reward")
+    rew.set_ylabel("mean reward", color="tab:green")
+    rew.legend(fontsize=8, loc="center right")
+    ax.set_title("loss and reward")
+    return rew
 
 
 def _no_data(ax: Any, what: str) -> None:

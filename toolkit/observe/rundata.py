@@ -25,6 +25,7 @@ METRIC_KEYS = ("loss", "lr", "tokens_per_s", "samples_per_s", "step_time_s", "gr
 EVAL_KEYS = ("eval_loss", "eval_ppl", "eval_tokens",  # a held-out loss line (runtime/loops/evaluate.py)
              "eval_pairs", "eval_rewards/accuracies", "eval_rewards/margins")  # held-out preference pairs
 PREF_KEYS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")
+RL_KEYS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "kl")  # train.objective=grpo
 GEN_KEYS = ("gen_prompts", "gen_new_tokens", "gen_s", "gen_tokens_per_s", "gen_batch_size",
             "gen_exact_match")  # an eval.generate line (runtime/generation/evaluate.py)
 # What toolkit/train.py writes into every run directory; a directory with none of them is not a run.
@@ -133,7 +134,7 @@ def load_run(run_dir: Path) -> RunData:
                                          "gen_path": path if isinstance(path, str) else None})
                 continue
             row = {"step": int(obj["step"]), **{k: _num(obj.get(k)) for k in METRIC_KEYS}}
-            for k in PREF_KEYS:  # preference runs (train.objective): TRL's reward metrics
+            for k in (*PREF_KEYS, *RL_KEYS):  # preference and RL runs (train.objective): TRL's reward metrics
                 if k in obj:
                     row[k] = _num(obj.get(k))
             if "moe_aux_loss" in obj:  # Mixture-of-Experts runs (raw path): the load-balancing loss, per-layer load

@@ -41,6 +41,10 @@ PREF_TAGS = {k: f"pref/{k}" for k in ("rewards/chosen", "rewards/rejected", "rew
                                       "logps/chosen", "logps/rejected")}  # train.objective other than sft
 PREF_TAGS |= {f"eval_{k}": f"eval/{k}" for k in ("rewards/accuracies", "rewards/margins", "rewards/chosen",
                                                  "rewards/rejected")}  # held-out pairs
+RL_KEYS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/max_length",
+           "completions/clipped_ratio", "clip_ratio", "kl", "time/generate_s", "time/reward_s", "time/reference_s",
+           "time/train_s")
+RL_TAGS = {k: f"rl/{k}" for k in RL_KEYS}  # train.objective=grpo (runtime/rl/), with each function's rewards/NAME/mean
 GEN_TAGS = {"gen_tokens_per_s": "generate/tokens_per_s", "gen_s": "generate/seconds",
             "gen_exact_match": "generate/exact_match"}  # eval.generate lines (runtime/generation/)
 # memory snapshot key -> tag. Null values (GPU fields on CPU) are left out, not written as NaN.
@@ -92,6 +96,8 @@ class TrainWriter:
         _add(self._w, GEN_TAGS, rec, int(rec["step"]), None)
         _add(self._w, PREF_TAGS, rec, int(rec["step"]), None)
         _add(self._w, MOE_TAGS, rec, int(rec["step"]), None)
+        _add(self._w, RL_TAGS | {k: f"rl/{k}" for k in rec if k.startswith("rewards/") and k.endswith("/mean")}, rec,
+             int(rec["step"]), None)
         for layer, value in enumerate(rec.get("expert_load") or []):  # MoE: busiest expert / mean, per layer
             self._w.add_scalar(f"moe/expert_load_layer{layer}", float(value), global_step=int(rec["step"]))
 
