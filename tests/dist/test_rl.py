@@ -1,7 +1,8 @@
 """GRPO (train.objective=grpo) on 2 CPU ranks, the raw path, in one shared launch: a tiny model learns a toy
 verifiable task from a reward file; ZeRO-3 trains as ZeRO-0 from the same seeds; completions that stop at different
 lengths on different ranks (a stop token, ZeRO-3 layer by layer) do not hang; a resume continues the same curve; the
-KL to the reference starts at 0 (engine and adapter references); text prompts reach the built-in rewards; a reward
+KL to the reference starts at 0 (engine and adapter references); text prompts reach the built-in rewards (with two
+micro-batches a step); a reward
 function that raises on one rank's row stops every rank with one line naming it and the row."""
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def _runs(tmp: Path) -> list[dict]:
             f.write(json.dumps({**row, "answer": "sat on the mat"}) + "\n")
     runs.append({"name": "text", "argv": ["--ds", _ds("zero2"), *COMMON, f"data.source={text}",
                                           f"model.tokenizer={tok}", "rl.rewards=[exact_match,format=^the,length]",
-                                          "rl.reward_weights=[1.0,0.5,0.1]", "train.max_steps=2",
+                                          "rl.reward_weights=[1.0,0.5,0.1]", "train.max_steps=2", "train.grad_accum=2",
                                           "rl.num_generations=2", "rl.log_completions_every=1",
                                           f"train.run_dir={tmp / 'text'}"]})
     return runs

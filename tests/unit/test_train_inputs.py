@@ -118,3 +118,19 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_before_launch(
     _check_vocabulary(cfg, SimpleNamespace(vocab_size=1000))  # fits
     with pytest.raises(ConfigError, match=r"has \d+ ids but the model tiny embeds 5"):
         _check_vocabulary(cfg, SimpleNamespace(vocab_size=5))
+
+
+@pytest.mark.timeout(200)
+def test_grpo_runs_refuse_what_they_do_not_support_before_launch(tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a", "answer": "b"}) + "\n" + json.dumps({"answer": "c"}) + "\n")
+    proc = train(tmp_path, "train.objective=grpo", "train.path=trainer", f"data.source={prompts}")
+    assert_one_line_error(proc, "train.objective=grpo runs on the raw path so far: train.path=raw")
+    proc = train(tmp_path, "train.objective=grpo", "train.path=raw", "rl.rewards=exact_match")
+    assert_one_line_error(proc, "train.objective=grpo needs a prompt file: data.source=prompts.jsonl")
+    proc = train(tmp_path, "train.objective=grpo", "train.path=raw", f"data.source={prompts}",
+                 f"rl.rewards={tmp_path / 'missing.py'}:fn")
+    assert_one_line_error(proc, "rl.rewards:", "missing.py does not exist")
+    proc = train(tmp_path, "train.objective=grpo", "train.path=raw", f"data.source={prompts}", "rl.rewards=exact_match")
+    assert_one_line_error(proc, f"{prompts}:2", "expected a prompt")
+    assert not (tmp_path / "run").exists()
