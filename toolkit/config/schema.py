@@ -395,8 +395,8 @@ class RLConfig:
     num_generations: int = 8
     """Completions per prompt (the group its advantages are normalized in)."""
     max_prompt_length: int = 512
-    """Prompt tokens at most (a longer prompt keeps its end); 0: no limit."""
-    max_completion_length: int = 256
+    """Prompt tokens at most (a longer prompt keeps its end); 0: no limit (TRL 1.16 has no such limit)."""
+    max_completion_length: int = 512
     temperature: float = 1.0
     top_p: float = 1.0
     epsilon: float = 0.2
