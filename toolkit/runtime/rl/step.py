@@ -132,7 +132,8 @@ class GRPOStep:
             s[f"rewards/{r.name}/sum"] += float(torch.nansum(col))
             s[f"rewards/{r.name}/n"] += float((~col.isnan()).sum())
         self._max_len = max([self._max_len, *lengths])
-        del stats
+        if step == 1 and dist.rank() == 0:  # how the rollouts generate: the gathered model or layer by layer, why
+            print(f"rollout at step 1: {stats.line()}", flush=True)
         return completions, adv, per_func
 
     # ------------------------------------------------------------------ update
