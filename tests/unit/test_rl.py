@@ -150,11 +150,41 @@ def test_bad_prompt_rows_name_their_line(tmp_path: Path, row: dict, message: str
         prompts.check_file(f)
 
 
-def test_rows_with_other_fields_are_refused(tmp_path: Path) -> None:
+def test_rows_with_other_fields_ids_past_the_vocabulary_and_text_without_a_tokenizer_are_refused(
+        tmp_path: Path) -> None:
     f = tmp_path / "p.jsonl"
     f.write_text(json.dumps({"input_ids": [1], "answer": 1}) + "\n" + json.dumps({"input_ids": [2]}) + "\n")
-    with pytest.raises(ConfigError, match="row 2 has fields"):
+    with pytest.raises(ConfigError, match=r"p.jsonl:2: fields \[\], the first row's \['answer'\]"):
         prompts.load(f, None, 0)
+    f.write_text(json.dumps({"input_ids": [1, 64]}) + "\n")
+    with pytest.raises(ConfigError, match=r"p\.jsonl:1: input_ids holds 64, past the model.s 64 token ids"):
+        prompts.check_file(f, vocab=64)
+    f.write_text(json.dumps({"prompt": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(ConfigError, match="need a tokenizer"):
+        prompts.check_file(f, need_tokenizer=True)
+
+
+def test_a_completion_no_function_scores_has_no_advantage() -> None:
+    r = torch.tensor([1.0, 0.0, float("nan"), 1.0])
+    adv, std = advantages(r, 4, "group")
+    assert adv[2] == 0 and float(std[0]) == pytest.approx(float(torch.tensor([1.0, 0.0, 1.0]).std()))
+    assert float(adv[:2].sum() + adv[3]) == pytest.approx(0.0, abs=1e-6)  # the others centred on their own mean
+
+
+def test_rewards_take_numpy_numbers_chat_completions_and_distinct_names(tmp_path: Path) -> None:
+    import numpy as np
+
+    f = tmp_path / "n.py"
+    f.write_text("import numpy as np\ndef npf(completions, **kw):\n    return [np.float32(0.5)] * len(completions)\n")
+    got = rewards.load(f"{f}:npf,format=^a,format=^b,exact_match", [], 8)
+    assert [r.name for r in got] == ["n:npf", "format", "format#2", "exact_match"]
+    chat = [[{"role": "assistant", "content": "a yes"}], [{"role": "assistant", "content": "b"}]]
+    values, err = rewards.score(got, ["p", "p"], chat, [[1], [2]], {"answer": ["a yes", "no"]}, [1, 2])
+    assert err is None and values == [[0.5, 0.5], [1.0, 0.0], [0.0, 1.0], [1.0, 0.0]]
+    assert rewards._number(np.float64(1.5)) and rewards._number(torch.tensor(2.0))
+    assert not rewards._number(torch.tensor([1.0, 2.0])) and not rewards._number(True)
+    with pytest.raises(ConfigError, match="length=N takes N > 0"):
+        rewards.load("length=0", [], 8)
 
 
 @pytest.mark.parametrize("override,message", [

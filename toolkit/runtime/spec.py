@@ -183,7 +183,7 @@ def _check_objective(cfg: Config) -> None:
         from toolkit.runtime.rl import prompts, rewards
 
         rewards.load(cfg.rl.rewards, list(cfg.rl.reward_weights), cfg.rl.max_completion_length)  # imports the file
-        prompts.check_file(d.source)
+        prompts.check_file(d.source)  # the rows alone; their tokenizer and ids: _check_vocabulary
         return
     from toolkit.runtime.objectives.pairs import check_file
 
@@ -201,6 +201,10 @@ def _check_vocabulary(cfg: Config, mc: Any) -> None:
 
     tok = build_tokenizer(cfg)
     vocab = getattr(mc.get_text_config() if hasattr(mc, "get_text_config") else mc, "vocab_size", None)
+    if cfg.train.objective == "grpo":  # text and chat prompts need the tokenizer, ids the model's vocabulary
+        from toolkit.runtime.rl import prompts
+
+        prompts.check_file(cfg.data.source, tokenizer=tok, vocab=vocab, need_tokenizer=True)
     if tok is not None and vocab and len(tok) > vocab:
         raise ConfigError(f"the tokenizer ({cfg.model.tokenizer or cfg.model.name}) has {len(tok):,} ids but the model "
                           f"{cfg.model.name} embeds {vocab:,}: take the model's own tokenizer, or a model whose "

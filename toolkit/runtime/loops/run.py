@@ -55,6 +55,7 @@ from toolkit.runtime.loops.state import RunState
 from toolkit.runtime.loops.trainer import run_trainer, training_args
 from toolkit.runtime.model import build_tokenizer
 from toolkit.runtime.objectives.batch import PairCollator
+from toolkit.runtime.rl.rewards import RewardError
 from toolkit.runtime.sequence import ulysses
 from toolkit.runtime.speed import autotune
 from toolkit.runtime.speed import compile as compiling
@@ -88,7 +89,8 @@ def run(p: RunSpec) -> int:
                 rc = _train(p)
             finally:
                 ulysses.stop()  # sequence parallelism's process-wide state, for a next run in this process
-    except CheckpointError as e:  # a save that could not happen: the same one line on every rank
+    except (CheckpointError, ConfigError, RewardError) as e:  # a save that could not happen, an input found bad once
+        # it was read, a reward function that failed: the same one line on every rank
         watchdog.failing(e)
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
@@ -295,7 +297,8 @@ def _prompt_rows(p: RunSpec, tokenizer: Any) -> Rows:
 
 def _rl_step(p: RunSpec, keep_alive: Any, model: Any, pad_id: int, tokenizer: Any) -> Any:
     """train.objective=grpo: the step that rolls out and trains each window, with the reference engine where
-    rl.beta > 0 on a full fine-tune; dropout off in the policy (as TRL does)."""
+    rl.beta > 0 on a full fine-tune; dropout off in the policy, so the log-probs trained on are those of the policy
+    that sampled (generation runs in eval mode; TRL's GRPO leaves dropout on by default)."""
     from toolkit.config.ds_config import zero_stage
     from toolkit.runtime.generation.evaluate import ids_of
     from toolkit.runtime.objectives.reference import build_reference, disable_dropout

@@ -89,12 +89,14 @@ class SelectedHead:
     falls back to the whole logits."""
 
     def __init__(self, head: Any, chunk: int = DEFAULT_CHUNK) -> None:
-        self.head, self.chunk, self._targets = head, chunk, None
+        self.head, self.chunk, self._targets, self._temperature = head, chunk, None, 1.0
         plain = head.forward
 
         def forward(hidden: torch.Tensor) -> torch.Tensor:
             if self._targets is None:
                 return plain(hidden)
+            if self._temperature != 1.0:  # logits / T as (hidden / T) @ W^T: the distribution an RL rollout sampled
+                hidden = hidden / self._temperature
             flat = selected_logprobs(hidden.reshape(-1, hidden.shape[-1]), head.weight, self._targets.reshape(-1),
                                      self.chunk)
             return flat.view(self._targets.shape)
@@ -122,12 +124,13 @@ class SelectedHead:
         return SelectedHead(head, chunk)
 
     @contextlib.contextmanager
-    def targets(self, labels: torch.Tensor) -> Iterator[None]:
-        """labels: [rows, positions] as a batch carries them; position t's output is log p(labels[t + 1])."""
+    def targets(self, labels: torch.Tensor, temperature: float = 1.0) -> Iterator[None]:
+        """labels: [rows, positions] as a batch carries them; position t's output is log p(labels[t + 1]), of the
+        logits divided by `temperature` (an RL run's sampling temperature, as TRL takes its log-probs)."""
         targets = torch.full_like(labels, IGNORE)
         targets[:, :-1] = labels[:, 1:]
-        self._targets = targets
+        self._targets, self._temperature = targets, float(temperature)
         try:
             yield
         finally:
-            self._targets = None
+            self._targets, self._temperature = None, 1.0

@@ -11,21 +11,30 @@ import torch
 from toolkit.config.schema import LOSS_TYPES
 
 
+def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """The unbiased std of the values that are not NaN (0 where fewer than two are)."""
+    n = (~x.isnan()).sum(dim=dim) if dim is not None else (~x.isnan()).sum()
+    mean = x.nanmean(dim=dim, keepdim=dim is not None) if dim is not None else x.nanmean()
+    sq = ((x - mean) ** 2).nansum(dim=dim) if dim is not None else ((x - mean) ** 2).nansum()
+    return torch.where(n > 1, (sq / (n - 1).clamp(min=1)).sqrt(), torch.zeros_like(sq))
+
+
 def advantages(rewards: torch.Tensor, group: int, scale: str, batch_std: float | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, per-group reward std) of rewards [prompts x group], each prompt's completions consecutive:
     reward minus its group's mean, divided by the group's std (scale=group), the whole step's (batch: `batch_std`,
     over every rank; these rewards' own where not given) or not at all (none), as TRL's scale_rewards; std + 1e-4 as
-    TRL, so a group whose rewards are all equal gets advantages 0, not NaN."""
+    TRL, so a group whose rewards are all equal gets advantages 0, not NaN. A NaN reward (a completion no function
+    scored) is left out of its group's mean and std and gets advantage 0, as in TRL."""
     grouped = rewards.view(-1, group)
-    centred = grouped - grouped.mean(dim=1, keepdim=True)
-    std = grouped.std(dim=1) if group > 1 else torch.zeros(grouped.shape[0], dtype=rewards.dtype)
+    centred = grouped - grouped.nanmean(dim=1, keepdim=True)
+    std = _nanstd(grouped, dim=1) if group > 1 else torch.zeros(grouped.shape[0], dtype=rewards.dtype)
     if scale == "group":
         centred = centred / (std[:, None] + 1e-4)
     elif scale == "batch":
-        std_all = batch_std if batch_std is not None else float(rewards.std()) if rewards.numel() > 1 else 0.0
+        std_all = batch_std if batch_std is not None else float(_nanstd(rewards))
         centred = centred / (std_all + 1e-4)
-    return centred.reshape(-1), std
+    return torch.nan_to_num(centred.reshape(-1), nan=0.0), torch.nan_to_num(std, nan=0.0)
 
 
 @dataclass

@@ -31,9 +31,29 @@ def check_row(row: dict[str, Any], where: str) -> str:
     return field
 
 
-def check_file(path: str | Path, label: str = "data.source") -> None:
-    """Before launch: every row has a usable prompt."""
-    check_rows(Path(path), label, check_row, "prompts")
+def check_file(path: str | Path, label: str = "data.source", *, tokenizer: Any = None, vocab: int | None = None,
+               need_tokenizer: bool = False) -> None:
+    """Before launch: every row has a usable prompt and the first row's fields; with need_tokenizer, text and chat
+    prompts have a tokenizer (and chat ones its chat template); input_ids fit the model's vocabulary."""
+    first: list[set[str]] = []
+
+    def check(row: dict[str, Any], where: str) -> None:
+        field = check_row(row, where)
+        keys = set(row) - set(PROMPT_FIELDS)
+        if not first:
+            first.append(keys)
+        elif keys != first[0]:
+            raise ConfigError(f"{where}: fields {sorted(keys)}, the first row's {sorted(first[0])}: reward functions "
+                              "take every field as a list, one entry a completion")
+        if need_tokenizer and field != "input_ids" and tokenizer is None:
+            raise ConfigError(f'{where}: "{field}" prompts need a tokenizer (model.tokenizer); give "input_ids"')
+        if need_tokenizer and isinstance(row[field], list) and field != "input_ids" \
+                and not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(f"{where}: chat messages need a chat template, and the tokenizer has none")
+        if field == "input_ids" and vocab and max(row[field]) >= vocab:
+            raise ConfigError(f"{where}: input_ids holds {max(row[field])}, past the model's {vocab:,} token ids")
+
+    check_rows(Path(path), label, check, "prompts")
 
 
 def load(path: str | Path, tokenizer: Any | None, max_prompt_length: int, label: str = "data.source"
@@ -66,11 +86,6 @@ def load(path: str | Path, tokenizer: Any | None, max_prompt_length: int, label:
             ids, cut = ids[-max_prompt_length:], cut + 1
         fields = {k: v for k, v in row.items() if k not in PROMPT_FIELDS}
         rows.append({"prompt_ids": ids, "prompt": value, "fields": fields, "index": len(rows), "line": lineno})
-    keys = set(rows[0]["fields"])
-    for r in rows:
-        if set(r["fields"]) != keys:
-            raise ConfigError(f"{label}: {path}: row {r['index'] + 1} has fields {sorted(r['fields'])}, the first row "
-                              f"{sorted(keys)}: reward functions take every field as a list, one entry a completion")
     return rows, cut
 
 

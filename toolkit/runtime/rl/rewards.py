@@ -9,15 +9,18 @@ function of the same file: `rewards.py:fn,fn2`), or a built-in:
 
 Each function is called as TRL calls its reward functions: fn(prompts=..., completions=..., completion_ids=...,
 **fields), one list entry per completion (each row's fields repeated for its completions), and returns one float per
-completion (None where it does not apply: it then adds nothing, as TRL's nansum). Every rank scores its own
-completions; a function that raises or returns the wrong thing ends the run on every rank with one line naming it
-and the row (rollout.py gathers the errors, so no rank waits in a collective for one that stopped).
+completion (None where it does not apply: it then adds nothing, as TRL's nansum; a completion no function scores
+gets no reward and advantage 0). For a chat prompt a completion is an assistant message, as TRL passes it. Every
+rank scores its own completions; a function that raises or returns the wrong thing ends the run on every rank with
+one line naming it and the prompt's line (rl/step.py gathers the errors, so no rank waits in a collective for one
+that stopped).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import numbers
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +30,10 @@ from typing import Any
 from toolkit.config.ds_config import ConfigError
 
 BUILTINS = ("exact_match", "format", "length")
+
+
+class RewardError(RuntimeError):
+    """A reward function that failed during the run: one line, the same on every rank."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,7 @@ def _builtin(entry: str, max_completion_length: int) -> Callable[..., Any]:
         field = arg or "answer"
 
         def exact_match(completions: list[Any], **fields: Any) -> list[float | None]:
+            completions = [c[0]["content"] if isinstance(c, list) else c for c in completions]  # chat: the message
             if field not in fields:
                 raise KeyError(f"the rows have no field {field!r} (exact_match compares the completion with it)")
             return [None if want is None else float(str(c).strip() == str(want).strip())
@@ -80,14 +88,15 @@ def _builtin(entry: str, max_completion_length: int) -> Callable[..., Any]:
             raise ConfigError(f"rl.rewards: format={arg!r} is not a regular expression ({e})") from e
 
         def format_match(completions: list[Any], **_: Any) -> list[float]:
-            return [float(pattern.match(str(c)) is not None) for c in completions]
+            texts = [c[0]["content"] if isinstance(c, list) else str(c) for c in completions]
+            return [float(pattern.match(t) is not None) for t in texts]
         return format_match
     if name == "length":
         try:
             target = int(arg) if arg else 0
         except ValueError as e:
             raise ConfigError(f"rl.rewards: length={arg!r} takes a number of tokens") from e
-        if target < 0:
+        if arg and target <= 0:
             raise ConfigError("rl.rewards: length=N takes N > 0")
 
         def length(completion_ids: list[list[int]], **_: Any) -> list[float]:
@@ -115,14 +124,19 @@ def load(spec: list[str] | str, weights: list[float], max_completion_length: int
         if ".py:" in entry:
             file, _, name = entry.rpartition(":")
             current = Path(file)
-            out.append(Reward(f"{current.stem}:{name}", _from_file(current, name), weight))
+            reward = Reward(f"{current.stem}:{name}", _from_file(current, name), weight)
         elif entry.partition("=")[0] in BUILTINS:
-            out.append(Reward(entry.partition("=")[0], _builtin(entry, max_completion_length), weight))
+            reward = Reward(entry.partition("=")[0], _builtin(entry, max_completion_length), weight)
         elif current is not None and entry.isidentifier():
-            out.append(Reward(f"{current.stem}:{entry}", _from_file(current, entry), weight))
+            reward = Reward(f"{current.stem}:{entry}", _from_file(current, entry), weight)
         else:
             raise ConfigError(f"rl.rewards: unknown entry {entry!r}: give path/to/file.py:function or one of "
                               f"{', '.join(BUILTINS)}")
+        taken = {r.name for r in out}
+        if reward.name in taken:  # two of a kind (format=A,format=B): each its own metric
+            reward = Reward(next(f"{reward.name}#{i}" for i in range(2, len(entries) + 2)
+                                 if f"{reward.name}#{i}" not in taken), reward.fn, weight)
+        out.append(reward)
     return out
 
 
@@ -134,7 +148,7 @@ def score(rewards: list[Reward], prompts: list[Any], completions: list[Any], com
     for r in rewards:
         try:
             got = r.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **fields)
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # sys.exit in a reward function too: the other ranks must hear of it
             return out, f"rl.rewards: {r.name} raised {type(e).__name__}: {e}{_culprit(r, prompts, completions, completion_ids, fields, rows)}"
         if not isinstance(got, (list, tuple)) or len(got) != len(completions):
             n = len(got) if isinstance(got, (list, tuple)) else type(got).__name__
@@ -144,13 +158,24 @@ def score(rewards: list[Reward], prompts: list[Any], completions: list[Any], com
         for k, v in enumerate(got):
             if v is None:
                 values.append(math.nan)
-            elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            elif _number(v):  # any real number: a Python or NumPy float, a one-element tensor
                 values.append(float(v))
             else:
                 return out, (f"rl.rewards: {r.name} returned {v!r} for the prompt on line {rows[k]}: return a finite float "
                              "(or None)")
         out.append(values)
     return out, None
+
+
+def _number(v: Any) -> bool:
+    if isinstance(v, (bool, str, bytes)):
+        return False
+    if not isinstance(v, numbers.Real) and not (hasattr(v, "__float__") and getattr(v, "numel", lambda: 1)() == 1):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False
 
 
 def _culprit(r: Reward, prompts: list[Any], completions: list[Any], completion_ids: list[list[int]],
@@ -160,6 +185,6 @@ def _culprit(r: Reward, prompts: list[Any], completions: list[Any], completion_i
         try:
             r.fn(prompts=prompts[k:k + 1], completions=completions[k:k + 1], completion_ids=completion_ids[k:k + 1],
                  **{f: v[k:k + 1] for f, v in fields.items()})
-        except Exception:
+        except (Exception, SystemExit):
             return f" (the prompt on line {rows[k]} of data.source)"
     return f" (the prompts on lines {sorted(set(rows))[:8]} of data.source, together)"

@@ -3,7 +3,8 @@
 A step's window (grad_accum micro-batches of train.micro_batch_size prompts per rank):
 1. rollout: every prompt of the window x rl.num_generations completions in one `generate_local` call on the live
    engine (under ZeRO-3 the whole model gathered once where it fits, freed before the backward; every completion
-   seeded by (train.seed, step, prompt row, sample), so a run repeats whatever the world size);
+   seeded by (train.seed, step, prompt row, sample): a completion's draw depends on its prompt, not on the rank that
+   draws it);
 2. rewards: the reward functions on this rank's completions (rewards.py), weighted and summed; advantages per prompt
    group (loss.advantages), so no rank waits for another's groups;
 3. update: per micro-batch, its completions packed into one row (the varlen attention sees each sequence apart, as
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import time
@@ -36,7 +38,7 @@ from toolkit.runtime.objectives.logprobs import IGNORE, SelectedHead
 from toolkit.runtime.objectives.reference import adapters_off
 from toolkit.runtime.rl import prompts as rl_prompts
 from toolkit.runtime.rl.loss import advantages, token_loss
-from toolkit.runtime.rl.rewards import Reward, score
+from toolkit.runtime.rl.rewards import Reward, RewardError, score
 
 COMPLETIONS_FILE = "completions.jsonl"
 LOGGED_PROMPTS = 2  # prompts (with all their completions) written to completions.jsonl at a time
@@ -47,8 +49,10 @@ def _module(engine_or_model: Any) -> Any:
 
 
 def seed_of(seed: int, step: int, row: int, sample: int) -> int:
-    """A completion's sampling seed: its prompt row and sample number at this step, whatever rank draws it."""
-    return hash((seed, step, row, sample)) & 0x7FFFFFFF
+    """A completion's sampling seed: its prompt row and sample number at this step, whatever rank draws it (a fixed
+    digest, not Python's hash, whose algorithm is the interpreter's to change)."""
+    digest = hashlib.blake2b(f"{seed},{step},{row},{sample}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
 class GRPOStep:
@@ -80,10 +84,14 @@ class GRPOStep:
 
     # ------------------------------------------------------------------ rollout
 
-    def _texts(self, ids: list[list[int]]) -> list[Any]:
+    def _texts(self, ids: list[list[int]], chat: list[bool] | None = None) -> list[Any]:
+        """What reward functions get as completions, as TRL passes them: the decoded text, an assistant message for a
+        chat prompt (`chat`), the ids where the run has no tokenizer."""
         if self.tokenizer is None:
             return ids
-        return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        return [[{"role": "assistant", "content": t}] if c else t
+                for t, c in zip(texts, chat or [False] * len(texts), strict=True)]
 
     def _rollout(self, engine: Any, flat: list[dict[str, Any]], step: int
                  ) -> tuple[list[list[int]], torch.Tensor, list[list[float]]]:
@@ -99,19 +107,24 @@ class GRPOStep:
         t1 = time.perf_counter()
         stops = stop_ids(_module(engine), self.eos_id)
         fields = {k: [r["fields"][k] for r in flat for _ in range(g)] for k in (flat[0]["fields"] if flat else {})}
-        per_func, err = score(self.rewards, [r["prompt"] for r in flat for _ in range(g)], self._texts(completions),
-                              completions, fields, [r["line"] for r in flat for _ in range(g)])
+        chat = [isinstance(r["prompt"], list) for r in flat for _ in range(g)]
+        per_func, err = score(self.rewards, [r["prompt"] for r in flat for _ in range(g)],
+                              self._texts(completions, chat), completions, fields,
+                              [r["line"] for r in flat for _ in range(g)])
         # every rank learns of any rank's failure in the same collective, so none is left waiting in the next one
         failed = next((e for e in dist.all_gather_object(err) if e), None)
         if failed:
-            raise RuntimeError(failed)
+            raise RewardError(failed)
         values = torch.tensor(per_func, dtype=torch.float32).reshape(len(self.rewards), len(completions)).T
         weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float32)
         total = torch.nansum(values * weights, dim=1)
+        # a completion no function scored (all None) has no reward: out of its group's mean and std, advantage 0 (TRL)
+        total[values.isnan().all(dim=1)] = math.nan
+        scored = total[~total.isnan()]
         scale = self.rl.scale_rewards
         batch_std = None
         if scale == "batch":  # TRL: the std over the whole step's rewards, every rank's
-            n, s, sq = dist.all_reduce_sum([float(total.numel()), float(total.sum()), float((total ** 2).sum())])
+            n, s, sq = dist.all_reduce_sum([float(scored.numel()), float(scored.sum()), float((scored ** 2).sum())])
             batch_std = math.sqrt(max(sq / max(n, 1) - (s / max(n, 1)) ** 2, 0.0) * n / max(n - 1, 1))
         adv, std = advantages(total, g, scale, batch_std)
         t2 = time.perf_counter()
@@ -122,10 +135,12 @@ class GRPOStep:
         s["reward_s"] += t2 - t1
         s["gen_tokens"] += sum(lengths)
         s["completions"] += len(completions)
-        s["reward"] += float(total.sum())
+        s["scored"] += float(scored.numel())
+        s["reward"] += float(scored.sum())
+        s["reward_sq"] += float((scored ** 2).sum())
         s["groups"] += len(flat)
-        s["reward_std"] += float(std.sum())
-        s["zero_std"] += float((std < 1e-6).sum())
+        # TRL's frac_reward_zero_std: the completions whose scale (their group's std, or the step's) is zero
+        s["zero_std"] += len(flat) * float(batch_std < 1e-6) if batch_std is not None else float((std < 1e-6).sum())
         s["cut"] += cut
         for k, r in enumerate(self.rewards):
             col = values[:, k]
@@ -142,12 +157,12 @@ class GRPOStep:
         """Each position's log-prob of its own label (0 where none), [rows, positions]."""
         inputs = {k: v for k, v in batch.items() if k not in PRIVATE and k != "labels"}
         labels = batch["labels"]
-        head = self.heads.get(id(_module(model)))
+        head, temperature = self.heads.get(id(_module(model))), self.rl.temperature
         if head is not None:
-            with head.targets(labels):
+            with head.targets(labels, temperature):
                 tok = model(**inputs, use_cache=False).logits
         else:
-            tok = logits_token_logps(model(**inputs, use_cache=False).logits, labels)
+            tok = logits_token_logps(model(**inputs, use_cache=False).logits / temperature, labels)
         out = torch.zeros_like(tok)
         out[:, 1:] = tok[:, :-1]  # the state at t predicts the label at t + 1
         return out
@@ -243,7 +258,11 @@ class GRPOStep:
         clipped = sum(d[1] for _, _, d in got)
         steps = max(s["steps"] / len(got), 1.0)
         n, groups, tokens = max(s["completions"], 1.0), max(s["groups"], 1.0), max(s["train_tokens"], 1.0)
-        rec = {"reward": s["reward"] / n, "reward_std": s["reward_std"] / groups,
+        scored = max(s["scored"], 1.0)
+        mean = s["reward"] / scored
+        # TRL's reward_std: the std over every reward (all ranks) since the last line
+        std = math.sqrt(max(s["reward_sq"] / scored - mean ** 2, 0.0) * scored / max(scored - 1, 1))
+        rec = {"reward": mean, "reward_std": std,
                "frac_reward_zero_std": s["zero_std"] / groups,
                "completions/mean_length": s["gen_tokens"] / n, "completions/max_length": float(max(m for _, m, _ in got)),
                "completions/clipped_ratio": s["cut"] / n, "clip_ratio": clipped / tokens,
