@@ -42,7 +42,8 @@ def _runs(tmp: Path) -> list[dict]:
     # learning rate) then finds them in the cache
     add("dpo-zero3-precomputed", "zero3", "train.objective=dpo", "pref.reference=precomputed", "train.stop_after=5")
     add("dpo-zero3-precomputed", "zero3", "train.objective=dpo", "pref.reference=precomputed", "train.resume=latest")
-    add("dpo-precomputed-cached", "zero2", "train.objective=dpo", "pref.reference=precomputed", "train.max_steps=2",
+    # the cache's key holds the ZeRO stage (its forward rounds otherwise in bf16): the same stage finds the values
+    add("dpo-precomputed-cached", "zero3", "train.objective=dpo", "pref.reference=precomputed", "train.max_steps=2",
         "train.lr=5e-4")
     for ref in ("engine", "precomputed"):  # held-out pairs: a quarter of them, evaluated at step 2 and at the end
         add(f"dpo-eval-{ref}", "zero2", "train.objective=dpo", f"pref.reference={ref}", "data.eval_fraction=0.25",
