@@ -110,6 +110,20 @@ def sequence_sums(token_logps: torch.Tensor, labels: torch.Tensor, seq_ids: torc
     return PairLogps(sums[0:n:2], sums[1:n:2], tokens[0:n:2], tokens[1:n:2])
 
 
+def token_logps(model: Any, batch: dict[str, Any], head: Any, temperature: float = 1.0) -> torch.Tensor:
+    """Position t's log-prob of the label at t + 1 under `model` ([rows, positions], fp32, 0 where that label is
+    ignored), of the logits divided by `temperature`: through the model's SelectedHead (`head`, logprobs.py) where it
+    has one, else from the whole logits. The batch's private keys stay out of the forward. Preference and RL steps
+    both take their log-probs here."""
+    inputs = {k: v for k, v in batch.items() if k not in PRIVATE and k != "labels"}
+    labels = batch["labels"]
+    if head is not None:
+        with head.targets(labels, temperature):
+            return model(**inputs, use_cache=False).logits
+    logits = model(**inputs, use_cache=False).logits
+    return logits_token_logps(logits / temperature if temperature != 1.0 else logits, labels)
+
+
 def logits_token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Per-position log-probs of the next label from the whole logits (models whose head is not a plain matrix:
     a final soft-cap or a logit scale), a row at a time in fp32 (one row's fp32 copy at once, not the batch's)."""

@@ -17,7 +17,7 @@ import torch
 from toolkit.config.schema import Config
 from toolkit.launch import dist
 from toolkit.runtime.data.batches import to_device
-from toolkit.runtime.objectives.batch import PRIVATE, logits_token_logps, sequence_sums
+from toolkit.runtime.objectives.batch import sequence_sums, token_logps
 from toolkit.runtime.objectives.logprobs import SelectedHead
 from toolkit.runtime.objectives.losses import REFERENCE_FREE, PairLogps, PairLoss, pair_loss, reward_loss
 from toolkit.runtime.objectives.reference import adapters_off
@@ -75,15 +75,8 @@ class PreferenceStep:
 
     def logps(self, model: Any, batch: dict[str, Any]) -> PairLogps:
         """Each pair's summed completion log-probs under `model` (an engine or a module)."""
-        inputs = {k: v for k, v in batch.items() if k not in PRIVATE and k != "labels"}
-        labels = batch["labels"]
-        head = self.heads.get(id(_module(model)))
-        if head is not None:
-            with head.targets(labels):
-                token_logps = model(**inputs, use_cache=False).logits
-        else:
-            token_logps = logits_token_logps(model(**inputs, use_cache=False).logits, labels)
-        return sequence_sums(token_logps, labels, batch["seq_ids"], batch["sequences"])
+        per_token = token_logps(model, batch, self.heads.get(id(_module(model))))
+        return sequence_sums(per_token, batch["labels"], batch["seq_ids"], batch["sequences"])
 
     @torch.no_grad()
     def reference_logps(self, engine: Any, batch: dict[str, Any]) -> PairLogps | None:

@@ -33,7 +33,7 @@ import torch
 from toolkit.config.schema import Config
 from toolkit.launch import dist
 from toolkit.runtime.data.batches import to_device
-from toolkit.runtime.objectives.batch import PRIVATE, logits_token_logps, pack
+from toolkit.runtime.objectives.batch import pack, token_logps
 from toolkit.runtime.objectives.logprobs import IGNORE, SelectedHead
 from toolkit.runtime.objectives.reference import adapters_off
 from toolkit.runtime.rl import prompts as rl_prompts
@@ -154,15 +154,8 @@ class GRPOStep:
     # ------------------------------------------------------------------ update
 
     def _per_label(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
-        """Each position's log-prob of its own label (0 where none), [rows, positions]."""
-        inputs = {k: v for k, v in batch.items() if k not in PRIVATE and k != "labels"}
-        labels = batch["labels"]
-        head, temperature = self.heads.get(id(_module(model))), self.rl.temperature
-        if head is not None:
-            with head.targets(labels, temperature):
-                tok = model(**inputs, use_cache=False).logits
-        else:
-            tok = logits_token_logps(model(**inputs, use_cache=False).logits / temperature, labels)
+        """Each position's log-prob of its own label (0 where none), [rows, positions], at the sampling temperature."""
+        tok = token_logps(model, batch, self.heads.get(id(_module(model))), self.rl.temperature)
         out = torch.zeros_like(tok)
         out[:, 1:] = tok[:, :-1]  # the state at t predicts the label at t + 1
         return out
