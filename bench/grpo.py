@@ -19,24 +19,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
+
+from _rows import launcher, run_rows  # bench/ is first on the path: this file is run as a script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _launch(args: argparse.Namespace) -> list[str]:
-    where = ["--include", args.include] if args.include else ["--num_gpus", str(args.gpus)]
-    return ["deepspeed", *where, "--master_port", str(args.port + int(time.time()) % 100)]
-
-
 def _toolkit(name: str, stage: int, args: argparse.Namespace, out: Path) -> list[str]:
-    return [*_launch(args), str(ROOT / "toolkit/train.py"), "--ds", str(ROOT / f"ds_configs/zero{stage}.json"),
+    return [*launcher(args), str(ROOT / "toolkit/train.py"), "--ds", str(ROOT / f"ds_configs/zero{stage}.json"),
             f"model.name={args.model}", f"model.tokenizer={args.tokenizer}", "train.path=raw",
             "train.objective=grpo", f"data.source={args.prompts}", f"rl.rewards={ROOT / 'bench/grpo_reward.py'}:length",
             f"rl.num_generations={args.generations}", f"rl.max_completion_length={args.max_completion}",
@@ -49,7 +43,7 @@ def _toolkit(name: str, stage: int, args: argparse.Namespace, out: Path) -> list
 def _trl(name: str, stage: int, args: argparse.Namespace, out: Path) -> list[str]:
     kind = name.rsplit("-z", 1)[0]
     flags = {"trl": [], "trl-nogc": ["--grad-ckpt", "off"], "trl-vllm": ["--vllm"]}[kind]
-    return [*_launch(args), str(ROOT / "bench/grpo_trl.py"), "--model", args.model, "--tokenizer", args.tokenizer,
+    return [*launcher(args), str(ROOT / "bench/grpo_trl.py"), "--model", args.model, "--tokenizer", args.tokenizer,
             "--prompts", args.prompts, "--ds", str(ROOT / f"ds_configs/zero{stage}.json"), "--micro", str(args.micro),
             "--generations", str(args.generations), "--max-completion", str(args.max_completion), "--steps",
             str(args.warmup + args.steps), "--warmup-steps", str(args.warmup), *flags, "--out", str(out / f"{name}.json")]
@@ -90,37 +84,19 @@ def main() -> int:
     used = out / "prompts.jsonl"  # exactly what the runs consume, for both systems
     used.write_text("".join(Path(args.prompts).read_text().splitlines(keepends=True)[:n]))
     args.prompts = str(used)
-    rows: list[dict[str, Any]] = []
-    t_start = time.perf_counter()
-    for name in args.rows.split(","):
-        if time.perf_counter() - t_start > args.budget_s:
-            rows.append({"row": name, "error": "not run: budget spent"})
-            continue
-        stage = int(name.rsplit("-z", 1)[1])
-        cmd = (_trl if name.startswith("trl") else _toolkit)(name, stage, args, out)
-        t0 = time.perf_counter()
-        with (out / f"{name}.log").open("w") as log:
-            rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env=os.environ | {"PYTHONUNBUFFERED": "1"}).returncode
-        row: dict[str, Any] = {"row": name, "stage": stage, "rc": rc, "wall_s": round(time.perf_counter() - t0, 1),
-                               "micro_prompts": args.micro, "generations": args.generations,
-                               "max_completion": args.max_completion, "gpus": args.gpus}
-        try:
-            if name.startswith("trl"):
-                got = json.loads((out / f"{name}.json").read_text())
-                row |= {"prompts_per_s": got["prompts_per_s"], "step_time_s": got["step_time_s"],
-                        "peak_gib": got["peak_gpu_gib"], "time_split_median": got["time_split_median"],
-                        "completion_mean_length": got["completion_mean_length"], "settings": got["settings"],
-                        "trl": got["versions"].get("trl")}
-            else:
-                row |= _toolkit_row(out / name, args.warmup, args.micro * args.gpus)
-        except Exception as e:
-            row["error"] = f"{type(e).__name__}: {e}"
-            row["log_tail"] = (out / f"{name}.log").read_text()[-3000:]
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("log_tail", "completion_mean_length")}),
-              flush=True)
-        (out / "grpo.json").write_text(json.dumps(rows, indent=1))
+    def read(name: str, stage: int) -> dict[str, Any]:
+        if name.startswith("trl"):
+            got = json.loads((out / f"{name}.json").read_text())
+            return {"prompts_per_s": got["prompts_per_s"], "step_time_s": got["step_time_s"],
+                    "peak_gib": got["peak_gpu_gib"], "time_split_median": got["time_split_median"],
+                    "completion_mean_length": got["completion_mean_length"], "settings": got["settings"],
+                    "trl": got["versions"].get("trl")}
+        return _toolkit_row(out / name, args.warmup, args.micro * args.gpus)
+
+    run_rows(args, out, lambda name, stage: (_trl if name.startswith("trl") else _toolkit)(name, stage, args, out),
+             read, {"micro_prompts": args.micro, "generations": args.generations,
+                    "max_completion": args.max_completion, "gpus": args.gpus}, "grpo.json",
+             ("log_tail", "completion_mean_length"))
     return 0
 
 

@@ -31,13 +31,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
+
+from _rows import launcher, run_rows  # bench/ is first on the path: this file is run as a script
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,13 +50,13 @@ def _toolkit(name: str, stage: int, args: argparse.Namespace, out: Path) -> list
               "train.log_every=1", f"train.max_steps={total}", "memory.every=1", "metrics.tensorboard=false",
               f"train.run_dir={run_dir}", f"data.cache_dir={out / 'cache'}", "train.overwrite=true"]
     if name.startswith("sft"):
-        return [*_launch(args), str(ROOT / "toolkit/train.py"), "--ds", str(ROOT / f"ds_configs/zero{stage}.json"),
+        return [*launcher(args), str(ROOT / "toolkit/train.py"), "--ds", str(ROOT / f"ds_configs/zero{stage}.json"),
                 *common, f"data.source={out / 'sft.jsonl'}", f"data.seq_len={args.sft_seq}",
                 f"train.micro_batch_size={args.sft_micro}", "data.packing=true"]
     kind = name.rsplit("-z", 1)[0]
     if kind.startswith("tk-syn"):  # synthetic pairs, every sequence --syn-seq long: what toolkit plan models
         ref = ["pref.reference=precomputed"] if kind == "tk-syn-pre" else []
-        return [*_launch(args), str(ROOT / "toolkit/train.py"), "--ds", str(ROOT / f"ds_configs/zero{stage}.json"),
+        return [*launcher(args), str(ROOT / "toolkit/train.py"), "--ds", str(ROOT / f"ds_configs/zero{stage}.json"),
                 *common, "train.objective=dpo", "data.source=synthetic", f"data.seq_len={args.syn_seq}",
                 f"data.num_samples={total * args.syn_micro * args.gpus}", f"train.micro_batch_size={args.syn_micro}",
                 *ref]
@@ -65,7 +65,7 @@ def _toolkit(name: str, stage: int, args: argparse.Namespace, out: Path) -> list
              "tk-pad": ["data.packing=false"], "tk-gc": [gc], "tk-pre-gc": ["pref.reference=precomputed", gc],
              "tk-pre-half": ["pref.reference=precomputed", f"train.micro_batch_size={args.micro // 2}",
                              "train.grad_accum=2"]}[kind]
-    return [*_launch(args), str(ROOT / "toolkit/train.py"), "--ds", str(ROOT / f"ds_configs/zero{stage}.json"),
+    return [*launcher(args), str(ROOT / "toolkit/train.py"), "--ds", str(ROOT / f"ds_configs/zero{stage}.json"),
             *common, "train.objective=dpo", f"data.source={args.pairs}", f"data.seq_len={args.max_length}",
             f"train.micro_batch_size={args.micro}", *extra]
 
@@ -74,16 +74,11 @@ def _trl(name: str, stage: int, args: argparse.Namespace, out: Path) -> list[str
     kind = name.rsplit("-z", 1)[0]
     flags = {"trl": ["--mode", "default"], "trl-best": ["--mode", "best", "--precompute"],
              "trl-lora": ["--mode", "default", "--lora"]}[kind]
-    return [*_launch(args), str(ROOT / "bench/preference_trl.py"), "--model", args.model, "--tokenizer",
+    return [*launcher(args), str(ROOT / "bench/preference_trl.py"), "--model", args.model, "--tokenizer",
             args.tokenizer, "--pairs", args.pairs, "--ds", str(ROOT / f"ds_configs/zero{stage}.json"), "--micro",
             str(args.micro), "--grad-accum", "1", "--steps", str(args.warmup + args.steps), "--warmup-steps",
             str(args.warmup), "--max-length", str(args.max_length), *flags,
             "--out", str(out / f"{name}.json")]
-
-
-def _launch(args: argparse.Namespace) -> list[str]:
-    where = ["--include", args.include] if args.include else ["--num_gpus", str(args.gpus)]
-    return ["deepspeed", *where, "--master_port", str(args.port + int(time.time()) % 100)]
 
 
 def _toolkit_row(run_dir: Path, warmup: int) -> dict[str, Any]:
@@ -153,38 +148,19 @@ def main() -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     args.pairs = str(_files(Path(args.pairs), (args.warmup + args.steps) * args.micro * args.gpus, out))
-    rows: list[dict[str, Any]] = []
-    t_start = time.perf_counter()
-    for name in args.rows.split(","):
-        if time.perf_counter() - t_start > args.budget_s:
-            rows.append({"row": name, "error": "not run: budget spent"})
-            continue
-        stage = int(name.rsplit("-z", 1)[1])
-        cmd = (_trl if name.startswith("trl") else _toolkit)(name, stage, args, out)
-        t0 = time.perf_counter()
-        with (out / f"{name}.log").open("w") as log:
-            rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env=os.environ | {"PYTHONUNBUFFERED": "1"}).returncode
-        row: dict[str, Any] = {"row": name, "stage": stage, "rc": rc, "wall_s": round(time.perf_counter() - t0, 1),
-                               "micro_pairs": args.micro, "gpus": args.gpus}
-        try:
-            if name.startswith("trl"):
-                got = json.loads((out / f"{name}.json").read_text())
-                steps = got["step_times_s"][args.warmup:]
-                row |= {"tokens_per_s": got["tokens_per_s"], "peak_gib": got["peak_gpu_gib"],
-                        "step_time_s": statistics.median(steps) if steps else None, "losses": got.get("losses"),
-                        "precompute_s": got.get("precompute_s"), "trl": got["versions"].get("trl"),
-                        "settings": got.get("settings"), "padded_tokens_per_s": got.get("padded_tokens_per_s")}
-            else:
-                row |= _toolkit_row(out / name, args.warmup)
-                if name.startswith("tk-syn"):
-                    row |= _planned(name, stage, args)
-        except Exception as e:
-            row["error"] = f"{type(e).__name__}: {e}"
-            row["log_tail"] = (out / f"{name}.log").read_text()[-3000:]
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "log_tail")}), flush=True)
-        (out / "preference.json").write_text(json.dumps(rows, indent=1))
+    def read(name: str, stage: int) -> dict[str, Any]:
+        if name.startswith("trl"):
+            got = json.loads((out / f"{name}.json").read_text())
+            steps = got["step_times_s"][args.warmup:]
+            return {"tokens_per_s": got["tokens_per_s"], "peak_gib": got["peak_gpu_gib"],
+                    "step_time_s": statistics.median(steps) if steps else None, "losses": got.get("losses"),
+                    "precompute_s": got.get("precompute_s"), "trl": got["versions"].get("trl"),
+                    "settings": got.get("settings"), "padded_tokens_per_s": got.get("padded_tokens_per_s")}
+        row = _toolkit_row(out / name, args.warmup)
+        return row | _planned(name, stage, args) if name.startswith("tk-syn") else row
+
+    run_rows(args, out, lambda name, stage: (_trl if name.startswith("trl") else _toolkit)(name, stage, args, out),
+             read, {"micro_pairs": args.micro, "gpus": args.gpus}, "preference.json", ("losses", "log_tail"))
     return 0
 
 
