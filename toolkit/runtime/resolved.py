@@ -261,31 +261,28 @@ def resolve_run(cfg: Config, ds: dict[str, Any], model_config: Any, world: int, 
 
 
 def _objective(cfg: Config) -> tuple[str, str | None, str]:
-    """(objective, reference mode or None, why): what a preference run optimizes and against what."""
+    """(objective, reference mode or None, why): what a preference or RL run optimizes and against what."""
     from toolkit.runtime.objectives.losses import REFERENCE_FREE
     from toolkit.runtime.objectives.reference import mode_of
 
     t, pref = cfg.train, cfg.pref
     if t.objective == "sft":
         return "sft", None, "next-token loss"
+    rl = cfg.rl
     knobs = {"dpo": f"beta {pref.beta}, label_smoothing {pref.label_smoothing}", "ipo": f"beta {pref.beta}",
              "simpo": f"beta {pref.beta}, gamma {pref.simpo_gamma}", "orpo": f"lambda (pref.beta) {pref.beta}",
-             "reward": f"Bradley-Terry, center_rewards_coefficient {pref.center_rewards_coefficient}"}
-    if t.objective == "grpo":
-        rl = cfg.rl
-        what = (f"grpo ({rl.num_generations} completions a prompt of up to {rl.max_completion_length} tokens, "
-                f"temperature {rl.temperature}, loss_type {rl.loss_type}, scale_rewards {rl.scale_rewards}, epsilon "
-                f"{rl.epsilon}{f'/{rl.epsilon_high}' if rl.epsilon_high else ''}, beta {rl.beta})")
-        if not rl.beta:
-            return "grpo", None, f"{what}; no reference (rl.beta=0)"
-        mode, why = mode_of(pref.reference, bool(cfg.lora.enabled))
-        where = ", its parameters on the CPU" if mode == "engine" and pref.reference_offload else ""
-        return "grpo", mode, f"{what}; reference: {mode} ({why}{where})"
+             "reward": f"Bradley-Terry, center_rewards_coefficient {pref.center_rewards_coefficient}",
+             "grpo": f"{rl.num_generations} completions a prompt of up to {rl.max_completion_length} tokens, "
+                     f"temperature {rl.temperature}, loss_type {rl.loss_type}, scale_rewards {rl.scale_rewards}, "
+                     f"epsilon {rl.epsilon}{f'/{rl.epsilon_high}' if rl.epsilon_high else ''}, beta {rl.beta}"}
+    what = f"{t.objective} ({knobs[t.objective]})"
     if t.objective in REFERENCE_FREE:
-        return t.objective, None, f"{t.objective} ({knobs[t.objective]}), reference-free"
+        return t.objective, None, f"{what}, reference-free"
+    if t.objective == "grpo" and not rl.beta:
+        return t.objective, None, f"{what}; no reference (rl.beta=0)"
     mode, why = mode_of(pref.reference, bool(cfg.lora.enabled))
     where = ", its parameters on the CPU" if mode == "engine" and pref.reference_offload else ""
-    return t.objective, mode, f"{t.objective} ({knobs[t.objective]}); reference: {mode} ({why}{where})"
+    return t.objective, mode, f"{what}; reference: {mode} ({why}{where})"
 
 
 def _activation_offload(cfg: Config, text: Any, hidden: int, micro: int, machine: Machine) -> OffloadPlan:
