@@ -1,7 +1,8 @@
 """GRPO (train.objective=grpo) on 2 CPU ranks, the raw path, in one shared launch: a tiny model learns a toy
 verifiable task from a reward file; ZeRO-3 trains as ZeRO-0 from the same seeds; completions that stop at different
 lengths on different ranks (a stop token, ZeRO-3 layer by layer) do not hang; a resume continues the same curve; the
-KL to the reference starts at 0 (engine and adapter references); text prompts reach the built-in rewards (with two
+KL to the reference starts at 0 (engine and adapter references); two updates a rollout train the second on the
+rollout policy's log-probs (and a resume between them rolls out again); text prompts reach the built-in rewards (with two
 micro-batches a step); a reward
 function that raises on one rank's row stops every rank with one line naming it and the row."""
 
@@ -82,6 +83,11 @@ def _runs(tmp: Path) -> list[dict]:
         add(f"same-{stage}", stage, *stops)
     add("resume", "zero3", *stops, "train.stop_after=2", "train.save_every=2")
     add("resume", "zero3", *stops, "train.resume=latest")
+    # two updates a rollout: steps 2 and 4 train on the rollouts of steps 1 and 3; a resume at step 3 rolls out again
+    mu = ["train.max_steps=4", "rl.num_generations=4", "rl.num_iterations=2", "train.lr=5e-2"]
+    add("mu2", "zero2", *mu)
+    add("mu2-resume", "zero2", *mu, "train.stop_after=3", "train.save_every=3")
+    add("mu2-resume", "zero2", *mu, "train.resume=latest")
     add("kl-engine", "zero2", "train.max_steps=3", "rl.num_generations=4", "rl.beta=0.1", "rl.loss_type=grpo")
     add("kl-adapter", "zero3", "train.max_steps=3", "rl.num_generations=4", "rl.beta=0.1", "lora.enabled=true",
         "rl.loss_type=bnpo", "rl.scale_rewards=batch")
@@ -122,7 +128,7 @@ def test_a_tiny_model_learns_a_toy_task_from_a_reward_file(runs: Path) -> None:
     assert first < 0.2 and last > first + 0.15, (first, last)
     assert lines[0]["rewards/rewards:low_ids/mean"] == pytest.approx(lines[0]["reward"])
     for key in ("reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/max_length",
-                "completions/clipped_ratio", "clip_ratio", "time/generate_s", "time/reward_s", "time/train_s"):
+                "completions/clipped_ratio", "clip_ratio", "entropy", "time/generate_s", "time/reward_s", "time/train_s"):
         assert key in lines[-1], key
     assert json.loads((runs / "learn" / "status.json").read_text())["status"] == "completed"
 
@@ -145,6 +151,23 @@ def test_a_resume_continues_the_same_curve(runs: Path) -> None:
     for step in (3, 4):
         assert resumed[step]["reward"] == pytest.approx(whole[step]["reward"], abs=1e-4)
         assert resumed[step]["grad_norm"] == pytest.approx(whole[step]["grad_norm"], abs=1e-4)
+
+
+@pytest.mark.timeout(60)
+def test_several_updates_a_rollout_keep_the_rollout_policy(runs: Path) -> None:
+    lines = _lines(runs / "mu2")
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    # a rollout (and its rewards) on steps 1 and 3 only; steps 2 and 4 train on them again
+    assert ["reward" in r for r in lines] == [True, False, True, False]
+    # a rollout's first update has ratio 1 (nothing clipped); its second is to the kept rollout policy, one optimizer
+    # step later (step 1's learning rate is 0: the warmup's first step, so step 2 is step 1 again)
+    assert lines[2]["clip_ratio"] == 0.0
+    assert lines[3]["clip_ratio"] > 0.0
+    assert all(r["entropy"] > 0 for r in lines)
+    resumed = _lines(runs / "mu2-resume")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert resumed[2]["reward"] == pytest.approx(lines[2]["reward"], abs=1e-4)
+    assert "reward" in resumed[3] and resumed[3]["clip_ratio"] == 0.0  # step 4 resumed: its prompts rolled out again
 
 
 @pytest.mark.timeout(60)

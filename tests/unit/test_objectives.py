@@ -64,10 +64,13 @@ def test_chunked_logprobs_equal_a_whole_log_softmax_with_gradients(chunk: int) -
     whole = whole.masked_fill(labels == IGNORE, 0)
     upstream = torch.randn(10, generator=g, dtype=torch.float64)
     dh, dw = torch.autograd.grad((whole * upstream).sum(), (hidden, weight))
-    got = selected_logprobs(hidden, weight, labels, chunk)
+    entropy = torch.zeros(10, dtype=torch.float32)
+    got = selected_logprobs(hidden, weight, labels, chunk, entropy)
     assert torch.allclose(got.double(), whole, atol=1e-5)
     gh, gw = torch.autograd.grad((got * upstream).sum(), (hidden, weight))
     assert torch.allclose(gh, dh, atol=1e-6) and torch.allclose(gw, dw, atol=1e-5)
+    logp = F.log_softmax(hidden.detach() @ weight.detach().t(), -1)
+    assert torch.allclose(entropy.double(), -(logp.exp() * logp).sum(-1), atol=1e-5)  # every position's, ignored too
 
 
 def test_the_first_loss_check_stops_another_model_and_lets_bf16_rounding_train(capsys: pytest.CaptureFixture) -> None:

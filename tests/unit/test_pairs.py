@@ -107,7 +107,7 @@ def _logps(model: Any, batch: dict[str, Any], chunk: int | None) -> Any:
     inputs = {k: v for k, v in batch.items() if k not in (*PRIVATE, "labels")}
     with torch.no_grad():
         if chunk is None:
-            tok = logits_token_logps(model(**inputs, use_cache=False).logits, batch["labels"])
+            tok = logits_token_logps(model(**inputs, use_cache=False).logits, batch["labels"])[0]
         else:
             head = SelectedHead.of(model, chunk)
             with head.targets(batch["labels"]):  # a cache turns transformers' packed detection off
@@ -156,7 +156,7 @@ def test_the_chunked_head_gives_the_gradients_of_the_whole_logits(model: Any) ->
             with head.targets(batch["labels"]):
                 tok = model(**inputs, use_cache=False).logits
         else:
-            tok = logits_token_logps(model(**inputs, use_cache=False).logits, batch["labels"])
+            tok = logits_token_logps(model(**inputs, use_cache=False).logits, batch["labels"])[0]
         s = sequence_sums(tok, batch["labels"], batch["seq_ids"], batch["sequences"])
         (s.chosen - 0.5 * s.rejected).sum().backward()
         grads.append([q.grad.clone() for q in (model.lm_head.weight, model.model.layers[0].mlp.up_proj.weight)])

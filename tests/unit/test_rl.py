@@ -191,7 +191,8 @@ def test_rewards_take_numpy_numbers_chat_completions_and_distinct_names(tmp_path
     ("rl.num_generations=1", "num_generations must be >= 2"),
     ("rl.loss_type=ppo", "loss_type must be one of"),
     ("rl.scale_rewards=rank", "scale_rewards must be one of"),
-    ("rl.num_iterations=2", "not built yet"),
+    ("rl.num_iterations=0", "num_iterations must be >= 1"),
+    ("rl.generate_cache=paged", "generate_cache must be auto, static or dynamic"),
     ("rl.temperature=0", "temperature must be > 0"),
 ])
 def test_bad_rl_settings_end_in_one_line(override: str, message: str) -> None:

@@ -399,6 +399,9 @@ class RLConfig:
     max_completion_length: int = 512
     temperature: float = 1.0
     top_p: float = 1.0
+    generate_cache: str = "auto"
+    """The rollouts' KV cache: auto (static on CUDA: every rollout has the same shapes, so the decode step compiled
+    once serves the run; dynamic elsewhere), static or dynamic (eval.generate_cache says what each does)."""
     epsilon: float = 0.2
     """The ratio's clip: [1 - epsilon, 1 + epsilon_high]."""
     epsilon_high: float = 0.0
@@ -411,7 +414,8 @@ class RLConfig:
     scale_rewards: str = "group"
     """Advantages divided by the group's reward std (group), the step's (batch) or not (none: Dr. GRPO)."""
     num_iterations: int = 1
-    """Updates per rollout (TRL's mu); only 1 so far."""
+    """Optimizer steps on each rollout (TRL's mu): the same prompts and completions trained on that many times, the
+    ratio to the rollout's policy clipped to [1 - epsilon, 1 + epsilon_high]; an epoch takes mu times the steps."""
     log_completions_every: int = 10
     """Every N steps (and step 1) a few prompts' completions and rewards go to run_dir/completions.jsonl; 0: never."""
 
@@ -424,6 +428,8 @@ class RLConfig:
                   (self.max_prompt_length >= 0, "rl.max_prompt_length must be >= 0"),
                   (self.temperature > 0, f"rl.temperature must be > 0 (completions are sampled), got {self.temperature}"),
                   (0 < self.top_p <= 1, f"rl.top_p must be in (0, 1], got {self.top_p}"),
+                  (self.generate_cache in ("auto", "static", "dynamic"),
+                   f"rl.generate_cache must be auto, static or dynamic, got {self.generate_cache!r}"),
                   (0 <= self.epsilon < 1, f"rl.epsilon must be in [0, 1), got {self.epsilon}"),
                   (self.epsilon_high >= 0, "rl.epsilon_high must be >= 0"),
                   (self.beta >= 0, f"rl.beta must be >= 0, got {self.beta}"),
@@ -431,8 +437,7 @@ class RLConfig:
                                                  f"{self.loss_type!r}"),
                   (self.scale_rewards in SCALE_REWARDS, f"rl.scale_rewards must be one of {', '.join(SCALE_REWARDS)}, "
                                                         f"got {self.scale_rewards!r}"),
-                  (self.num_iterations == 1, f"rl.num_iterations={self.num_iterations}: several updates per rollout "
-                                             "are not built yet; only 1 (TRL's default)"),
+                  (self.num_iterations >= 1, f"rl.num_iterations must be >= 1, got {self.num_iterations}"),
                   (self.log_completions_every >= 0, "rl.log_completions_every must be >= 0")]
         for ok, msg in checks:
             if not ok:

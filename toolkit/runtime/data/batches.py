@@ -396,10 +396,16 @@ def rank_batches(n: int, micro: int, rank: int, world: int) -> list[list[int]]:
     return out
 
 
+def window_repeats(cfg: Config) -> int:
+    """Optimizer steps each window of micro-batches is trained on: rl.num_iterations for GRPO (a rollout's
+    updates, TRL's mu, as its RepeatSampler repeats a generation batch), else 1."""
+    return cfg.rl.num_iterations if cfg.train.objective == "grpo" else 1
+
+
 def steps_per_epoch(n_samples: int, cfg: Config, world: int) -> int:
     """Optimizer steps in one pass over n_samples (what train.max_steps=0 means)."""
     per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * world
-    return max(1, n_samples // per_step)
+    return max(1, n_samples // per_step) * window_repeats(cfg)
 
 
 def even_rows(rows: Rows, micro_batch: int, world: int) -> Rows:

@@ -18,7 +18,14 @@ from toolkit.observe import breakdown
 from toolkit.observe.memory import MemoryMonitor
 from toolkit.observe.metrics import MetricsLogger
 from toolkit.runtime import moe
-from toolkit.runtime.data.batches import Collator, EpochOrder, ListDataset, ShardedBatches, to_device
+from toolkit.runtime.data.batches import (
+    Collator,
+    EpochOrder,
+    ListDataset,
+    ShardedBatches,
+    to_device,
+    window_repeats,
+)
 from toolkit.runtime.faults import resume, watchdog
 from toolkit.runtime.faults.checkpoint import save_deepspeed_checkpoint
 from toolkit.runtime.faults.guards import NonFiniteGuard
@@ -39,6 +46,10 @@ class Window:
     samples: list[int]
     loss: torch.Tensor
     aux: torch.Tensor
+
+    def again(self) -> Window:
+        """The same micro-batches for another step (a GRPO rollout's next update), its sums at zero."""
+        return Window(self.batches, self.samples, torch.zeros_like(self.loss), torch.zeros_like(self.aux))
 
 
 def lr_schedule(p: RunSpec) -> Any:
@@ -86,6 +97,7 @@ class RawLoop:
         experts = moe.experts_of(model) if state.aux_coef else None
         self.load = moe.ExpertLoad(experts.top_k) if experts else None
         self.model, self.dataset, self.collator, self.order = model, dataset, collator, order
+        self.repeats = window_repeats(p.cfg)
 
     # ------------------------------------------------------------------ setup
 
@@ -115,7 +127,7 @@ class RawLoop:
         t = self.t
         sampler = ShardedBatches(self.order, t.micro_batch_size, self.data_rank, self.data_world)
         per_epoch = len(sampler)  # micro-batches per rank per epoch, a multiple of grad_accum
-        consumed = step * t.grad_accum
+        consumed = step // self.repeats * t.grad_accum  # a window repeated (GRPO's mu) is drawn once
         sampler.skip = consumed % per_epoch
         loader = torch.utils.data.DataLoader(self.dataset, batch_sampler=sampler, collate_fn=self.collator,
                                              **loader_kwargs())
@@ -229,9 +241,11 @@ class RawLoop:
         guard = NonFiniteGuard(self.device, dist.rank(), p.precision == "fp16", t.max_skipped_steps)
         engine.train()
         state.profiler.step_done(step)  # a window that includes step + 1 (1, or the resumed step + 1) opens here
+        window: Window | None = None
         while step < last:
             watchdog.step_begin(step + 1)  # the hang deadline covers the step, not the save or eval after it
-            window = self.batch(stream, sampler)
+            # a new window each step, or each rl.num_iterations steps (a resume inside them draws its window again)
+            window = self.batch(stream, sampler) if window is None or step % self.repeats == 0 else window.again()
             self.forward_backward(engine, window)
             step += 1
             state.step = step

@@ -115,21 +115,35 @@ def token_logps(model: Any, batch: dict[str, Any], head: Any, temperature: float
     ignored), of the logits divided by `temperature`: through the model's SelectedHead (`head`, logprobs.py) where it
     has one, else from the whole logits. The batch's private keys stay out of the forward. Preference and RL steps
     both take their log-probs here."""
+    return token_logps_entropy(model, batch, head, temperature, entropy=False)[0]
+
+
+def token_logps_entropy(model: Any, batch: dict[str, Any], head: Any, temperature: float = 1.0,
+                        entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logps` and, where `entropy`, each position's entropy of its whole next-token distribution (the same
+    temperature; [rows, positions], fp32, no gradient): an RL run's entropy metric, from the same chunks."""
     inputs = {k: v for k, v in batch.items() if k not in PRIVATE and k != "labels"}
     labels = batch["labels"]
     if head is not None:
-        with head.targets(labels, temperature):
-            return model(**inputs, use_cache=False).logits
+        with head.targets(labels, temperature, entropy):
+            out = model(**inputs, use_cache=False).logits
+            return out, head.entropy
     logits = model(**inputs, use_cache=False).logits
-    return logits_token_logps(logits / temperature if temperature != 1.0 else logits, labels)
+    return logits_token_logps(logits / temperature if temperature != 1.0 else logits, labels, entropy)
 
 
-def logits_token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def logits_token_logps(logits: torch.Tensor, labels: torch.Tensor, entropy: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-position log-probs of the next label from the whole logits (models whose head is not a plain matrix:
-    a final soft-cap or a logit scale), a row at a time in fp32 (one row's fp32 copy at once, not the batch's)."""
+    a final soft-cap or a logit scale), a row at a time in fp32 (one row's fp32 copy at once, not the batch's);
+    and each position's entropy where `entropy`."""
     out = torch.zeros(labels.shape, dtype=torch.float32, device=logits.device)
+    ent = torch.zeros_like(out) if entropy else None
     for r in range(logits.shape[0]):
         targets = labels[r, 1:]
-        lp = logits[r, :-1].float().log_softmax(-1).gather(-1, targets.clamp(min=0)[:, None]).squeeze(-1)
-        out[r, :-1] = lp.masked_fill(targets == IGNORE, 0.0)
-    return out
+        logp = logits[r, :-1].float().log_softmax(-1)
+        out[r, :-1] = logp.gather(-1, targets.clamp(min=0)[:, None]).squeeze(-1).masked_fill(targets == IGNORE, 0.0)
+        if ent is not None:
+            with torch.no_grad():
+                ent[r, :-1] = -(logp.exp() * logp).sum(-1)
+    return out, ent

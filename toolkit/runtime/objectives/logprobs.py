@@ -30,8 +30,8 @@ DEFAULT_CHUNK = 2048
 
 class _SelectedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int
-                ) -> torch.Tensor:
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
+                entropy: torch.Tensor | None) -> torch.Tensor:
         out = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(out)
         index = labels.clamp(min=0)
@@ -39,13 +39,16 @@ class _SelectedLogprobs(torch.autograd.Function):
             logits = (hidden[s:s + chunk] @ weight.t()).float()
             lse[s:s + chunk] = torch.logsumexp(logits, dim=-1)
             out[s:s + chunk] = logits.gather(1, index[s:s + chunk, None]).squeeze(1) - lse[s:s + chunk]
+            if entropy is not None:  # a metric (no gradient): H = logsumexp - sum(p * logits), while the chunk lives
+                p = (logits - lse[s:s + chunk, None]).exp_()
+                entropy[s:s + chunk] = lse[s:s + chunk] - (p.mul_(logits)).sum(-1)
         out = out.masked_fill(labels == IGNORE, 0.0)
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.chunk = chunk
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
         hidden, weight, labels, lse = ctx.saved_tensors
         g = grad.float().masked_fill(labels == IGNORE, 0.0)
         index = labels.clamp(min=0)
@@ -65,17 +68,18 @@ class _SelectedLogprobs(torch.autograd.Function):
                 d_hidden[s:s + ctx.chunk] = (d_logits @ weight).to(hidden.dtype)
             if d_weight is not None:
                 d_weight += (d_logits.t() @ h.to(weight.dtype)).float()  # the chunks summed in fp32
-        return d_hidden, None if d_weight is None else d_weight.to(weight.dtype), None, None
+        return d_hidden, None if d_weight is None else d_weight.to(weight.dtype), None, None, None
 
 
 def selected_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                      chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+                      chunk: int = DEFAULT_CHUNK, entropy: torch.Tensor | None = None) -> torch.Tensor:
     """log p(labels[t] | hidden[t]) per token (0 where labels is IGNORE). hidden: [tokens, hidden size] (the states that
     predict each label, already aligned with it), weight: the output embedding [vocabulary, hidden size], labels:
-    integer token ids [tokens]."""
+    integer token ids [tokens]. `entropy` (fp32 [tokens], optional) receives each token's entropy of the whole
+    distribution, without a gradient."""
     if hidden.shape[0] != labels.shape[0]:
         raise ValueError(f"hidden states for {hidden.shape[0]} tokens, labels for {labels.shape[0]}")
-    return _SelectedLogprobs.apply(hidden, weight, labels.long(), max(1, int(chunk)))
+    return _SelectedLogprobs.apply(hidden, weight, labels.long(), max(1, int(chunk)), entropy)
 
 
 class SelectedHead:
@@ -90,6 +94,9 @@ class SelectedHead:
 
     def __init__(self, head: Any, chunk: int = DEFAULT_CHUNK) -> None:
         self.head, self.chunk, self._targets, self._temperature = head, chunk, None, 1.0
+        self.entropy: torch.Tensor | None = None
+        """After a forward inside `targets(..., entropy=True)`: each position's entropy [rows, positions], fp32."""
+        self._want_entropy = False
         plain = head.forward
 
         def forward(hidden: torch.Tensor) -> torch.Tensor:
@@ -97,8 +104,11 @@ class SelectedHead:
                 return plain(hidden)
             if self._temperature != 1.0:  # logits / T as (hidden / T) @ W^T: the distribution an RL rollout sampled
                 hidden = hidden / self._temperature
+            ent = torch.zeros(self._targets.numel(), dtype=torch.float32, device=hidden.device) \
+                if self._want_entropy else None
             flat = selected_logprobs(hidden.reshape(-1, hidden.shape[-1]), head.weight, self._targets.reshape(-1),
-                                     self.chunk)
+                                     self.chunk, ent)
+            self.entropy = None if ent is None else ent.view(self._targets.shape)
             return flat.view(self._targets.shape)
 
         head.forward = forward  # an instance attribute: nn.Module.__call__ (and so every hook) still runs
@@ -124,13 +134,14 @@ class SelectedHead:
         return SelectedHead(head, chunk)
 
     @contextlib.contextmanager
-    def targets(self, labels: torch.Tensor, temperature: float = 1.0) -> Iterator[None]:
+    def targets(self, labels: torch.Tensor, temperature: float = 1.0, entropy: bool = False) -> Iterator[None]:
         """labels: [rows, positions] as a batch carries them; position t's output is log p(labels[t + 1]), of the
-        logits divided by `temperature` (an RL run's sampling temperature, as TRL takes its log-probs)."""
+        logits divided by `temperature` (an RL run's sampling temperature, as TRL takes its log-probs); `entropy`:
+        also each position's entropy, in `self.entropy`."""
         targets = torch.full_like(labels, IGNORE)
         targets[:, :-1] = labels[:, 1:]
-        self._targets, self._temperature = targets, float(temperature)
+        self._targets, self._temperature, self._want_entropy, self.entropy = targets, float(temperature), entropy, None
         try:
             yield
         finally:
-            self._targets, self._temperature = None, 1.0
+            self._targets, self._temperature, self._want_entropy = None, 1.0, False

@@ -12,8 +12,11 @@ A step's window (grad_accum micro-batches of train.micro_batch_size prompts per 
    else the frozen ZeRO-3 engine preference runs use), the policy's through its output head in chunks
    (objectives/logprobs.SelectedHead), the clipped loss (loss.token_loss), backward, engine.step().
 
-Each rollout is trained on once (rl.num_iterations=1, TRL's default): the ratio to the rollout's policy is 1 with its
-gradient, so `old` is the policy's own log-probs detached, and clipping starts to matter only with several passes.
+Each rollout is trained on rl.num_iterations times (TRL's mu; 1 by default), one optimizer step each: the raw loop
+hands the same window to mu steps (data/batches.window_repeats), and the step keeps the rollout (packed micro-batches,
+advantages, the reference's log-probs) for them. On the first update the ratio to the rollout's policy is 1 with its
+gradient, so `old` is the policy's own log-probs detached, kept for the later updates, where clipping starts to
+matter. A resume inside a rollout's updates rolls its prompts out again with the policy it resumes.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 from toolkit.config.schema import Config
 from toolkit.launch import dist
 from toolkit.runtime.data.batches import to_device
-from toolkit.runtime.objectives.batch import pack, token_logps
+from toolkit.runtime.objectives.batch import pack, token_logps_entropy
 from toolkit.runtime.objectives.logprobs import IGNORE, SelectedHead
 from toolkit.runtime.objectives.reference import adapters_off
 from toolkit.runtime.rl import prompts as rl_prompts
@@ -55,6 +58,38 @@ def seed_of(seed: int, step: int, row: int, sample: int) -> int:
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
+@dataclasses.dataclass
+class _Micro:
+    """One micro-batch of a rollout, as its updates take it."""
+
+    batch: dict[str, Any]
+    counted: torch.Tensor
+    """The completion tokens' positions (the labels trained on)."""
+    seq_ids: torch.Tensor
+    adv: torch.Tensor
+    n: int
+    ref: torch.Tensor | None
+    old: torch.Tensor | None = None
+    """The rollout policy's log-probs, kept from the first update where rl.num_iterations > 1."""
+
+
+@dataclasses.dataclass
+class _Rollout:
+    cycle: int
+    """(step - 1) // rl.num_iterations: the steps that train on it."""
+    micro: list[_Micro]
+    normalizer: float | None
+
+
+def rollout_cache(choice: str, device_type: str) -> str:
+    """rl.generate_cache resolved: auto is static on CUDA (each rollout repeats the last one's shapes, so the decode
+    step transformers compiles for the first serves every later one; about 2x a dynamic cache's decode,
+    bench/results/generate/), dynamic elsewhere (no compile off CUDA)."""
+    if choice != "auto":
+        return choice
+    return "static" if device_type == "cuda" else "dynamic"
+
+
 class GRPOStep:
     """What a run with train.objective=grpo hands its windows to (raw path); the raw loop calls it as it calls a
     preference step (forward_backward, take, prepare)."""
@@ -71,13 +106,15 @@ class GRPOStep:
         if reference is not None:
             self.heads[id(_module(reference))] = SelectedHead.of(_module(reference))
         self.gen = dataclasses.replace(cfg.eval, max_new_tokens=cfg.rl.max_completion_length, do_sample=True,
-                                       temperature=cfg.rl.temperature, top_p=cfg.rl.top_p)
+                                       temperature=cfg.rl.temperature, top_p=cfg.rl.top_p,
+                                       generate_cache=rollout_cache(cfg.rl.generate_cache, self.device.type))
         self.collate = rl_prompts.collate
         self.counter: Any = None
         """The run's TokenCounter (loops/run.py sets it): a step counts the sequences it trains on."""
         self._sums: dict[str, float] = defaultdict(float)
         self._max_len = 0
-        self._dev = torch.zeros(2, device=self.device)  # KL sum, clipped tokens: read on log steps only
+        self._dev = torch.zeros(3, device=self.device)  # KL sum, clipped tokens, entropy sum: read on log steps
+        self._held: _Rollout | None = None
 
     def prepare(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to do before the first step (a preference step's precomputed reference has its pass here)."""
@@ -148,60 +185,81 @@ class GRPOStep:
             s[f"rewards/{r.name}/n"] += float((~col.isnan()).sum())
         self._max_len = max([self._max_len, *lengths])
         if step == 1 and dist.rank() == 0:  # how the rollouts generate: the gathered model or layer by layer, why
-            print(f"rollout at step 1: {stats.line()}", flush=True)
+            cache = "dynamic" if stats.path == "layer by layer" else self.gen.generate_cache
+            print(f"rollout at step 1: {stats.line()}; {cache} KV cache (rl.generate_cache)", flush=True)
         return completions, adv, per_func
 
     # ------------------------------------------------------------------ update
 
-    def _per_label(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
-        """Each position's log-prob of its own label (0 where none), [rows, positions], at the sampling temperature."""
-        tok = token_logps(model, batch, self.heads.get(id(_module(model))), self.rl.temperature)
+    def _per_label(self, model: Any, batch: dict[str, Any], entropy: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each position's log-prob of its own label (0 where none), [rows, positions], at the sampling temperature;
+        and each position's entropy where `entropy`."""
+        tok, ent = token_logps_entropy(model, batch, self.heads.get(id(_module(model))), self.rl.temperature, entropy)
         out = torch.zeros_like(tok)
         out[:, 1:] = tok[:, :-1]  # the state at t predicts the label at t + 1
-        return out
+        if ent is not None:
+            shifted = torch.zeros_like(ent)
+            shifted[:, 1:] = ent[:, :-1]
+            ent = shifted
+        return out, ent
 
     @torch.no_grad()
     def _reference(self, engine: Any, batch: dict[str, Any]) -> torch.Tensor | None:
         if not self.rl.beta:
             return None
         if self.reference is not None:
-            return self._per_label(self.reference, batch)
+            return self._per_label(self.reference, batch)[0]
         with adapters_off(engine) if hasattr(_module(engine), "disable_adapter") else contextlib.nullcontext():
-            return self._per_label(engine, batch)
+            return self._per_label(engine, batch)[0]
 
-    def forward_backward(self, engine: Any, batches: list[dict[str, Any]], loss_sum: torch.Tensor) -> None:
-        rl, g = self.rl, self.rl.num_generations
-        step = int(getattr(engine, "global_steps", 0)) + 1
+    def _roll(self, engine: Any, batches: list[dict[str, Any]], step: int, cycle: int) -> _Rollout:
+        """The rollout of this window's prompts, packed per micro-batch, with the reference's log-probs."""
+        g = self.rl.num_generations
         flat = [r for b in batches for r in b["rows"]]
         completions, adv, per_func = self._rollout(engine, flat, step)
-        tokens = float(sum(len(c) for c in completions))
-        world = dist.world_size()
         normalizer = None
-        if rl.loss_type == "dapo":  # the step's completion tokens over all ranks, per rank (TRL's num_items_in_batch)
-            normalizer = max(dist.all_reduce_sum([tokens])[0], 1.0) / world
+        if self.rl.loss_type == "dapo":  # the step's completion tokens over all ranks, per rank (num_items_in_batch)
+            tokens = float(sum(len(c) for c in completions))
+            normalizer = max(dist.all_reduce_sum([tokens])[0], 1.0) / dist.world_size()
         self._log_completions(step, flat, completions, adv, per_func)
-        engine.train()
-        first = 0
+        micro, first = [], 0
         for b in batches:
             n = len(b["rows"]) * g
             seqs = [{"input_ids": r["prompt_ids"] + c, "labels": [IGNORE] * len(r["prompt_ids"]) + c}
                     for r, c in zip([r for r in b["rows"] for _ in range(g)], completions[first:first + n],
                                     strict=True)]
             batch = to_device(pack(seqs, self.boundaries), self.device)
-            if self.counter is not None:
-                self.counter.add(batch)
-            t0 = self._now()
-            ref_all = self._reference(engine, batch)
-            t1 = self._now()
             counted = batch["labels"] != IGNORE
             counted[:, 0] = False
-            lp_all = self._per_label(engine, batch)
-            lp = lp_all[counted]
-            out = token_loss(lp, lp.detach(), None if ref_all is None else ref_all[counted],
-                             batch["seq_ids"][counted], adv[first:first + n].to(self.device), n_seqs=n,
+            t0 = self._now()
+            ref = self._reference(engine, batch)
+            self._sums["ref_s"] += self._now() - t0
+            micro.append(_Micro(batch, counted, batch["seq_ids"][counted], adv[first:first + n].to(self.device), n,
+                                None if ref is None else ref[counted]))
+            first += n
+        return _Rollout(cycle, micro, normalizer)
+
+    def forward_backward(self, engine: Any, batches: list[dict[str, Any]], loss_sum: torch.Tensor) -> None:
+        rl = self.rl
+        step = int(getattr(engine, "global_steps", 0)) + 1
+        cycle = (step - 1) // rl.num_iterations
+        if self._held is None or self._held.cycle != cycle:
+            self._held = self._roll(engine, batches, step, cycle)
+        held = self._held
+        engine.train()
+        for m in held.micro:
+            if self.counter is not None:
+                self.counter.add(m.batch)
+            t1 = self._now()
+            lp_all, ent = self._per_label(engine, m.batch, entropy=True)
+            lp = lp_all[m.counted]
+            if m.old is None and rl.num_iterations > 1:  # the rollout policy's, for the later updates
+                m.old = lp.detach()
+            out = token_loss(lp, lp.detach() if m.old is None else m.old, m.ref, m.seq_ids, m.adv, n_seqs=m.n,
                              epsilon=rl.epsilon, epsilon_high=rl.epsilon_high or rl.epsilon, beta=rl.beta,
                              loss_type=rl.loss_type, max_completion_length=rl.max_completion_length,
-                             normalizer=normalizer)
+                             normalizer=held.normalizer)
             if rl.loss_type == "dapo":  # already the step's token mean over ranks: no 1/grad_accum
                 engine.backward(out.loss, scale_wrt_gas=False)
                 loss_sum += out.loss.detach()
@@ -209,11 +267,12 @@ class GRPOStep:
                 engine.backward(out.loss)
                 loss_sum += out.loss.detach() / self.grad_accum
             engine.step()
-            self._dev += torch.stack([out.kl_sum, out.clipped])
+            entropy = ent[m.counted].sum() if ent is not None else torch.zeros((), device=self.device)
+            self._dev += torch.stack([out.kl_sum, out.clipped, entropy])
             self._sums["train_tokens"] += out.tokens
-            self._sums["ref_s"] += t1 - t0
             self._sums["train_s"] += self._now() - t1
-            first += n
+        if step % rl.num_iterations == 0:  # its last update: the rollout's memory back
+            self._held = None
         self._sums["steps"] += 1
 
     def _now(self) -> float:
@@ -249,25 +308,28 @@ class GRPOStep:
                 s[k] += v
         kl_sum = sum(d[0] for _, _, d in got)
         clipped = sum(d[1] for _, _, d in got)
+        entropy = sum(d[2] for _, _, d in got)
         steps = max(s["steps"] / len(got), 1.0)
         n, groups, tokens = max(s["completions"], 1.0), max(s["groups"], 1.0), max(s["train_tokens"], 1.0)
         scored = max(s["scored"], 1.0)
         mean = s["reward"] / scored
         # TRL's reward_std: the std over every reward (all ranks) since the last line
         std = math.sqrt(max(s["reward_sq"] / scored - mean ** 2, 0.0) * scored / max(scored - 1, 1))
-        rec = {"reward": mean, "reward_std": std,
-               "frac_reward_zero_std": s["zero_std"] / groups,
-               "completions/mean_length": s["gen_tokens"] / n, "completions/max_length": float(max(m for _, m, _ in got)),
-               "completions/clipped_ratio": s["cut"] / n, "clip_ratio": clipped / tokens,
+        rec = {"entropy": entropy / tokens, "clip_ratio": clipped / tokens,
                # the slowest rank's phase times: the others wait for it in the next collective
                "time/generate_s": max(p.get("gen_s", 0.0) for p, _, _ in got) / steps,
                "time/reward_s": max(p.get("reward_s", 0.0) for p, _, _ in got) / steps,
                "time/reference_s": max(p.get("ref_s", 0.0) for p, _, _ in got) / steps,
                "time/train_s": max(p.get("train_s", 0.0) for p, _, _ in got) / steps}
+        if s["completions"]:  # a rollout since the last line (with rl.num_iterations > 1 not every step has one)
+            rec |= {"reward": mean, "reward_std": std, "frac_reward_zero_std": s["zero_std"] / groups,
+                    "completions/mean_length": s["gen_tokens"] / n,
+                    "completions/max_length": float(max(m for _, m, _ in got)),
+                    "completions/clipped_ratio": s["cut"] / n}
+            for r in self.rewards:
+                rec[f"rewards/{r.name}/mean"] = s[f"rewards/{r.name}/sum"] / max(s[f"rewards/{r.name}/n"], 1.0)
         if self.rl.beta:
             rec["kl"] = kl_sum / tokens
-        for r in self.rewards:
-            rec[f"rewards/{r.name}/mean"] = s[f"rewards/{r.name}/sum"] / max(s[f"rewards/{r.name}/n"], 1.0)
         self._sums.clear()
         self._max_len = 0
         self._dev.zero_()
