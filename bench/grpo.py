@@ -6,9 +6,12 @@
 
 Rows (NAME-zS, S the ZeRO stage; the same model, prompts, prompts a step, completions a prompt and their length,
 learning rate, bf16, reward (bench/grpo_reward.py) and the repo's ds_configs/zeroS.json for every system):
-  tk         toolkit/train.py train.objective=grpo at its defaults (rl.*: TRL's), packed completions, no checkpointing;
+  tk         toolkit/train.py train.objective=grpo at its defaults (rl.*: TRL's), packed completions, no checkpointing,
+             rollouts on a static KV cache (rl.generate_cache=auto on CUDA);
+  tk-dyn     the same with rl.generate_cache=dynamic;
   trl        bench/grpo_trl.py: GRPOConfig at TRL's defaults (gradient checkpointing on, ds3_gather_for_generation on);
   trl-nogc   the same without gradient checkpointing;
+  trl-static the same with GRPOConfig.cache_implementation="static" (checkpointing on);
   trl-vllm   use_vllm with vllm_mode=colocate (needs vllm beside the project's torch).
 prompts/s: prompts a step over all ranks / the median step time after --warmup (rollout and update together); the
 time split (generate, reward, reference or rollout, train) as each system reports it; peak: torch's max allocated,
@@ -37,12 +40,13 @@ def _toolkit(name: str, stage: int, args: argparse.Namespace, out: Path) -> list
             f"train.micro_batch_size={args.micro}", "train.precision=bf16", "train.export=false",
             f"train.max_steps={args.warmup + args.steps}", "train.log_every=1", "memory.every=1",
             "metrics.tensorboard=false", f"train.run_dir={out / name}", "train.overwrite=true",
-            f"data.cache_dir={out / 'cache'}"]
+            f"data.cache_dir={out / 'cache'}", *(["rl.generate_cache=dynamic"] if name.startswith("tk-dyn") else [])]
 
 
 def _trl(name: str, stage: int, args: argparse.Namespace, out: Path) -> list[str]:
     kind = name.rsplit("-z", 1)[0]
-    flags = {"trl": [], "trl-nogc": ["--grad-ckpt", "off"], "trl-vllm": ["--vllm"]}[kind]
+    flags = {"trl": [], "trl-nogc": ["--grad-ckpt", "off"], "trl-static": ["--cache", "static"],
+             "trl-vllm": ["--vllm"]}[kind]
     return [*launcher(args), str(ROOT / "bench/grpo_trl.py"), "--model", args.model, "--tokenizer", args.tokenizer,
             "--prompts", args.prompts, "--ds", str(ROOT / f"ds_configs/zero{stage}.json"), "--micro", str(args.micro),
             "--generations", str(args.generations), "--max-completion", str(args.max_completion), "--steps",

@@ -2,7 +2,7 @@
 
     deepspeed --num_gpus N bench/grpo_trl.py --model llama-1b --tokenizer TOK --prompts prompts.jsonl \\
         --ds ds_configs/zero3.json --micro 4 --generations 8 --max-completion 256 --steps 8 --warmup-steps 3 \\
-        [--grad-ckpt on|off] [--vllm] --out OUT.json
+        [--grad-ckpt on|off] [--vllm] [--cache static] --out OUT.json
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 bench/grpo_trl.py --model tiny ...     # CPU check (gloo)
 
 The model is built as bench/preference_trl.py builds it (a preset at the toolkit's random init, or a local
@@ -11,7 +11,7 @@ rank: TRL's per_device_train_batch_size (which counts completions) is micro x ge
 step (steps_per_generation = gradient_accumulation_steps = 1). GRPOConfig at TRL's defaults otherwise (beta 0, loss
 dapo, scale group, gradient checkpointing on, ds3_gather_for_generation on), with the toolkit's learning rate,
 schedule and optimizer settings; --grad-ckpt off for TRL without checkpointing; --vllm: use_vllm with
-vllm_mode=colocate.
+vllm_mode=colocate; --cache static: GRPOConfig.cache_implementation="static".
 
 Measured: a callback's wall time at each step end (after a synchronize); prompts/s = micro x ranks x timed steps /
 their time; the time split from timers around TRL's own methods (rank 0's; TRL's profiling metrics reach only
@@ -63,6 +63,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--warmup-steps", type=int, default=3)
     ap.add_argument("--grad-ckpt", choices=("on", "off"), default="on", help="on: TRL's default")
     ap.add_argument("--vllm", action="store_true", help="use_vllm=True, vllm_mode=colocate")
+    ap.add_argument("--cache", default=None, choices=["static"], help="GRPOConfig.cache_implementation")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--local_rank", type=int, default=-1)
@@ -132,6 +133,8 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     extra: dict[str, Any] = {"use_vllm": True, "vllm_mode": "colocate"} if a.vllm else {}
+    if a.cache:
+        extra["cache_implementation"] = a.cache
     cfg = GRPOConfig(
         output_dir=str(a.out.parent / f".{a.out.stem}_trainer"), deepspeed=a.ds, bf16=cuda, use_cpu=not cuda,
         per_device_train_batch_size=a.micro * a.generations, gradient_accumulation_steps=1, max_steps=a.steps,
@@ -184,7 +187,8 @@ def main() -> None:
                "time_split_median": split, "model": built, "world": world, "versions": versions(),
                "settings": {"micro_prompts": a.micro, "generations": a.generations,
                             "max_completion_length": a.max_completion, "gradient_checkpointing": a.grad_ckpt == "on",
-                            "use_vllm": a.vllm, "beta": cfg.beta, "loss_type": cfg.loss_type,
+                            "use_vllm": a.vllm, "cache_implementation": cfg.cache_implementation, "beta": cfg.beta,
+                            "loss_type": cfg.loss_type,
                             "ds3_gather_for_generation": cfg.ds3_gather_for_generation}}
         a.out.write_text(json.dumps(strict_json(out), indent=1))
         print(json.dumps({k: out[k] for k in ("prompts_per_s", "step_time_s", "peak_gpu_gib")}), flush=True)

@@ -20,7 +20,7 @@ from toolkit.plan.generation import DecodeShape, batch_that_fits, bytes_per_sequ
 from toolkit.runtime.generation import gather, guard
 from toolkit.runtime.generation.batched import generate_local
 from toolkit.runtime.generation.prompts import Prompt, exact_match, from_rows, load_prompts
-from toolkit.runtime.generation.sample import top_p_filter
+from toolkit.runtime.generation.sample import MASK64, RowSampler, splitmix64, top_p_filter
 from toolkit.runtime.generation.shard import deal, unshard
 
 
@@ -232,3 +232,24 @@ def test_static_cache_gives_the_same_tokens(tiny: tuple[Any, Any, list[list[int]
                                                        generate_cache="static"), mc=mc, zero3=False, pad_id=0,
                             eos_id=None)[0]
     assert static == dynamic
+
+
+def test_the_row_sampler_draws_from_the_distribution_a_row_at_a_time_whatever_its_batch() -> None:
+    def reference(z: int) -> int:  # SplitMix64's finalizer on Python ints, modulo 2**64
+        z = (z + 0x9E3779B97F4A7C15) & MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+        return z ^ (z >> 31)
+
+    keys = [0, 1, 7 << 32 | 3, 2**63 - 1, 123456789012345]
+    assert [v & MASK64 for v in splitmix64(torch.tensor(keys)).tolist()] == [reference(k) for k in keys]
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    sampler = RowSampler(list(range(2000)), 1.0, 1.0, "cpu")
+    counts = torch.zeros(4)
+    for _ in range(5):  # 10,000 draws: each share within 0.02 of its probability
+        counts += (sampler(None, probs.log().expand(2000, 4).clone()) == 0).float().sum(0)
+    assert torch.allclose(counts / counts.sum(), probs, atol=0.02)
+    logits = torch.randn(3, 50)
+    alone, batched = RowSampler([9], 0.7, 0.9, "cpu"), RowSampler([4, 9, 5], 0.7, 0.9, "cpu")
+    for _ in range(3):  # row 9's tokens, step after step, do not depend on the rows beside it
+        assert torch.equal(alone(None, logits[1:2])[0], batched(None, logits)[1])

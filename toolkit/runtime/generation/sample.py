@@ -43,7 +43,7 @@ class RowSampler(LogitsProcessor):
     """
 
     def __init__(self, seeds: list[int], temperature: float, top_p: float, device: Any) -> None:
-        self.seeds = [int(s) & 0x7FFFFFFF for s in seeds]
+        self.seeds = torch.tensor([int(s) & 0x7FFFFFFF for s in seeds], dtype=torch.int64, device=device) << 32
         self.temperature = temperature
         self.top_p = top_p
         self.device = device
@@ -54,8 +54,7 @@ class RowSampler(LogitsProcessor):
         """Gumbel noise [rows, vocab] for this decoding step (a pure function of seed, step and token id)."""
         if self._ids is None or self._ids.numel() != vocab:
             self._ids = torch.arange(vocab, device=self.device, dtype=torch.int64) * _signed(GOLDEN)
-        keys = torch.tensor([_signed((s << 32) | self.step) for s in self.seeds], dtype=torch.int64)
-        base = splitmix64(keys).to(self.device)
+        base = splitmix64(self.seeds | self.step)  # a key per (seed, step), on the device: no copy a token
         z = splitmix64(base[:, None] + self._ids[None, :])
         u = (_shr(z, 40).float() + 0.5) * 2.0 ** -24  # 24 random bits, in (0, 1)
         return -torch.log(-torch.log(u))
