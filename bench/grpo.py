@@ -40,7 +40,8 @@ def _toolkit(name: str, stage: int, args: argparse.Namespace, out: Path) -> list
             f"train.micro_batch_size={args.micro}", "train.precision=bf16", "train.export=false",
             f"train.max_steps={args.warmup + args.steps}", "train.log_every=1", "memory.every=1",
             "metrics.tensorboard=false", f"train.run_dir={out / name}", "train.overwrite=true",
-            f"data.cache_dir={out / 'cache'}", *(["rl.generate_cache=dynamic"] if name.startswith("tk-dyn") else [])]
+            f"data.cache_dir={out / 'cache'}", *(["rl.generate_cache=dynamic"] if name.startswith("tk-dyn") else []),
+            *args.tk_extra]
 
 
 def _trl(name: str, stage: int, args: argparse.Namespace, out: Path) -> list[str]:
@@ -80,6 +81,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--budget-s", type=float, default=540, help="no run starts after this many seconds")
+    ap.add_argument("--tk-extra", nargs="*", default=[], help="more overrides for the toolkit's rows (key=value)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     out = Path(args.out).resolve()
