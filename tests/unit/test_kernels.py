@@ -25,6 +25,8 @@ def test_every_reason_for_off_is_named() -> None:
         "not installed": dict(wanted=True, cuda=True, model_type="llama", task="causal_lm", supported=None),
         "'gpt2'": dict(wanted=True, cuda=True, model_type="gpt2", task="causal_lm", supported=LIGER),
         "seq_cls": dict(wanted=True, cuda=True, model_type="llama", task="seq_cls", supported=LIGER),
+        "train.objective=grpo": dict(wanted=True, cuda=True, model_type="llama", task="causal_lm", supported=LIGER,
+                                     objective="grpo"),
     }
     for needle, kw in cases.items():
         c = choose(kw.pop("wanted"), stage=2, **kw)

@@ -206,9 +206,17 @@ def whole_model(engine: Any) -> Iterator[Any]:
         saved = [[dict(getattr(m, name)) for name in HOOK_DICTS if hasattr(m, name)] for m in modules]
         for m in modules:
             _keep_own_hooks(m)
+        # ZeRO-3's parameter dicts (ZeROOrderedDict) run a Python getter on every parameter read, which fetches
+        # parameters a module's forward did not announce; every parameter is here already, so plain dicts stand in
+        # for them while generating: no getter for each read, nothing of ZeRO's for a compiled decode step to trace
+        zero_dicts = [(m, m._parameters) for m in modules if type(m._parameters) is not dict]
+        for m, d in zero_dicts:
+            m._parameters = dict(d.items())
         try:
             yield unwrap(engine)
         finally:
+            for m, d in zero_dicts:
+                m._parameters = d
             for m, dicts in zip(modules, saved, strict=True):
                 for name, kept in zip([n for n in HOOK_DICTS if hasattr(m, n)], dicts, strict=True):
                     getattr(m, name).clear()
