@@ -46,7 +46,8 @@ def model_config(cfg: Config) -> Any:
         mc.num_labels = 1 if cfg.train.objective == "reward" else cfg.model.num_labels
     # No KV cache in training forwards under checkpointing or packing: transformers only reads packed position
     # ids as separate sequences when no cache is passed (masking_utils._preprocess_mask_arguments), and a
-    # training forward builds one whenever config.use_cache is on. generate() asks for its own cache.
+    # training forward builds one whenever config.use_cache is on. The toolkit's generate asks for its cache
+    # (generation/batched.py: generate's default follows the config).
     mc.use_cache = not (cfg.model.gradient_checkpointing or packing(cfg)[0])
     if cfg.model.rope_factor != 1:
         if getattr(mc, "max_position_embeddings", None) is None:
