@@ -189,3 +189,14 @@ def test_layers_plans_a_preset_with_fewer_layers_and_the_training_yaml_builds_it
     assert main(["plan", "--model", str(tmp_path / "dir"), "--gpus", "1", "--seq", "64", "--global-batch", "1",
                  "--layers", "1"]) == 1  # the run would refuse model.num_layers for a directory: so does the plan
     assert "--layers applies to presets" in capsys.readouterr().err
+
+
+def test_a_grpo_plan_writes_the_runs_rl_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    data = _json(capsys, "--objective", "grpo", "--seq", "128", "--completion", "256", "--generations", "8",
+                 "--global-batch", "8")
+    over = data["chosen"]["train_overrides"]
+    assert over["train.objective"] == "grpo" and over["data.seq_len"] == 384
+    assert (over["rl.max_prompt_length"], over["rl.max_completion_length"], over["rl.num_generations"]) == (128, 256, 8)
+    assert not any(c["liger"] for c in data["candidates"])
+    assert main([*BASE, "--objective", "grpo"]) != 0
+    assert "--completion (>= 1)" in capsys.readouterr().err

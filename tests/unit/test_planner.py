@@ -416,5 +416,27 @@ def test_a_preference_run_plans_pairs_its_reference_and_no_logits() -> None:
     # a reference forward costs a third of a step or so; precomputed runs none
     assert dpo["precomputed"].tokens_per_s_per_gpu > 1.25 * dpo["adapter"].tokens_per_s_per_gpu
     assert dpo["adapter"].tokens_per_s_per_gpu > dpo["engine"].tokens_per_s_per_gpu
-    with pytest.raises(ConfigError, match="preference objectives"):
+    with pytest.raises(ConfigError, match="preference and RL objectives"):
         pl.predict(pl.Workload(shape, 1024, 8, objective="dpo", fp8="tensorwise"), c, hw)
+
+
+def test_a_grpo_run_plans_its_completions_and_its_rollout() -> None:
+    """A GRPO micro-batch holds each prompt's completions (prompt + completion tokens each); the rollout (the gathered
+    model under ZeRO-3, one generate call's KV cache) is a phase of its own, the peak where the cache is large; the
+    plan takes no Liger kernels (the run does not). Checked against runs: bench/results/grpo/ (llama-1b, 4 prompts x
+    8 x (128 + 256) tokens, ZeRO-3: 44.3 predicted against 42.9 GiB measured on 1 GPU, 36.2 against 35.6 on 2)."""
+    hw = pl.Hardware(1, 1, 139.0, None)
+    shape = load_shape("llama-1b")
+    c = pl.Choice(3, "none", 1.0, 4, 1, False)
+    grpo = pl.Workload(shape, 384, 4, objective="grpo", generations=8, completion_len=256)
+    p = pl.predict(grpo, c, hw)
+    assert not p.liger and p.phase == "backward start"
+    sft = pl.predict(pl.Workload(shape, 384 * 8, 4, fused_loss="false", compile="off", liger=False), c, hw)
+    assert p.gpu["activations"] == pytest.approx(sft.gpu["activations"], rel=0.05)  # the same tokens a micro-batch
+    # long completions, many a rollout (64 prompts a step x 2, one generate call of 128), a small update: the KV
+    # cache outgrows the update
+    long = pl.predict(pl.Workload(shape, 8192 + 128, 64, objective="grpo", generations=2, completion_len=8192),
+                      pl.Choice(3, "none", 1.0, 1, 64, True), hw)
+    assert long.phase == "rollout" and long.gpu["rollout"] > 2.0 * shape.total_params / pl.GIB
+    with pytest.raises(ConfigError, match="prompt plus its completion"):
+        pl.predict(pl.Workload(shape, 256, 4, objective="grpo", completion_len=256), c, hw)

@@ -84,6 +84,9 @@ def train_overrides(args: Any, p: pl.Prediction, out_dir: Path | None) -> dict[s
     if args.lora:
         o["lora.r"] = args.lora_r
         o["lora.target_modules"] = list(_targets(args))
+    if args.objective == "grpo":
+        o |= {"train.objective": "grpo", "data.seq_len": args.seq + args.completion, "rl.max_prompt_length": args.seq,
+              "rl.max_completion_length": args.completion, "rl.num_generations": args.generations}
     if out_dir is not None:
         o["train.ds_config"] = str(out_dir / "ds_config.json")
         o["train.plan"] = str(out_dir / "plan.json")
@@ -143,19 +146,30 @@ def _workload(args: Any) -> tuple[pl.Workload, pl.Hardware]:
     from toolkit.plan.speedups import tiled_mlp_on
 
     tiled = tiled_mlp_on(args.tiled_mlp, args.seq, args.sequence_parallel)[0]
-    w = pl.Workload(shape, args.seq, args.global_batch, lora, not args.no_liger, args.attn, args.fused_loss,
+    w = pl.Workload(shape, args.seq + _completion(args), args.global_batch, lora, not args.no_liger, args.attn, args.fused_loss,
                     args.compile, args.fp8_recipe if args.precision == "fp8" else None, args.doc_len,
                     args.sequence_parallel, tiled, args.activation_offload, args.tiled_loss,
                     expert_parallel=args.expert_parallel, objective=args.objective,
-                    reference=_reference(args.objective, args.reference, lora is not None))
+                    reference=_reference(args.objective, args.reference, lora is not None),
+                    generations=args.generations, completion_len=_completion(args))
     hw = pl.Hardware(args.gpus, args.nodes, args.gpu_mem, args.host_mem)
     return w, hw
 
 
+def _completion(args: Any) -> int:
+    """--completion for --objective grpo (its sequence is --seq prompt tokens plus these), else 0."""
+    if args.objective != "grpo":
+        return 0
+    if args.completion is None or args.completion < 1 or args.generations < 2:
+        raise ConfigError("--objective grpo plans prompts of --seq tokens with --generations (>= 2) completions of "
+                          "--completion (>= 1) tokens each")
+    return args.completion
+
+
 def _reference(objective: str, requested: str, lora: bool) -> str:
-    """pref.reference as a run resolves it (toolkit/runtime/objectives/reference.py mode_of); none for sft and the
-    reference-free objectives."""
-    if objective in ("sft", "simpo", "orpo"):
+    """pref.reference as a run resolves it (toolkit/runtime/objectives/reference.py mode_of); none for sft, the
+    reference-free objectives and GRPO at rl.beta=0 (--reference auto)."""
+    if objective in ("sft", "simpo", "orpo") or (objective == "grpo" and requested == "auto"):
         return "none"
     if requested == "adapter" and not lora:
         raise ConfigError("--reference adapter needs --lora (the reference is the base with the adapters off)")
@@ -243,16 +257,20 @@ def render(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predictio
     lines = [
         f"toolkit plan: {args.model} ({s.total_params / 1e9:.2f}B parameters, {kind}), {hw.gpus_per_node} GPU(s) x "
         f"{hw.nodes} node(s), {hw.gpu_mem_gib:g} GiB per GPU, {host}",
-        (f"{w.objective}: micro-batches of pairs, chosen and rejected of up to {w.seq_len} tokens each, packed; "
+        (f"grpo: micro-batches of prompts x {w.generations} completions of up to {w.seq_len} tokens each (prompt "
+         f"{w.seq_len - w.completion_len} + completion {w.completion_len}), packed; the rollout (the model gathered "
+         f"under ZeRO-3, a static KV cache) counted in the peak; step times are the update's "
+         f"(generation not modelled); reference: {w.reference}; " if w.objective == "grpo" else
+         f"{w.objective}: micro-batches of pairs, chosen and rejected of up to {w.seq_len} tokens each, packed; "
          f"reference: {w.reference}; " if w.objective != "sft" else "")
         + f"sequence {w.seq_len}" + (f" packed with documents of {w.doc_len:g} tokens (token-weighted)" if w.doc_len else "")
         + (f" over {w.sequence_parallel} ranks each (sequence parallelism)" if w.sequence_parallel > 1 else "")
         + (", MLPs tiled" if w.tiled_mlp else "")
         + (f", experts over {w.expert_parallel} ranks (AutoEP)" if w.expert_parallel > 1 else "")
         + f", global batch {w.global_batch} ({w.global_batch * w.sequence_parallel // hw.world} per rank), "
-        f"attention {w.attn}, Liger {'on where supported' if w.liger else 'off'}, "
+        f"attention {w.attn}, Liger {'off (train.objective=grpo)' if w.objective == 'grpo' else 'on where supported' if w.liger else 'off'}, "
         + (f"train.compile={w.compile} (auto: compiled; eager at ZeRO-3 under LoRA), " if w.objective == "sft" else
-           "eager (preference runs are not compiled), ") + (f"float8 matmuls ({w.fp8})" if w.fp8 else "bf16"),
+           "eager (preference and RL runs are not compiled), ") + (f"float8 matmuls ({w.fp8})" if w.fp8 else "bf16"),
         f"GPU need = predicted peak allocated x {1 + pl.ALLOC_MARGIN:.2f} + {pl.CUDA_CONTEXT_GIB} GiB CUDA context; "
         "host = RSS of all ranks of a node",
         "",
@@ -456,9 +474,13 @@ def add_parser(sub: Any) -> None:
                    help="instead of --seq: the longest sequence each choice fits (steps of 1,024 x --sequence-parallel)")
     p.add_argument("--global-batch", type=int, required=True,
                    help="sequences per optimizer step, all ranks (pairs, for a preference objective)")
-    p.add_argument("--objective", choices=("sft", "dpo", "ipo", "simpo", "orpo"), default="sft",
+    p.add_argument("--objective", choices=("sft", "dpo", "ipo", "simpo", "orpo", "grpo"), default="sft",
                    help="train.objective: a preference objective plans micro-batches of pairs (two sequences of "
-                        "--seq each) and the reference model")
+                        "--seq each) and the reference model; grpo plans prompts of --seq tokens, their "
+                        "--generations completions of --completion tokens, and the rollout")
+    p.add_argument("--generations", type=int, default=8, help="grpo: completions a prompt (rl.num_generations)")
+    p.add_argument("--completion", type=int, default=None,
+                   help="grpo: tokens a completion at most (rl.max_completion_length)")
     p.add_argument("--reference", choices=("auto", "adapter", "engine", "precomputed"), default="auto",
                    help="pref.reference for dpo/ipo (auto: adapter with --lora, else engine)")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters instead of every weight")

@@ -82,6 +82,7 @@ HOST_BASELINE_CPU_GIB = 0.5
 # Loss without the fused kernel: fp32 log-softmax output + two fp32 logit-sized gradients alive as
 # backward starts, 12 bytes per logit (bench/results/anatomy.md: 0.98 + 1.99 GiB at 2048 x 128256).
 LOGIT_BYTES = 12
+PAIR_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
 # tokens per chunk of a preference run's head (toolkit/runtime/objectives/logprobs.py DEFAULT_CHUNK)
 PREF_CHUNK_TOKENS = 2048
 
@@ -220,6 +221,16 @@ class Workload:
     reference: str = "none"
     """A preference run's reference (pref.reference resolved): adapter (one more forward, nothing held), engine (a
     ZeRO-3 copy: 2 bytes a parameter / world on every rank, and its forward), precomputed or none (neither)."""
+    generations: int = 8
+    """objective grpo: completions a prompt (rl.num_generations). A GRPO micro-batch holds micro_batch prompts x this
+    many sequences of seq_len (prompt + completion) tokens, packed; global_batch counts prompts."""
+    completion_len: int = 0
+    """objective grpo: rl.max_completion_length (seq_len - completion_len is the prompt's length)."""
+
+    @property
+    def sequences(self) -> int:
+        """Sequences a micro-batch item holds: a pair's two, a GRPO prompt's completions, else one."""
+        return 2 if self.objective in PAIR_OBJECTIVES else self.generations if self.objective == "grpo" else 1
 
     @property
     def attended(self) -> float:
@@ -516,7 +527,7 @@ def compiled(w: Workload, stage: int) -> bool:
     """Whether this choice's decoder layers are compiled (train.compile, auto resolved for a CUDA run)."""
     from toolkit.plan.speedups import compile_on, leaves_blocked
 
-    if w.objective != "sft":  # preference runs stay eager (toolkit/runtime/resolved.py: the reference must match)
+    if w.objective != "sft":  # preference and RL runs stay eager (toolkit/runtime/resolved.py: the reference must match)
         return False
     return compile_on(str(w.compile), cuda=True, steps=None, fp8=bool(w.fp8), stage=stage,
                       no_leaves=leaves_blocked(lora=w.lora is not None))[0]
@@ -537,7 +548,8 @@ def _liger(w: Workload, stage: int) -> tuple[bool, bool]:
     from toolkit.plan.liger import choose
 
     c = choose(w.liger, cuda=True, model_type=w.shape.model_type, task=w.shape.task, stage=stage,
-               supported=LIGER_MODEL_TYPES, fused_loss=w.fused_loss, compiled=compiled(w, stage))
+               supported=LIGER_MODEL_TYPES, fused_loss=w.fused_loss, compiled=compiled(w, stage),
+               objective=w.objective)
     # compiled, inductor fuses RMSNorm, SwiGLU and RoPE where Liger's kernels would (the same peak within 1.4%:
     # llama-1b micro 16, 59.4 GiB compiled against 58.6 with Liger, run s20): the activations Liger's keep
     layers = bool(c.kwargs.get("rms_norm")) or (compiled(w, stage) and w.shape.model_type in DECODERS)
@@ -576,8 +588,11 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     if s.model_type not in DECODERS and w.lora is not None:
         raise ConfigError(f"toolkit plan models LoRA on {', '.join(sorted(DECODERS))} layers, not {s.model_type!r}")
     if w.objective != "sft" and (s.task != "causal_lm" or w.sequence_parallel > 1 or w.fp8 or s.num_experts):
-        raise ConfigError("toolkit plan models preference objectives on dense causal LMs in bf16 without sequence "
-                          "parallelism (as the runs support them)")
+        raise ConfigError("toolkit plan models preference and RL objectives on dense causal LMs in bf16 without "
+                          "sequence parallelism (as the runs support them)")
+    if w.objective == "grpo" and not 0 < w.completion_len < w.seq_len:
+        raise ConfigError(f"a GRPO plan's sequence ({w.seq_len}) is its prompt plus its completion "
+                          f"({w.completion_len}): both at least one token")
     if w.fp8 and s.num_experts:
         raise ConfigError("toolkit plan models float8 (train.precision=fp8) on dense models: it converts nn.Linear, "
                           "and a Mixture-of-Experts model's experts are not")
@@ -610,7 +625,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     # LoRA below ZeRO-3 under bf16 trains like PEFT: fp32 adapters, bf16 frozen base, torch autocast
     # (toolkit/config/ds_config.py adapter_autocast); at ZeRO-3 DeepSpeed's bf16 mode keeps everything bf16.
     autocast = lora is not None and stage < 3
-    tokens = c.micro_batch * w.seq_len * (2 if pref else 1) // w.sequence_parallel  # this rank's slice of each row
+    tokens = c.micro_batch * w.seq_len * w.sequences // w.sequence_parallel  # this rank's slice of each row
     h, vocab = s.hidden_size, s.vocab_size
     tiled_loss = not pref and tiled_loss_on(w.tiled_loss, fused_loss=flce, tokens=w.seq_len // w.sequence_parallel,
                                             causal_lm=s.task == "causal_lm", moe=bool(s.num_experts))[0]
@@ -743,6 +758,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
             mlp=recompute + mlp_bwd, kept_head=kept_head, buckets=buckets)
     phases = {
         "backward start": persistent + held + saved + loss_bwd + gathered,
+        **({"rollout": persistent + _rollout_bytes(w, c, stage, p_all)} if w.objective == "grpo" else {}),
         "top layer backward": persistent + held + top_act + top_loss + top_buckets + head_grad + gathered,
         "optimizer step": persistent + step,  # step includes the gradients it consumes
     }
@@ -751,9 +767,11 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     phase = max(phases, key=phases.__getitem__)
     peak = phases[phase]
     categories = {"params": params, "grads": grads, "optimizer": optimizer, "buffers": buffers,
-                  "held grads": held if phase != "optimizer step" else 0.0}
+                  "held grads": held if phase not in ("optimizer step", "rollout") else 0.0}
     if phase == "optimizer step":
         categories["step"] = step
+    elif phase == "rollout":
+        categories["rollout"] = phases["rollout"] - persistent
     else:
         categories["activations"] = top_act if phase == "top layer backward" else saved
         categories["loss"] = loss_bwd if phase == "backward start" else loss_fwd if phase == "forward end" else top_loss
@@ -786,13 +804,32 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     if offloaded:  # pageable: each copy out and back waits; pinned: copies out overlap, each copy back is waited for
         moved = c.grad_accum * (s.num_layers - 1) * 2.0 * h * tokens
         step_s += 2 * moved / PAGEABLE_BYTES_PER_S if offloaded == "pageable" else moved / PCIE_BYTES_PER_S
-    tps = c.micro_batch * c.grad_accum * w.seq_len * (2 if pref else 1) / w.sequence_parallel / step_s
+    tps = c.micro_batch * c.grad_accum * w.seq_len * w.sequences / w.sequence_parallel / step_s
     return Prediction(
         choice=c, liger=liger, fused_loss=flce, compiled=comp, phase=phase, gpu=gpu,
         persistent={"params": params / GIB, "grads": grads / GIB, "optimizer": optimizer / GIB},
         peak_allocated_gib=peak_gib, gpu_need_gib=need, host={k: v / GIB for k, v in host.items()},
         host_rank_gib=host_rank, host_build_rank_gib=host_build, host_node_gib=host_node, fits_gpu=fits_gpu, fits_host=fits_host,
         step_time_s=step_s, tokens_per_s_per_gpu=tps, activation_offload=offloaded)
+
+
+def _rollout_bytes(w: Workload, c: Choice, stage: int, p_all: int) -> float:
+    """A GRPO rollout beside the model states (toolkit/runtime/rl/step.py, generation/batched.py): under ZeRO-3 the
+    whole bf16 model gathered (gather.whole_model; the rank's shard stays), and one generate call's batch (the
+    window's prompts x generations, at most gather.MAX_BATCH sequences): each sequence's KV cache at full length (a
+    static cache: the prompt's width rounded up to STATIC_WIDTH), its prefill's working set and next-token logits
+    (plan/generation.bytes_per_sequence)."""
+    from toolkit.plan.generation import DecodeShape, bytes_per_sequence
+    from toolkit.runtime.generation.batched import STATIC_WIDTH
+    from toolkit.runtime.generation.gather import MAX_BATCH
+
+    s = w.shape
+    decode = DecodeShape(layers=s.num_layers, hidden=s.hidden_size, intermediate=s.intermediate_size,
+                         heads=s.num_heads, kv_heads=s.num_kv_heads, head_dim=s.head_dim, vocab=s.vocab_size)
+    prompt = -(-(w.seq_len - w.completion_len) // STATIC_WIDTH) * STATIC_WIDTH
+    batch = min(c.micro_batch * c.grad_accum * w.generations, MAX_BATCH)
+    gathered = 2.0 * p_all if stage == 3 else 0.0
+    return gathered + batch * bytes_per_sequence(decode, prompt, w.completion_len, 2, True)
 
 
 def _checkpointed_top(s: ModelShape, lora: Lora | None, attn: str, *, tokens: int, kept: int, offloaded: bool,
@@ -908,8 +945,9 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     tokens per micro-step, ZeRO-3's per-micro-step cost, offload copies, and the CPU Adam step."""
     s = w.shape
     pref = w.objective != "sft"
-    # per rank; its heads' attention spans the whole row; a preference micro-batch: chosen and rejected
-    tokens = c.micro_batch * w.seq_len * (2 if pref else 1) // w.sequence_parallel
+    # per rank; its heads' attention spans the whole row; a preference micro-batch: chosen and rejected; a GRPO
+    # one: each prompt's completions (the rollout's generation is not in this model: time/generate_s shows it)
+    tokens = c.micro_batch * w.seq_len * w.sequences // w.sequence_parallel
     attn = 12.0 * s.num_layers * s.hidden_size * w.attended  # packed documents: their own length (Workload.doc_len)
     # a token runs through its routed experts only: FLOPs by active parameters (Mixture-of-Experts)
     p_run, t_run = s.active_params, min(t_all, s.active_params)
