@@ -440,3 +440,27 @@ def test_a_grpo_run_plans_its_completions_and_its_rollout() -> None:
     assert long.phase == "rollout" and long.gpu["rollout"] > 2.0 * shape.total_params / pl.GIB
     with pytest.raises(ConfigError, match="prompt plus its completion"):
         pl.predict(pl.Workload(shape, 256, 4, objective="grpo", completion_len=256), c, hw)
+
+
+def test_auto_micro_batches_of_pairs_count_two_sequences_and_the_reference() -> None:
+    """train.micro_batch_size=auto on a preference run: the planner's candidates are pairs with the run's reference
+    (run_settings reads them from the config); GRPO and a precomputed reference are refused before any probe."""
+    from toolkit.config.schema import load_config
+    from toolkit.runtime.speed.autotune import _check_objective
+
+    ds = {"zero_optimization": {"stage": 2}}
+    shape = load_shape("llama-1b")
+    sft = pl.fitting_micro_batches(shape, ds, 1, 2048, 16, 40.0, compile="off")
+    full = load_config(None, ["train.objective=dpo"])
+    settings = pl.run_settings(full, False, False)
+    assert (settings["objective"], settings["reference"]) == ("dpo", "engine")
+    assert pl.run_settings(load_config(None, ["train.objective=dpo", "lora.enabled=true"]), False, False)[
+        "reference"] == "adapter"
+    assert pl.run_settings(load_config(None, ["train.objective=simpo"]), False, False)["reference"] == "none"
+    dpo = pl.fitting_micro_batches(shape, ds, 1, 2048, 16, 40.0, **settings)
+    assert dpo and dpo[0] < sft[0]  # a pair is two sequences, and the engine reference's partition
+    _check_objective(full)
+    with pytest.raises(ConfigError, match="precomputed"):
+        _check_objective(load_config(None, ["train.objective=dpo", "pref.reference=precomputed"]))
+    with pytest.raises(ConfigError, match="number of prompts"):
+        _check_objective(load_config(None, ["train.objective=grpo"]))

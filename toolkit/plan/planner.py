@@ -1136,7 +1136,18 @@ def run_settings(cfg: Any, compiled: bool, tiled_mlp: bool) -> dict[str, Any]:
             "zero_sizes": t.zero_sizes, "fused_loss": m.liger_fused_loss, "compile": "torch" if compiled else "off",
             "fp8": t.fp8_recipe if t.precision == "fp8" else None,
             "tiled_mlp": tiled_mlp,
-            "activation_offload": m.activation_offload, "tiled_loss": m.tiled_loss}
+            "activation_offload": m.activation_offload, "tiled_loss": m.tiled_loss,
+            "objective": t.objective, "reference": _reference_of(cfg)}
+
+
+def _reference_of(cfg: Any) -> str:
+    """pref.reference as the run resolves it (objectives/reference.mode_of); none for SFT and reference-free runs."""
+    from toolkit.runtime.objectives.losses import REFERENCE_FREE
+    from toolkit.runtime.objectives.reference import mode_of
+
+    if cfg.train.objective == "sft" or cfg.train.objective in REFERENCE_FREE:
+        return "none"
+    return mode_of(cfg.pref.reference, bool(cfg.lora.enabled))[0]
 
 
 def fitting_micro_batches(model_config: Any, ds_config: dict[str, Any], world_size: int, seq_len: int,
@@ -1145,7 +1156,7 @@ def fitting_micro_batches(model_config: Any, ds_config: dict[str, Any], world_si
                           zero_sizes: str = "speed", fused_loss: str = "auto",
                           gpus_per_node: int | None = None, compile: str = "off", fp8: str | None = None,
                           tiled_mlp: bool = False, activation_offload: str = "auto",
-                          tiled_loss: str = "auto") -> list[int]:
+                          tiled_loss: str = "auto", objective: str = "sft", reference: str = "none") -> list[int]:
     """Micro-batch sizes (divisors of per_rank_batch = micro x grad_accum) predicted to fit in
     gpu_mem_gib per GPU for this DeepSpeed config, largest first; [] when none does.
 
@@ -1154,7 +1165,8 @@ def fitting_micro_batches(model_config: Any, ds_config: dict[str, Any], world_si
     lora: a Lora (r, target modules), True for the defaults (r=8 on q_proj, v_proj), or None/False.
     fused_loss: model.liger_fused_loss. compile: train.compile (off, torch, auto); fp8: the float8 recipe or None.
     tiled_mlp: model.tiled_mlp as the run resolved it; activation_offload: model.activation_offload; tiled_loss:
-    model.tiled_loss.
+    model.tiled_loss. objective, reference: train.objective and pref.reference resolved (a preference run's
+    per_rank_batch counts pairs).
     Raises ConfigError for a model type without an activation model.
     """
     shape = model_config if isinstance(model_config, ModelShape) else _shape_of(model_config)
@@ -1163,7 +1175,7 @@ def fitting_micro_batches(model_config: Any, ds_config: dict[str, Any], world_si
     adapters = Lora() if lora is True else (lora or None)
     w = Workload(shape, seq_len, per_rank_batch * world_size, adapters, liger, attn, fused_loss, compile, fp8,
                  tiled_mlp=tiled_mlp, activation_offload=activation_offload, tiled_loss=tiled_loss,
-                 expert_parallel=autoep_size(ds_config, world_size, shape))
+                 expert_parallel=autoep_size(ds_config, world_size, shape), objective=objective, reference=reference)
     out = []
     for m in sorted(divisors(per_rank_batch), reverse=True):
         c = choice_from_ds(ds_config, micro_batch=m, grad_accum=per_rank_batch // m, grad_ckpt=grad_ckpt,

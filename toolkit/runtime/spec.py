@@ -160,7 +160,6 @@ def _check_objective(cfg: Config) -> None:
         (t.objective == "reward" and cfg.model.task != "seq_cls",
          "trains a sequence classifier with one output: add model.task=seq_cls"),
         (t.sequence_parallel > 1, "does not run with train.sequence_parallel yet"),
-        (t.micro_batch_size == "auto", "takes a number of pairs for train.micro_batch_size (auto: not yet)"),
         # the reference must compute what the policy computes at step 1: the same kernels, eager, in bf16 or fp32
         (t.precision == "fp8", "does not run in float8 yet (the reference would not match the policy)"),
         (t.compile == "torch", "does not compile yet (the reference would not match the policy): train.compile=off"),
@@ -168,6 +167,7 @@ def _check_objective(cfg: Config) -> None:
     if t.objective == "grpo":
         refusals += [
             (t.path != "raw", "runs on the raw path so far: train.path=raw"),
+            (t.micro_batch_size == "auto", "takes a number of prompts for train.micro_batch_size (auto: not yet)"),
             (cfg.data.source == "synthetic", "needs a prompt file: data.source=prompts.jsonl (docs/rl.md)"),
             (bool(d.eval_source or d.eval_fraction), "has no held-out evaluation yet: drop data.eval_source / "
                                                      "data.eval_fraction"),

@@ -65,7 +65,8 @@ def key_of(inputs: RunInputs, gpu: str) -> dict[str, Any]:
             "zero_sizes": t.zero_sizes, "compile": [t.compile, run_compiles(inputs)], "path": t.path, "world": world, "gpu": gpu,
             "gpu_limit_gib": cfg.memory.gpu_limit_gib, "tiled_loss": m.tiled_loss,
             "global_batch": t.global_batch_size, "ds": hashlib.sha256(json.dumps(ds, sort_keys=True).encode()).hexdigest()[:16],
-            "data": _data_identity(cfg.data.source), "versions": _versions()}
+            "data": _data_identity(cfg.data.source), "versions": _versions(),
+            "objective": [t.objective, cfg.pref.reference, cfg.pref.reference_offload]}
 
 
 def _data_identity(source: str) -> str:
@@ -139,6 +140,7 @@ def resolve(inputs: RunInputs, argv: list[str]) -> dict[str, Any]:
                           "step, all ranks together)")
     if t.global_batch_size % world:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} does not split over {world} ranks")
+    _check_objective(cfg)
     per_rank = t.global_batch_size // world
     gpu, gib = gpu_name_and_gib()
     if gib is not None and cfg.memory.gpu_limit_gib > 0:  # the probes run under the same cap (their overrides)
@@ -168,6 +170,20 @@ def resolve(inputs: RunInputs, argv: list[str]) -> dict[str, Any]:
     t.micro_batch_size = int(record["micro_batch"])
     t.grad_accum = per_rank // t.micro_batch_size
     return record
+
+
+def _check_objective(cfg: Config) -> None:
+    """Preference runs are probed as SFT runs are (global_batch_size counts pairs); not where a probe cannot stand
+    for the run."""
+    from toolkit.runtime.objectives.reference import mode_of
+
+    t = cfg.train
+    if t.objective == "grpo":
+        raise ConfigError("train.objective=grpo takes a number of prompts for train.micro_batch_size (auto: not yet)")
+    if t.objective in ("dpo", "ipo") and mode_of(cfg.pref.reference, bool(cfg.lora.enabled))[0] == "precomputed":
+        # the stored values are keyed by the micro-batch (precompute.key_of): every probe would make its own pass
+        raise ConfigError("train.micro_batch_size=auto with pref.reference=precomputed: each probe would compute the "
+                          "reference over the first epoch again; give a number of pairs, or pref.reference=engine")
 
 
 def _all_min(gib: float | None, group: Any) -> float | None:
