@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 from _net import free_port
+from conftest import write_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,3 +64,26 @@ def test_auto_micro_batch_survives_an_oom_probe_records_and_reuses_its_choice(tm
     # global_batch_size is required with auto, and must agree with a number micro-batch
     rc, log, _ = _train(tmp_path / "bad", tmp_path, "train.global_batch_size=0")
     assert rc == 1 and "train.micro_batch_size=auto needs train.global_batch_size" in log, log[-2000:]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(1000)
+def test_auto_micro_batch_of_preference_pairs(tmp_path: Path) -> None:
+    """A DPO run (LoRA, the adapter reference) with micro_batch_size=auto: global_batch_size counts pairs, the probes
+    run the preference step, and the run trains at the choice."""
+    tok = write_tokenizer(tmp_path / "tokenizer")
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": "what did the cat do " + "the dog " * (i % 3),
+                                         "chosen": "sat on the mat", "rejected": "ran on the log"}) + "\n"
+                             for i in range(16)))
+    run = tmp_path / "dpo"
+    rc, log, _ = _train(run, tmp_path, "train.objective=dpo", f"data.source={pairs}", f"model.tokenizer={tok}",
+                        "lora.enabled=true")
+    assert rc == 0, log[-5000:]
+    record = json.loads((run / "micro_batch.json").read_text())
+    assert record["key"]["objective"][0] == "dpo"
+    assert [(p["micro_batch"], p["outcome"]) for p in record["probes"]][:2] == [(4, "out of memory"), (2, "ok")]
+    ds = json.loads((run / "ds_config.json").read_text())
+    assert ds["train_batch_size"] == 8 and ds["train_micro_batch_size_per_gpu"] == record["micro_batch"]
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert len(lines) == 3 and "rewards/accuracies" in lines[0]
