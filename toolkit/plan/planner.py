@@ -1072,19 +1072,59 @@ def plan(w: Workload, hw: Hardware, **limits: Any) -> list[Prediction]:
 
 # Predicted speeds closer than this are one speed in practice (the speed model is rough, and repeated
 # runs of one configuration spread 9%, bench/results/speed.md); among them the planner takes the one
-# with the most GPU headroom.
+# with the fewest moving parts, then the most GPU headroom.
 SPEED_TIE = 0.05
+# An offloading choice (optimizer, parameters or activations to the host) wins over one without only by more than
+# this: the speed model's error on offload rows. A Qwen2.5-1.5B shape at 262K tokens on an H200 predicted ZeRO-3 with
+# everything on the CPU at 3,122 tokens/s and ZeRO-0 at 3,196; they ran at 2,455 and 4,429 (issue 50), and the old
+# rule (the smaller GPU need within SPEED_TIE) took the offload.
+OFFLOAD_MARGIN = 0.15
+
+
+def moving_parts(p: Prediction) -> int:
+    """What a choice moves to the host and back each step: the optimizer's states, the parameters, the layers'
+    inputs (0: everything stays on the GPU)."""
+    c = p.choice
+    return int(c.offload != "none") + int(c.offload == "all") + int(bool(p.activation_offload))
 
 
 def best(ranked: Sequence[Prediction]) -> Prediction | None:
-    """The choice: the fastest that fits, or one within SPEED_TIE of it with a smaller GPU need."""
+    """The choice, among those that fit: without offload where one fits, unless an offload is predicted faster by more
+    than OFFLOAD_MARGIN; then the fastest, or one within SPEED_TIE of it with fewer moving parts, then a smaller GPU
+    need (`why_chosen` says which rule decided)."""
+    return _best(ranked)[0]
+
+
+def why_chosen(ranked: Sequence[Prediction]) -> str:
+    """One line: why `best` took its choice."""
+    return _best(ranked)[1]
+
+
+def _best(ranked: Sequence[Prediction]) -> tuple[Prediction | None, str]:
     fitting = [p for p in ranked if p.fits]
     if not fitting:
-        return None
+        return None, "nothing fits"
     top = max(p.tokens_per_s_per_gpu for p in fitting)
-    close = [p for p in fitting if p.tokens_per_s_per_gpu >= (1 - SPEED_TIE) * top]
+    plain = [p for p in fitting if not moving_parts(p)]
+    plain_top = max((p.tokens_per_s_per_gpu for p in plain), default=0.0)
+    if plain and top <= (1 + OFFLOAD_MARGIN) * plain_top:
+        pool = plain
+        why = ("no offload: one fits" + (f", and no offload is predicted more than {OFFLOAD_MARGIN:.0%} faster"
+                                         if top > plain_top else ""))
+    else:
+        pool = fitting
+        why = ("offload: no choice without it fits" if not plain else
+               f"offload: predicted {top / plain_top:.2f}x the fastest choice without it (> {1 + OFFLOAD_MARGIN:g}x)")
+    pool_top = max(p.tokens_per_s_per_gpu for p in pool)
+    close = [p for p in pool if p.tokens_per_s_per_gpu >= (1 - SPEED_TIE) * pool_top]
     # equal predictions for ZeRO-1 and ZeRO-2 (the same buffers here): take ZeRO-2, the measured one
-    return min(close, key=lambda p: (round(p.gpu_need_gib, 1), -p.tokens_per_s_per_gpu, p.choice.stage == 1))
+    chosen = min(close, key=lambda p: (moving_parts(p), round(p.gpu_need_gib, 1), -p.tokens_per_s_per_gpu,
+                                       p.choice.stage == 1))
+    if len(close) > 1:
+        why += f"; {len(close)} within {SPEED_TIE:.0%} of the fastest: the fewest moving parts, then the smallest GPU need"
+    else:
+        why += "; the fastest"
+    return chosen, why
 
 
 def _key(c: Choice) -> tuple[Any, ...]:
