@@ -22,12 +22,12 @@ from conftest import write_tokenizer
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _train(run_dir: Path, tmp: Path, *extra: str) -> tuple[int, str, float]:
+def _train(run_dir: Path, tmp: Path, *extra: str, oom_above: int = 2) -> tuple[int, str, float]:
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "toolkit/train.py",
            "train.path=raw", "train.micro_batch_size=auto", "train.global_batch_size=8", "train.max_steps=3",
            "train.export=false", "memory.every=0", "metrics.tensorboard=false", f"train.run_dir={run_dir}", *extra]
     env = os.environ | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", "TOOLKIT_CACHE": str(tmp / "cache"),
-                        "TOOLKIT_FAULT_OOM_ABOVE_MICRO": "2"}
+                        "TOOLKIT_FAULT_OOM_ABOVE_MICRO": str(oom_above)}
     t0 = time.monotonic()
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     return p.returncode, p.stdout + p.stderr, time.monotonic() - t0
@@ -77,13 +77,15 @@ def test_auto_micro_batch_of_preference_pairs(tmp_path: Path) -> None:
                                          "chosen": "sat on the mat", "rejected": "ran on the log"}) + "\n"
                              for i in range(16)))
     run = tmp_path / "dpo"
+    # 4 pairs a step, 2 a rank: micro 2 runs out of memory (injected), micro 1 is the answer (two probes in all)
     rc, log, _ = _train(run, tmp_path, "train.objective=dpo", f"data.source={pairs}", f"model.tokenizer={tok}",
-                        "lora.enabled=true")
+                        "lora.enabled=true", "train.global_batch_size=4", oom_above=1)
     assert rc == 0, log[-5000:]
     record = json.loads((run / "micro_batch.json").read_text())
     assert record["key"]["objective"][0] == "dpo"
-    assert [(p["micro_batch"], p["outcome"]) for p in record["probes"]][:2] == [(4, "out of memory"), (2, "ok")]
+    assert [(p["micro_batch"], p["outcome"]) for p in record["probes"]] == [(2, "out of memory"), (1, "ok")]
     ds = json.loads((run / "ds_config.json").read_text())
-    assert ds["train_batch_size"] == 8 and ds["train_micro_batch_size_per_gpu"] == record["micro_batch"]
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (
+        4, 1, 2)
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     assert len(lines) == 3 and "rewards/accuracies" in lines[0]
