@@ -200,3 +200,18 @@ def test_a_grpo_plan_writes_the_runs_rl_settings(capsys: pytest.CaptureFixture[s
     assert not any(c["liger"] for c in data["candidates"])
     assert main([*BASE, "--objective", "grpo"]) != 0
     assert "--completion (>= 1)" in capsys.readouterr().err
+
+
+def test_issue_50s_case_plans_no_offload(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Qwen2.5-1.5B-shaped local model at 262,144 tokens on one 137 GiB GPU: the plan that chose ZeRO-3 with every
+    parameter on the CPU (run at 0.55x the plain choice) now takes the choice without offload, and says why."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960,
+        "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2, "head_dim": 128,
+        "vocab_size": 151936, "tie_word_embeddings": True, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "hidden_act": "silu"}))
+    assert main(["plan", "--model", str(tmp_path), "--rope-factor", "16", "--gpus", "1", "--gpu-mem", "137",
+                 "--host-mem", "120", "--global-batch", "1", "--seq", "262144", "--json"]) == 0
+    chosen = json.loads(capsys.readouterr().out)["chosen"]
+    assert (chosen["stage"], chosen["offload"]) == (0, "none"), chosen
+    assert chosen["why"].startswith("no offload: one fits")
