@@ -459,6 +459,8 @@ def test_auto_micro_batches_of_pairs_count_two_sequences_and_the_reference() -> 
     assert pl.run_settings(load_config(None, ["train.objective=simpo"]), False, False)["reference"] == "none"
     dpo = pl.fitting_micro_batches(shape, ds, 1, 2048, 16, 40.0, **settings)
     assert dpo and dpo[0] < sft[0]  # a pair is two sequences, and the engine reference's partition
+    from toolkit.runtime.objectives.losses import REFERENCE_FREE
+    assert pl.REFERENCE_FREE_OBJECTIVES == REFERENCE_FREE  # the planner's copy (plan/ imports nothing of runtime/)
     _check_objective(full)
     with pytest.raises(ConfigError, match="precomputed"):
         _check_objective(load_config(None, ["train.objective=dpo", "pref.reference=precomputed"]))

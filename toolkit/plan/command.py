@@ -150,7 +150,7 @@ def _workload(args: Any) -> tuple[pl.Workload, pl.Hardware]:
                     args.compile, args.fp8_recipe if args.precision == "fp8" else None, args.doc_len,
                     args.sequence_parallel, tiled, args.activation_offload, args.tiled_loss,
                     expert_parallel=args.expert_parallel, objective=args.objective,
-                    reference=_reference(args.objective, args.reference, lora is not None),
+                    reference=pl.reference_mode(args.objective, args.reference, lora is not None),
                     generations=args.generations, completion_len=_completion(args))
     hw = pl.Hardware(args.gpus, args.nodes, args.gpu_mem, args.host_mem)
     return w, hw
@@ -164,18 +164,6 @@ def _completion(args: Any) -> int:
         raise ConfigError("--objective grpo plans prompts of --seq tokens with --generations (>= 2) completions of "
                           "--completion (>= 1) tokens each")
     return args.completion
-
-
-def _reference(objective: str, requested: str, lora: bool) -> str:
-    """pref.reference as a run resolves it (toolkit/runtime/objectives/reference.py mode_of); none for sft, the
-    reference-free objectives and GRPO at rl.beta=0 (--reference auto)."""
-    if objective in ("sft", "simpo", "orpo") or (objective == "grpo" and requested == "auto"):
-        return "none"
-    if requested == "adapter" and not lora:
-        raise ConfigError("--reference adapter needs --lora (the reference is the base with the adapters off)")
-    if requested == "auto":
-        return "adapter" if lora else "engine"
-    return requested
 
 
 def _model_type(model: str) -> str | None:

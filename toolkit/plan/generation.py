@@ -20,6 +20,10 @@ class DecodeShape:
     vocab: int
 
 
+STATIC_WIDTH = 64  # eval.generate_cache=static: prompt widths rounded up to this, so few shapes compile
+MAX_BATCH = 128  # batch size auto: beyond this a decode step of a 1B model on an H100 stops getting cheaper per token
+
+
 def kv_bytes_per_token(s: DecodeShape, dtype_bytes: int) -> int:
     """Keys and values of every layer for one token."""
     return 2 * s.layers * s.kv_heads * s.head_dim * dtype_bytes

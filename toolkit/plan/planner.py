@@ -83,6 +83,7 @@ HOST_BASELINE_CPU_GIB = 0.5
 # backward starts, 12 bytes per logit (bench/results/anatomy.md: 0.98 + 1.99 GiB at 2048 x 128256).
 LOGIT_BYTES = 12
 PAIR_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
+REFERENCE_FREE_OBJECTIVES = ("simpo", "orpo", "reward")  # as runtime/objectives/losses.REFERENCE_FREE
 # tokens per chunk of a preference run's head (toolkit/runtime/objectives/logprobs.py DEFAULT_CHUNK)
 PREF_CHUNK_TOKENS = 2048
 
@@ -819,9 +820,7 @@ def _rollout_bytes(w: Workload, c: Choice, stage: int, p_all: int) -> float:
     window's prompts x generations, at most gather.MAX_BATCH sequences): each sequence's KV cache at full length (a
     static cache: the prompt's width rounded up to STATIC_WIDTH), its prefill's working set and next-token logits
     (plan/generation.bytes_per_sequence)."""
-    from toolkit.plan.generation import DecodeShape, bytes_per_sequence
-    from toolkit.runtime.generation.batched import STATIC_WIDTH
-    from toolkit.runtime.generation.gather import MAX_BATCH
+    from toolkit.plan.generation import MAX_BATCH, STATIC_WIDTH, DecodeShape, bytes_per_sequence
 
     s = w.shape
     decode = DecodeShape(layers=s.num_layers, hidden=s.hidden_size, intermediate=s.intermediate_size,
@@ -1181,13 +1180,24 @@ def run_settings(cfg: Any, compiled: bool, tiled_mlp: bool) -> dict[str, Any]:
 
 
 def _reference_of(cfg: Any) -> str:
-    """pref.reference as the run resolves it (objectives/reference.mode_of); none for SFT and reference-free runs."""
-    from toolkit.runtime.objectives.losses import REFERENCE_FREE
-    from toolkit.runtime.objectives.reference import mode_of
-
-    if cfg.train.objective == "sft" or cfg.train.objective in REFERENCE_FREE:
+    """pref.reference as the run resolves it (runtime/objectives/reference.mode_of); none for SFT, reference-free
+    runs and GRPO without a KL term."""
+    if cfg.train.objective == "grpo" and not cfg.rl.beta:
         return "none"
-    return mode_of(cfg.pref.reference, bool(cfg.lora.enabled))[0]
+    return reference_mode(cfg.train.objective, cfg.pref.reference, bool(cfg.lora.enabled))
+
+
+def reference_mode(objective: str, requested: str, lora: bool) -> str:
+    """A run's reference as runtime/objectives/reference.mode_of resolves pref.reference (auto: the base with the
+    adapters off under LoRA, else the ZeRO-3 engine); none for SFT, the reference-free objectives, and GRPO's auto
+    (rl.beta = 0)."""
+    if objective in ("sft", *REFERENCE_FREE_OBJECTIVES) or (objective == "grpo" and requested == "auto"):
+        return "none"
+    if requested == "adapter" and not lora:
+        raise ConfigError("--reference adapter needs --lora (the reference is the base with the adapters off)")
+    if requested == "auto":
+        return "adapter" if lora else "engine"
+    return requested
 
 
 def fitting_micro_batches(model_config: Any, ds_config: dict[str, Any], world_size: int, seq_len: int,

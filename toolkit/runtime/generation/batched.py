@@ -20,12 +20,11 @@ from typing import Any
 
 from toolkit.config.schema import EvalConfig
 from toolkit.launch import dist
+from toolkit.plan.generation import STATIC_WIDTH
 from toolkit.runtime.generation.gather import choose, plain_linear, whole_model
 from toolkit.runtime.generation.guard import unguarded, unwrap, world
 from toolkit.runtime.generation.sample import RowSampler, cut
 from toolkit.runtime.generation.shard import deal, unshard
-
-STATIC_WIDTH = 64  # eval.generate_cache=static: prompt widths rounded up to this, so few shapes compile
 
 
 @dataclass

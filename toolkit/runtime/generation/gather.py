@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from toolkit.launch import dist
-from toolkit.plan.generation import DecodeShape, batch_that_fits, bytes_per_sequence
+from toolkit.plan.generation import MAX_BATCH, DecodeShape, batch_that_fits, bytes_per_sequence
 from toolkit.runtime.generation.guard import unwrap
 
 GIB = 1024**3
-MAX_BATCH = 128  # auto: beyond this a decode step of a 1B model on an H100 stops getting cheaper per token
 RESERVE_CUDA = 1 * GIB  # the CUDA allocator's fragmentation and the library workspaces
 # Tests only: "RANK:BYTES" makes that rank see BYTES free, as if its GPU were full (tests/dist/test_generate.py).
 FAULT_ENV = "TOOLKIT_FAULT_GEN_FREE_BYTES"
