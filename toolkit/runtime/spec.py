@@ -167,7 +167,6 @@ def _check_objective(cfg: Config) -> None:
     if t.objective == "grpo":
         refusals += [
             (t.path != "raw", "runs on the raw path so far: train.path=raw"),
-            (t.micro_batch_size == "auto", "takes a number of prompts for train.micro_batch_size (auto: not yet)"),
             (cfg.data.source == "synthetic", "needs a prompt file: data.source=prompts.jsonl (docs/rl.md)"),
             (bool(d.eval_source or d.eval_fraction), "has no held-out evaluation yet: drop data.eval_source / "
                                                      "data.eval_fraction"),
