@@ -51,6 +51,13 @@ def _module(engine_or_model: Any) -> Any:
     return getattr(engine_or_model, "module", engine_or_model)
 
 
+def _at_label(per_state: torch.Tensor) -> torch.Tensor:
+    """A per-position value moved to the label it is about: the state at t predicts the label at t + 1 (0 at t = 0)."""
+    out = torch.zeros_like(per_state)
+    out[:, 1:] = per_state[:, :-1]
+    return out
+
+
 def seed_of(seed: int, step: int, row: int, sample: int) -> int:
     """A completion's sampling seed: its prompt row and sample number at this step, whatever rank draws it (a fixed
     digest, not Python's hash, whose algorithm is the interpreter's to change)."""
@@ -196,13 +203,7 @@ class GRPOStep:
         """Each position's log-prob of its own label (0 where none), [rows, positions], at the sampling temperature;
         and each position's entropy where `entropy`."""
         tok, ent = token_logps_entropy(model, batch, self.heads.get(id(_module(model))), self.rl.temperature, entropy)
-        out = torch.zeros_like(tok)
-        out[:, 1:] = tok[:, :-1]  # the state at t predicts the label at t + 1
-        if ent is not None:
-            shifted = torch.zeros_like(ent)
-            shifted[:, 1:] = ent[:, :-1]
-            ent = shifted
-        return out, ent
+        return _at_label(tok), None if ent is None else _at_label(ent)
 
     @torch.no_grad()
     def _reference(self, engine: Any, batch: dict[str, Any]) -> torch.Tensor | None:
