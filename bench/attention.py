@@ -2,6 +2,7 @@
 which kernel the toolkit should use for packed and for unpacked causal rows.
 
     python bench/attention.py --out OUT.json      # one CUDA GPU; a table on stdout
+    python bench/attention.py --rates --out OUT.json   # the planner's attention rates (toolkit/plan/attention_rates.json)
 
 Per shape (micro-batch x sequence): sdpa as transformers calls it (GQA through enable_gqa, no mask), sdpa
 forced to each backend (kv heads repeated, so cuDNN can take it), sdpa with the block-diagonal mask that
@@ -27,7 +28,7 @@ HEADS, KV, DIM = 32, 8, 64
 
 
 def _time(fn: Any, reps: int = 20) -> float:
-    for _ in range(5):
+    for _ in range(5 if reps >= 10 else 1):
         fn()
     times = []
     for _ in range(reps):
@@ -113,15 +114,64 @@ def _measure(b: int, s: int, rng: random.Random) -> list[dict[str, Any]]:
     return rows
 
 
+# --rates: causal attention as transformers calls sdpa on unpacked rows (enable_gqa, is_causal), forward and forward +
+# backward, per (query heads, kv heads, head dim) of the shapes the planner knows, over lengths: the table behind
+# toolkit/plan/attention_rates.json. Tokens per call: at least RATE_TOKENS (micro-batches of shorter rows).
+RATE_HEADS = ((32, 8, 64), (14, 2, 64), (12, 2, 128), (16, 2, 128), (32, 8, 128), (32, 32, 128))
+RATE_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
+RATE_TOKENS = 32768
+RATE_MAX_WIDTH_AT = {262144: 2048}  # heads x dim measured at this length only up to this width (device time)
+
+
+def _rate(heads: int, kv: int, dim: int, s: int) -> dict[str, Any]:
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    dev, b = torch.device("cuda"), max(1, RATE_TOKENS // s)
+    q = torch.randn(b, heads, s, dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(b, kv, s, dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(b, kv, s, dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(b, heads, s, dim, device=dev, dtype=torch.bfloat16)
+
+    def fwd() -> Any:
+        return sdpa(q, k, v, is_causal=True, enable_gqa=kv != heads)
+
+    def both() -> None:
+        fwd().backward(g)
+
+    reps = 20 if s <= 16384 else 3
+    with torch.no_grad():
+        ms_f = _time(fwd, reps)
+    ms_b = _time(both, reps)
+    full = 4.0 * heads * dim * s * b * s  # forward, causal counted as full
+    return {"heads": heads, "kv_heads": kv, "head_dim": dim, "seq": s, "micro": b,
+            "fwd_ms": round(ms_f, 3), "fwd_bwd_ms": round(ms_b, 3),
+            "fwd_tflops": round(full / ms_f / 1e9, 1), "fwd_bwd_tflops": round(3 * full / ms_b / 1e9, 1)}
+
+
+def _rates() -> list[dict[str, Any]]:
+    """Per shape and length: ms of one layer's attention forward and forward + backward, and the rate in the planner's
+    own FLOP count (12 x heads x head_dim x length a token for forward + backward, 4 x for forward: causal work
+    counted as full, as toolkit/observe/metrics.py counts it)."""
+    rows = []
+    for heads, kv, dim in RATE_HEADS:
+        for s in RATE_LENGTHS:
+            if heads * dim <= RATE_MAX_WIDTH_AT.get(s, 1 << 30):
+                rows.append(_rate(heads, kv, dim, s))
+                print(rows[-1], flush=True)
+                torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
+    p.add_argument("--rates", action="store_true", help="the planner's rate table (RATE_HEADS x RATE_LENGTHS)")
     args = p.parse_args()
     from toolkit.runtime.attention.kernels import prepare
 
     gqa = prepare(torch.device("cuda"))  # what a training run decides before its first forward
     rng = random.Random(0)
-    rows = [r for b, s in SHAPES for r in _measure(b, s, rng)]
+    rows = _rates() if args.rates else [r for b, s in SHAPES for r in _measure(b, s, rng)]
     doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "varlen_kv_heads": gqa, "rows": rows}
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     return 0

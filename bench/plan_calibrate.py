@@ -134,6 +134,32 @@ LONG: tuple[Config, ...] = (
     # 512K for the 1B shape at ZeRO-2 (no parameter or optimizer offload) with its inputs on the CPU (auto: pinned)
     Config("ls-1b-z2-512k", "llama-3.2-1b", 524288, 1, 1, 2, ckpt=True, tiled=True, rope=8.0, act_offload="auto"),
 )
+# Shapes the speed model was not fitted on (issue 50), run with --only: Qwen2.5-1.5B (head dim 128, GQA 6:1), Qwen2.5-3B
+# (128, 8:1), Mistral-7B at full width in 8 of its 32 layers (128, 4:1); short and long rows, ZeRO-0/2/3 and offload.
+# The issue's own case first: Qwen2.5-1.5B at 262,144 tokens, its two choices (ZeRO-0; ZeRO-3 with all on the CPU).
+Q15, Q3, M7 = "qwen2.5-1.5b", "qwen2.5-3b", "mistral-7b"
+VALIDATE: tuple[Config, ...] = (
+    Config("v-q15-z0-256k", Q15, 262144, 1, 1, 0, ckpt=True, tiled=True, rope=16.0),
+    Config("v-q15-z3all-256k", Q15, 262144, 1, 1, 3, "all", ckpt=True, tiled=True, rope=16.0),
+    Config("v-q15-z2-s4096-m4", Q15, 4096, 4, 1, 2),
+    Config("v-q15-z3-s4096-m4", Q15, 4096, 4, 1, 3),
+    Config("v-q15-z0-s2048-m8", Q15, 2048, 8, 1, 0),
+    Config("v-q15-z2-32k", Q15, 32768, 1, 1, 2, ckpt=True),
+    Config("v-q15-z2opt-s4096-m4", Q15, 4096, 4, 1, 2, "optimizer"),
+    Config("v-q3-z2-s4096-m2", Q3, 4096, 2, 1, 2),
+    Config("v-q3-z3-s8192-m1", Q3, 8192, 1, 1, 3),
+    Config("v-q3-z3-64k", Q3, 65536, 1, 1, 3, ckpt=True, tiled=True, rope=2.0),
+    Config("v-m7l8-z2-s2048-m4", M7, 2048, 4, 1, 2, layers=8),
+    Config("v-m7l8-z3-s4096-m2", M7, 4096, 2, 1, 3, layers=8),
+    Config("v-m7l8-z2-32k", M7, 32768, 1, 1, 2, ckpt=True, layers=8),
+    Config("v-m7l8-z3opt-s2048-m4", M7, 2048, 4, 1, 3, "optimizer", layers=8),
+)
+# ZeRO-3 with the decoder layers as leaf modules without compile (train.zero3_leaves=true) against DeepSpeed's hook on
+# every submodule (issue 50 item 4): llama-1b at small micro-batches, one GPU and two, with and without checkpointing.
+LEAVES: tuple[Config, ...] = tuple(
+    Config(f"lv-l-z3-s2048-m{m}{'-ckpt' * ck}-{g}gpu-{lv}", L, 2048, m, 1, 3, gpus=g, ckpt=ck,
+           extra=(f"train.zero3_leaves={lv}", "train.compile=off"))
+    for g in (1, 2) for m, ck in ((2, False), (8, True)) for lv in ("false", "true"))
 SMOKE: tuple[Config, ...] = (
     Config("tiny-z2", "tiny", 64, 2, 2, 2, gpus=2),
     Config("tiny-z3all", "tiny", 64, 2, 1, 3, "all", gpus=2),
@@ -288,7 +314,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     configs = SMOKE if smoke else CONFIGS
     if a.only:
         wanted = a.only.split(",")
-        configs = tuple(c for c in (SMOKE if smoke else CONFIGS + LONG) if c.name in wanted)
+        configs = tuple(c for c in (SMOKE if smoke else CONFIGS + LONG + VALIDATE + LEAVES) if c.name in wanted)
+        configs = tuple(sorted(configs, key=lambda c: wanted.index(c.name)))  # in the order asked
     if a.set:  # e.g. train.stop_after=1, then train.resume=latest: a run longer than one device command
         configs = tuple(dataclasses.replace(c, extra=(*c.extra, *a.set)) for c in configs)
     gpus = 2 if smoke else (a.gpus or _gpu_count())
@@ -309,7 +336,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     with cf.ThreadPoolExecutor(lanes) as pool:
         futures = []
         for i, c in enumerate(singles):
-            include = None if smoke else f"localhost:{i % gpus}"
+            include = None if smoke else f"localhost:{a.device if a.device is not None else i % gpus}"
             futures.append(pool.submit(run_one, c, out, a.steps, port + i, include, smoke, a.gpu_mem, a.timeout,
                                        lanes > gpus, a.gpu_limit, a.host_mem))
         for fut in futures:
@@ -485,6 +512,8 @@ def main() -> int:
     r.add_argument("--only", default=None, help="comma-separated configuration names")
     r.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all nvidia-smi lists)")
     r.add_argument("--lanes", type=int, default=3, help="one-GPU configurations running at once")
+    r.add_argument("--device", type=int, default=None,
+                   help="run every one-GPU configuration on this GPU (a second process takes another)")
     r.add_argument("--steps", type=int, default=3)
     r.add_argument("--gpu-mem", type=float, default=139.0)
     r.add_argument("--host-mem", type=float, default=0.0, help="host GiB for the predictions (0: not checked)")

@@ -12,8 +12,9 @@ the repo's ds_configs/zeroS.json for every system):
   tk-lora    LoRA (the toolkit's defaults), reference adapter;
   tk-pad     tk with data.packing=false: pairs side by side, padded (TRL's layout), for the packing gain;
   tk-gc, tk-pre-gc  tk (and tk-pre) with model.gradient_checkpointing=true: TRL's default checkpoints too;
+  tk...-leaves  any tk row with train.zero3_leaves=true (ZeRO-3: each decoder layer a leaf module, eager);
   tk-pre-half  tk-pre with half the pairs a micro-batch and grad_accum 2: the same pairs a step, half the activations;
-  tk-syn, tk-syn-pre  tk (and tk-pre) on synthetic pairs of exactly --syn-seq tokens a sequence, --syn-micro pairs
+  tk-syn, tk-syn-pre, tk-syn-lora  tk (tk-pre, tk-lora) on synthetic pairs of exactly --syn-seq tokens a sequence, --syn-micro pairs
              a micro-batch: the shape `toolkit plan --objective dpo` models; the row carries the plan's peak and
              tokens/s for that choice (planned_*) beside the measured ones;
   trl        bench/preference_trl.py --mode default: TRL's DPOTrainer at its defaults;
@@ -55,16 +56,19 @@ def _toolkit(name: str, stage: int, args: argparse.Namespace, out: Path) -> list
                 f"train.micro_batch_size={args.sft_micro}", "data.packing=true"]
     kind = name.rsplit("-z", 1)[0]
     if kind.startswith("tk-syn"):  # synthetic pairs, every sequence --syn-seq long: what toolkit plan models
-        ref = ["pref.reference=precomputed"] if kind == "tk-syn-pre" else []
+        ref = {"tk-syn-pre": ["pref.reference=precomputed"], "tk-syn-lora": ["lora.enabled=true"]}.get(kind, [])
         return [*launcher(args), str(ROOT / "toolkit/train.py"), "--ds", str(ROOT / f"ds_configs/zero{stage}.json"),
                 *common, "train.objective=dpo", "data.source=synthetic", f"data.seq_len={args.syn_seq}",
                 f"data.num_samples={total * args.syn_micro * args.gpus}", f"train.micro_batch_size={args.syn_micro}",
                 *ref]
     gc = "model.gradient_checkpointing=true"
+    leaves = []
+    if kind.endswith("-leaves"):  # ZeRO-3: the decoder layers as leaf modules, eager (train.zero3_leaves=true)
+        kind, leaves = kind.removesuffix("-leaves"), ["train.zero3_leaves=true"]
     extra = {"tk": [], "tk-pre": ["pref.reference=precomputed"], "tk-lora": ["lora.enabled=true"],
              "tk-pad": ["data.packing=false"], "tk-gc": [gc], "tk-pre-gc": ["pref.reference=precomputed", gc],
              "tk-pre-half": ["pref.reference=precomputed", f"train.micro_batch_size={args.micro // 2}",
-                             "train.grad_accum=2"]}[kind]
+                             "train.grad_accum=2"]}[kind] + leaves
     return [*launcher(args), str(ROOT / "toolkit/train.py"), "--ds", str(ROOT / f"ds_configs/zero{stage}.json"),
             *common, "train.objective=dpo", f"data.source={args.pairs}", f"data.seq_len={args.max_length}",
             f"train.micro_batch_size={args.micro}", *extra]
@@ -100,11 +104,12 @@ def _toolkit_row(run_dir: Path, warmup: int) -> dict[str, Any]:
 
 def _planned(name: str, stage: int, args: argparse.Namespace) -> dict[str, Any]:
     """`toolkit plan --objective dpo`'s peak and tokens/s for a tk-syn row's exact choice."""
-    ref = "precomputed" if name.startswith("tk-syn-pre") else "engine"
+    lora = name.startswith("tk-syn-lora")
+    ref = "precomputed" if name.startswith("tk-syn-pre") else "adapter" if lora else "engine"
     cmd = [sys.executable, "-m", "toolkit", "plan", "--model", args.model, "--gpus", str(args.gpus),
            "--gpu-mem", str(args.gpu_mem), "--seq", str(args.syn_seq), "--global-batch", str(args.syn_micro * args.gpus),
            "--objective", "dpo", "--reference", ref, "--stage", str(stage), "--offload", "none", "--micro-batch",
-           str(args.syn_micro), "--json"]
+           str(args.syn_micro), "--json", *(["--lora"] if lora else [])]
     got = json.loads(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout)
     row = next(c for c in got["candidates"] if not c["grad_ckpt"])
     return {"planned_peak_gib": row["gpu_peak_gib"], "planned_tokens_per_s": row["tokens_per_s_per_gpu"] * args.gpus}

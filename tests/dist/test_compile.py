@@ -71,12 +71,16 @@ def test_compiled_layers_train_as_eager_at_zero3(tmp_path: Path) -> None:
     """ZeRO-3 partitions the weights the compiled layers read; the compiled decoder layers are ZeRO-3 leaf modules
     (one gather, one graph and one reduce per layer). 2 ranks, fp32 on CPU: the same losses and gradient norms as
     eager with DeepSpeed's hooks on every submodule, on the raw path and on the Trainer with gradient
-    checkpointing and accumulation (the leaf's backward hook must reduce each layer once per micro-batch)."""
-    runs = {"eager": ("raw", "off"), "raw": ("raw", "torch"), "trainer-ckpt": ("trainer", "torch")}
+    checkpointing and accumulation (the leaf's backward hook must reduce each layer once per micro-batch); eager
+    layers as leaves (train.zero3_leaves=true) with checkpointing the same."""
+    runs = {"eager": ("raw", "off"), "raw": ("raw", "torch"), "trainer-ckpt": ("trainer", "torch"),
+            "eager-leaves-ckpt": ("raw", "off")}
     got = {}
     for name, (path, mode) in runs.items():
         run_dir = tmp_path / name
-        extra = ["model.gradient_checkpointing=true"] if name == "trainer-ckpt" else []
+        extra = ["model.gradient_checkpointing=true"] if name.endswith("-ckpt") else []
+        if name == "eager-leaves-ckpt":  # train.zero3_leaves=true without compile: leaves, eager, recomputed
+            extra.append("train.zero3_leaves=true")
         cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "toolkit/train.py",
                "--ds", "ds_configs/zero3.json", f"train.path={path}", f"train.compile={mode}",
                "train.micro_batch_size=1", "train.grad_accum=2", "train.max_steps=3", "train.export=false",
@@ -87,8 +91,10 @@ def test_compiled_layers_train_as_eager_at_zero3(tmp_path: Path) -> None:
         assert p.returncode == 0, log[-4000:]
         if mode == "torch":
             assert "2 x LlamaDecoderLayer compiled in place" in log and "each a ZeRO-3 leaf module" in log, log[-3000:]
+        if name == "eager-leaves-ckpt":
+            assert "ZeRO-3 leaf modules: 2 x LlamaDecoderLayer, eager (train.zero3_leaves=true)" in log, log[-3000:]
         got[name] = [(r["loss"], r["grad_norm"]) for r in lines(run_dir / "metrics.jsonl")]
     want = [x for pair in got["eager"] for x in pair]
     assert len(got["eager"]) == 3 and all(g > 0 for _, g in got["eager"])
-    for name in ("raw", "trainer-ckpt"):
+    for name in ("raw", "trainer-ckpt", "eager-leaves-ckpt"):
         assert [x for pair in got[name] for x in pair] == pytest.approx(want, rel=1e-5), (name, got)

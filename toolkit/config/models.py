@@ -42,6 +42,20 @@ PRESETS: dict[str, dict[str, Any]] = {
                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                            original_max_position_embeddings=8192),
                          tie_word_embeddings=False),
+    # Shapes the planner's speed model was not fitted on (issue 50): head dim 128 with GQA 6:1 and 8:1 (Qwen2.5) and
+    # 4:1 (Mistral), as their published configs give them.
+    "qwen2.5-1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                         tie_word_embeddings=True),
+    "qwen2.5-3b": dict(model_type="qwen2", vocab_size=151936, hidden_size=2048, intermediate_size=11008,
+                       num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                       max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True),
+    "mistral-7b": dict(model_type="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-5,
+                       sliding_window=None, tie_word_embeddings=False),
     # Mixture-of-Experts shapes (issue 32), random init as the dense presets; tiny ones for CPU tests, with every
     # MoE field set (the families' defaults are the full models': Qwen3-MoE's moe_intermediate_size is 768).
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,

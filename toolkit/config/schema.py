@@ -198,6 +198,10 @@ class TrainConfig:
     only its fused loss. off: eager. auto: compile where it pays (toolkit/plan/speedups.py compile_on: every fp8
     run, and CUDA runs of at least 200 steps; eager at ZeRO-3 under LoRA); the run says which. The first
     optimizer step pays the compile, 6-12 s on an H200 (toolkit/runtime/speed/compile.py; docs/speed.md)."""
+    zero3_leaves: str = "auto"
+    """ZeRO-3 only: each decoder layer a leaf module (one gather of the whole layer before its forward, one reduce
+    after its backward, no hook on its submodules). true, false, or auto: leaves where the layers are compiled
+    (toolkit/plan/speedups.py leaves_on). Never under LoRA or NVMe parameter offload (true is refused there)."""
     stop_after: int = 0
     """Stop (with a checkpoint) after this many steps, keeping the schedule of max_steps: for resume tests."""
     profile_steps: list[int] = field(default_factory=list)
@@ -467,6 +471,7 @@ class Config:
         self.moe.aux_loss_coef = str(self.moe.aux_loss_coef).lower()
         c = str(t.compile).lower()  # off/on arrive as booleans too: off -> off, true -> torch
         t.compile = {"false": "off", "true": "torch"}.get(c, c)
+        t.zero3_leaves = str(t.zero3_leaves).lower()  # true/false arrive as booleans
         if isinstance(self.data.packing, str):  # "true"/"false" given as strings (a dotlist of a quoted value)
             self.data.packing = {"true": True, "false": False}.get(self.data.packing.lower(), self.data.packing.lower())
         checks = [
@@ -497,6 +502,8 @@ class Config:
             (t.fp8_recipe in ("tensorwise", "rowwise"), f"train.fp8_recipe must be tensorwise or rowwise, got {t.fp8_recipe!r}"),
             (t.zero_sizes in ("speed", "memory"), f"train.zero_sizes must be speed or memory, got {t.zero_sizes!r}"),
             (t.compile in ("off", "torch", "auto"), f"train.compile must be auto, off or torch, got {t.compile!r}"),
+            (t.zero3_leaves in ("auto", "true", "false"),
+             f"train.zero3_leaves must be auto, true or false, got {t.zero3_leaves!r}"),
             (t.keep_checkpoints >= 0, "train.keep_checkpoints must be >= 0"),
             (t.collective_timeout_s >= 1, "train.collective_timeout_s must be >= 1"),
             (t.heartbeat_timeout_s >= 0, "train.heartbeat_timeout_s must be >= 0 (0: no watchdog)"),

@@ -45,6 +45,30 @@ def compile_on(setting: str, *, cuda: bool, steps: int | None, fp8: bool, stage:
     return True, "train.compile=auto: CUDA, a run long enough to pay back the compile"
 
 
+ZERO3_LEAVES = ("auto", "true", "false")
+
+
+def leaves_on(setting: str, *, stage: int, compiled: bool, blocked: str | None) -> tuple[bool, str]:
+    """(the decoder layers are ZeRO-3 leaf modules or not, why), for train.zero3_leaves = auto | true | false.
+    blocked: `leaves_blocked` for this run. A leaf is gathered whole before its forward and reduced once after its
+    backward, with no DeepSpeed hook on its submodules. auto: leaves where the layers are compiled (one graph a layer
+    instead of one per submodule); eager layers keep a hook per submodule (what DeepSpeed does by default)."""
+    if stage != 3:
+        return False, f"train.zero3_leaves={setting}: not ZeRO-3"
+    if setting == "false":
+        return False, "train.zero3_leaves=false"
+    if blocked:
+        if setting == "true":
+            raise ValueError(f"train.zero3_leaves=true: {blocked}, the decoder layers cannot be ZeRO-3 leaf modules "
+                             "(toolkit/plan/speedups.py leaves_blocked); set train.zero3_leaves=auto or false")
+        return False, f"train.zero3_leaves=auto: {blocked}, the decoder layers cannot be leaf modules"
+    if setting == "true":
+        return True, "train.zero3_leaves=true"
+    if compiled:
+        return True, "train.zero3_leaves=auto: compiled layers (one graph a layer)"
+    return False, "train.zero3_leaves=auto: eager layers keep a hook per submodule"
+
+
 def leaves_blocked(*, lora: bool, ds: dict | None = None) -> str | None:
     """Why the decoder layers of a ZeRO-3 run cannot be leaf modules (toolkit/runtime/speed/compile.py), or None.
 

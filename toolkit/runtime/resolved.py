@@ -24,7 +24,8 @@ from toolkit.config.schema import Config, packing
 from toolkit.launch import dist
 from toolkit.plan.experts import ExpertsChoice
 from toolkit.plan.liger import LigerChoice
-from toolkit.plan.speedups import compile_on, leaves_blocked, tiled_loss_on, tiled_loss_tile, tiled_mlp_on
+from toolkit.plan.speedups import (compile_on, leaves_blocked, leaves_on, tiled_loss_on, tiled_loss_tile,
+                                   tiled_mlp_on)
 from toolkit.runtime.attention import AttentionPlan
 from toolkit.runtime.sequence.offload import Plan as OffloadPlan
 
@@ -108,7 +109,8 @@ class Resolved:
     compile_note: str | None
     """ZeRO-3 under compile: what was done to DeepSpeed's linear (speed.compile.plain_linear), or None."""
     zero3_leaves: bool
-    """The decoder layers may be ZeRO-3 leaf modules when compiled (speedups.leaves_blocked)."""
+    """The decoder layers are ZeRO-3 leaf modules (train.zero3_leaves resolved: speedups.leaves_on)."""
+    zero3_leaves_why: str
     tiled_mlp: bool
     tiled_mlp_why: str
     tiled_loss: bool
@@ -204,11 +206,27 @@ def compile_choice(cfg: Config, ds: dict[str, Any], cuda: bool, steps: int | Non
     if cfg.train.objective != "sft" and cfg.train.compile == "auto":  # the reference is built eager (objectives/)
         return False, f"train.compile=auto: off for train.objective={cfg.train.objective} (not compiled yet)"
     on, why = compile_on(cfg.train.compile, cuda=cuda, steps=steps, fp8=cfg.train.precision == "fp8",
-                         stage=zero_stage(ds), no_leaves=leaves_blocked(lora=bool(cfg.lora.enabled), ds=ds))
+                         stage=zero_stage(ds), no_leaves=_no_leaves(cfg, ds))
     if on and cfg.train.compile == "auto" and tiled_mlp_choice(cfg)[0]:  # correct compiled (tests), speed not measured
         return False, ("train.compile=auto with tiled MLPs: their compiled speed is not measured yet; "
                        "train.compile=torch compiles")
     return on, why
+
+
+def _no_leaves(cfg: Config, ds: dict[str, Any]) -> str | None:
+    """Why this run's decoder layers cannot be ZeRO-3 leaf modules, or None."""
+    if cfg.train.zero3_leaves == "false":
+        return "with train.zero3_leaves=false"
+    return leaves_blocked(lora=bool(cfg.lora.enabled), ds=ds)
+
+
+def leaves_choice(cfg: Config, ds: dict[str, Any], compiled: bool) -> tuple[bool, str]:
+    """train.zero3_leaves resolved (speedups.leaves_on); ConfigError where true cannot be honoured."""
+    try:
+        return leaves_on(cfg.train.zero3_leaves, stage=zero_stage(ds), compiled=compiled,
+                         blocked=leaves_blocked(lora=bool(cfg.lora.enabled), ds=ds))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def tiled_mlp_choice(cfg: Config) -> tuple[bool, str]:
@@ -227,6 +245,7 @@ def resolve_run(cfg: Config, ds: dict[str, Any], model_config: Any, world: int, 
     stage = zero_stage(ds)
     fp8 = t.fp8_recipe if t.precision == "fp8" else None
     compiled, compile_why = compile_choice(cfg, ds, machine.cuda, total_steps)
+    leaves, leaves_why = leaves_choice(cfg, ds, compiled)
     tiled, tiled_why = tiled_mlp_choice(cfg)
     compile_note = plain_linear(ds) if compiled and stage == 3 else None
     from toolkit.plan.liger import choose
@@ -255,7 +274,7 @@ def resolve_run(cfg: Config, ds: dict[str, Any], model_config: Any, world: int, 
                  f"of {cfg.data.seq_len:,} tokens; {total_steps if total_steps is not None else 'one epoch of'} steps")
     return Resolved(world, stage, precision[0], precision[1], fp8, adapter_autocast, micro, t.grad_accum, batch_why,
                     total_steps, packed, packing_why, attn, compiled, compile_why, compile_note,
-                    stage == 3 and leaves_blocked(lora=bool(cfg.lora.enabled), ds=ds) is None, tiled, tiled_why,
+                    leaves, leaves_why, tiled, tiled_why,
                     loss_on, loss_why, tiled_loss_tile(model_config.vocab_size), liger, experts, offloading, machine,
                     *_objective(cfg))
 

@@ -94,6 +94,17 @@ def compile_layers(model: Any, zero3_leaves: bool = False) -> tuple[int, bool]:
     return len(layers), leaves
 
 
+def eager_leaves(model: Any, layers: list[Any], why: str) -> str:
+    """train.zero3_leaves at ZeRO-3 without compile: each decoder layer a leaf module (one gather and one reduce a
+    layer instead of a hook on each of its submodules); returns a line for the log. Before deepspeed.initialize."""
+    if not layers or not leaves_safe(model):
+        raise RuntimeError(f"{why}: the decoder layers cannot be ZeRO-3 leaf modules here (no repeated decoder layer, "
+                           "or the input embeddings are frozen, so the first layer's gradients would be reduced "
+                           "before they exist); set train.zero3_leaves=false")
+    mark_leaves(model, layers)
+    return f"ZeRO-3 leaf modules: {len(layers)} x {type(layers[0]).__name__}, eager ({why})"
+
+
 def plain_linear(ds: dict[str, Any]) -> str | None:
     """Under compile at ZeRO-3, leave torch's own F.linear in place (`memory_efficient_linear: false`, set in the
     DeepSpeed dict before the model is built under zero.Init, which reads it); returns a line for the log.

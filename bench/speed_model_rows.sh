@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Issue 50's device rows on one host of 2 GPUs, from the repo root (carry .whl; kind nvidia-h100-x2 or nvidia-h200-x2):
+#   bash bench/speed_model_rows.sh OUT PART      PART: 1 (attention rates + the unfitted shapes) or 2 (ZeRO-3 leaves)
+# Part 1, each GPU its own queue: GPU 0 the attention kernel rates (bench/attention.py --rates) then its share of
+# the validation rows (bench/plan_calibrate.py VALIDATE), GPU 1 the rest; the 262K rows with 2 steps, the others 4.
+# Part 2: llama-1b at ZeRO-3 with train.zero3_leaves=false/true (LEAVES), one-GPU rows on both GPUs, then on two.
+# Results: OUT/rates.json, OUT/{g0,g1,g0s,g1s,leaves1a,leaves1b,leaves2}/calibration.{json,md}.
+set -uo pipefail
+out=$1
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+cal() { python bench/plan_calibrate.py run --lanes 1 --host-mem 120 --timeout 400 "$@"; }
+if [ "$2" = 1 ]; then
+  ( python bench/attention.py --rates --out "$out/rates.json" > "$out/rates.log" 2>&1
+    cal --out "$out/g0" --device 0 --port 29610 --steps 2 --only v-q15-z0-256k
+    cal --out "$out/g0s" --device 0 --port 29630 --steps 4 \
+      --only v-q15-z2-s4096-m4,v-q15-z3-s4096-m4,v-q15-z0-s2048-m8,v-q3-z2-s4096-m2,v-q3-z3-s8192-m1,v-m7l8-z2-s2048-m4
+  ) > "$out/g0.log" 2>&1 &
+  ( cal --out "$out/g1" --device 1 --port 29710 --steps 2 --only v-q15-z3all-256k,v-q15-z2-32k,v-q3-z3-64k,v-m7l8-z2-32k
+    cal --out "$out/g1s" --device 1 --port 29730 --steps 4 \
+      --only v-q15-z2opt-s4096-m4,v-m7l8-z3-s4096-m2,v-m7l8-z3opt-s2048-m4
+  ) > "$out/g1.log" 2>&1 &
+  wait
+else
+  cal --out "$out/leaves1a" --device 0 --port 29610 --steps 6 \
+    --only lv-l-z3-s2048-m2-1gpu-false,lv-l-z3-s2048-m2-1gpu-true > "$out/leaves1a.log" 2>&1 &
+  cal --out "$out/leaves1b" --device 1 --port 29710 --steps 6 \
+    --only lv-l-z3-s2048-m8-ckpt-1gpu-false,lv-l-z3-s2048-m8-ckpt-1gpu-true > "$out/leaves1b.log" 2>&1 &
+  wait
+  python bench/plan_calibrate.py run --out "$out/leaves2" --port 29650 --steps 6 --timeout 300 --host-mem 120 \
+    --only lv-l-z3-s2048-m2-2gpu-false,lv-l-z3-s2048-m2-2gpu-true,lv-l-z3-s2048-m8-ckpt-2gpu-false,lv-l-z3-s2048-m8-ckpt-2gpu-true \
+    > "$out/leaves2.log" 2>&1
+fi
