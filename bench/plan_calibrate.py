@@ -156,10 +156,12 @@ VALIDATE: tuple[Config, ...] = (
 )
 # ZeRO-3 with the decoder layers as leaf modules without compile (train.zero3_leaves=true) against DeepSpeed's hook on
 # every submodule (issue 50 item 4): llama-1b at small micro-batches, one GPU and two, with and without checkpointing.
-LEAVES: tuple[Config, ...] = tuple(
-    Config(f"lv-l-z3-s2048-m{m}{'-ckpt' * ck}-{g}gpu-{lv}", L, 2048, m, 1, 3, gpus=g, ckpt=ck,
-           extra=(f"train.zero3_leaves={lv}", "train.compile=off"))
-    for g in (1, 2) for m, ck in ((2, False), (8, True)) for lv in ("false", "true"))
+LEAVES: tuple[Config, ...] = (
+    *(Config(f"lv-l-z3-s2048-m{m}{'-ckpt' * ck}-{g}gpu-{lv}", L, 2048, m, 1, 3, gpus=g, ckpt=ck,
+             extra=(f"train.zero3_leaves={lv}", "train.compile=off"))
+      for g in (1, 2) for m, ck in ((2, False), (8, True)) for lv in ("false", "true")),
+    Config("lv-q15-z3-s4096-m4-1gpu-true", Q15, 4096, 4, 1, 3, extra=("train.zero3_leaves=true", "train.compile=off")),
+)
 SMOKE: tuple[Config, ...] = (
     Config("tiny-z2", "tiny", 64, 2, 2, 2, gpus=2),
     Config("tiny-z3all", "tiny", 64, 2, 1, 3, "all", gpus=2),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 50's device rows on one host of 2 GPUs, from the repo root (carry .whl; kind nvidia-h100-x2 or nvidia-h200-x2):
-#   bash bench/speed_model_rows.sh OUT PART      PART: 1 (attention rates + the unfitted shapes) or 2 (ZeRO-3 leaves)
+#   bash bench/speed_model_rows.sh OUT PART      PART: 1 (attention rates + the unfitted shapes), 2 or 3 (ZeRO-3 leaves)
 # Part 1, each GPU its own queue: GPU 0 the attention kernel rates (bench/attention.py --rates) then its share of
 # the validation rows (bench/plan_calibrate.py VALIDATE), GPU 1 the rest; the 262K rows with 2 steps, the others 4.
 # Part 2: llama-1b at ZeRO-3 with train.zero3_leaves=false/true (LEAVES), one-GPU rows on both GPUs, then on two.
@@ -21,7 +21,7 @@ if [ "$2" = 1 ]; then
       --only v-q15-z2opt-s4096-m4,v-m7l8-z3-s4096-m2,v-m7l8-z3opt-s2048-m4
   ) > "$out/g1.log" 2>&1 &
   wait
-else
+elif [ "$2" = 2 ]; then
   cal --out "$out/leaves1a" --device 0 --port 29610 --steps 6 \
     --only lv-l-z3-s2048-m2-1gpu-false,lv-l-z3-s2048-m2-1gpu-true > "$out/leaves1a.log" 2>&1 &
   cal --out "$out/leaves1b" --device 1 --port 29710 --steps 6 \
@@ -30,4 +30,15 @@ else
   python bench/plan_calibrate.py run --out "$out/leaves2" --port 29650 --steps 6 --timeout 300 --host-mem 120 \
     --only lv-l-z3-s2048-m2-2gpu-false,lv-l-z3-s2048-m2-2gpu-true,lv-l-z3-s2048-m8-ckpt-2gpu-false,lv-l-z3-s2048-m8-ckpt-2gpu-true \
     > "$out/leaves2.log" 2>&1
+else  # 3: ZeRO-3 leaves, then short DPO pairs at ZeRO-3 (issue 47) on GPU 1 meanwhile; the 2-GPU rows after
+  ( cal --out "$out/leaves1a" --device 0 --port 29610 --steps 6 \
+      --only lv-l-z3-s2048-m2-1gpu-false,lv-l-z3-s2048-m2-1gpu-true,lv-q15-z3-s4096-m4-1gpu-true
+    cal --out "$out/leaves1b" --device 0 --port 29630 --steps 6 \
+      --only lv-l-z3-s2048-m8-ckpt-1gpu-false,lv-l-z3-s2048-m8-ckpt-1gpu-true ) > "$out/leaves1.log" 2>&1 &
+  python bench/preference.py --tokenizer .pairs/tok --model llama-1b --warmup 3 --steps 6 --max-length 2048 \
+    --budget-s 280 --pairs .pairs/pairs_short.jsonl --micro 16 --include localhost:1 --port 29700 \
+    --rows tk-pre-gc-leaves-z3,trl-z3,tk-pre-leaves-z3,tk-pre-gc-z3 --out "$out/pref" > "$out/pref.log" 2>&1 &
+  wait
+  timeout 200 python bench/plan_calibrate.py run --out "$out/leaves2" --port 29650 --steps 6 --timeout 100 \
+    --host-mem 120 --only lv-l-z3-s2048-m2-2gpu-false,lv-l-z3-s2048-m2-2gpu-true > "$out/leaves2.log" 2>&1
 fi

@@ -192,7 +192,7 @@ def test_plan_doc_len_speeds_up_long_packed_rows_and_refuses_nonsense(capsys) ->
 
         return json.loads(capsys.readouterr().out)["chosen"]["tokens_per_s_per_gpu"]
 
-    assert tokens("--doc-len", "193") > 1.2 * tokens()
+    assert tokens("--doc-len", "193") > 1.1 * tokens()
     assert main(["plan", "--model", "llama-1b", "--gpus", "1", "--seq", "2048", "--global-batch", "32",
                  "--doc-len", "1"]) == 1  # a config error, as for any other bad input of plan
     assert "--doc-len must be at least 2 tokens" in capsys.readouterr().err

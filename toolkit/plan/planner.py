@@ -96,11 +96,16 @@ FP8_INPUT_SAVING = 0.54
 
 # -- speed model constants (the order of candidates; absolute figures are rough) -------------------
 GPU_PEAK_FLOPS = 989.4e12  # H100/H200 dense bf16 (toolkit/observe/metrics.py GPU_PEAK_TFLOPS)
-# Achieved MFU vs tokens per micro-step t: MFU_MAX * t / (t + MFU_HALF_TOKENS), fitted to llama-1b
-# ZeRO-2 with Liger on 2x H200: micro 4 -> 48.0k, micro 8 -> 59.3k tokens/s/GPU (anchors.md bare loop
-# + Liger), micro 16 -> 64.5k (speed.json, 53.6% MFU; the fit gives 55.8%).
-MFU_MAX = 0.642
-MFU_HALF_TOKENS = 4963.0
+# Achieved MFU of everything but attention vs tokens per micro-step t: MFU_MAX * t / (t + MFU_HALF_TOKENS), fitted to
+# llama-1b ZeRO-2 with Liger on 2x H200 with attention's time (toolkit/plan/attention_rates.py) taken out: micro 4 ->
+# 48.0k, micro 8 -> 59.3k tokens/s/GPU (anchors.md bare loop + Liger), micro 16 -> 64.5k (speed.json): 38.7%, 48.7%
+# and 53.4% MFU on the rest, the fit 39.1%, 47.9%, 53.9%.
+MFU_MAX = 0.616
+MFU_HALF_TOKENS = 4702.0
+# Below llama-1b's hidden size the rest runs slower than that fit: (hidden / 2048) ** this. Fitted to Qwen2.5-1.5B
+# (hidden 1536) on one H200, whose short rows ran at 0.81x and 0.84x of the fit (ZeRO-2 micro 4 x 4,096, ZeRO-0 micro
+# 8 x 2,048; bench/results/speed_model/README.md). Not above 2,048: no wider shape was measured against it.
+NARROW_EXPONENT = 0.65
 # Liger's kernels with the fused loss: bare loop llama-1b ZeRO-2 micro 4, 48.0k with vs 40.1k without
 # (anchors.md).
 LIGER_SPEEDUP = 1.20
@@ -109,6 +114,18 @@ LIGER_SPEEDUP = 1.20
 # 15 ms for 1.24B. The same constants give 0.71 s for ZeRO-3 without the fused loss at micro 8 x 2
 # (measured 0.714).
 ZERO3_S_PER_GPARAM = 0.012
+# ZeRO-3 with a DeepSpeed hook on every submodule (layers that are not leaf modules: LoRA, train.zero3_leaves=false,
+# model types without eager leaves): the host spends about this long on each call of a module with parameters
+# (fetch, release), and the step waits on it where it outlasts the GPU's work. Fitted to llama-1b at micro 2 on one
+# H200 (0.412 s a micro-step with hooks, 0.224 s as leaves; 2 passes x 16 layers x 9 modules); the same constant gives
+# Qwen2.5-1.5B at micro 4 0.72 s (measured 0.754) and the Qwen2.5-3B shape at 64K with tiled MLPs 15.7 s (14.7):
+# bench/results/speed_model/README.md. Checkpointing's recompute is not counted again (llama-1b micro 8: 0.50 s
+# measured, 0.41 s from 2 passes).
+ZERO3_HOOK_S = 1.43e-3
+# The same for decoder layers as leaf modules: each layer's call (forward, checkpointing's recompute, backward) fetches
+# and releases the whole layer. Fitted to llama-1b at micro 2 on one H200 (0.224 s a micro-step, 32 calls; the GPU's
+# work 0.11 s): at micro 8 with checkpointing the 48 calls take 0.34 s, under the GPU's 0.37 (measured 0.369).
+ZERO3_LEAF_S = 7.0e-3
 # train.zero_sizes=memory (h^2 buckets, ~2-layer live limit) against the speed sizes: llama-1b ZeRO-3
 # lost 35% of its tokens/s, GPT-2 ZeRO-2 a quarter (ds_config.py SPEED_SIZES comment).
 MEMORY_SIZES_SPEED = {3: 0.65, 2: 0.75, 1: 0.75, 0: 1.0}
@@ -215,6 +232,9 @@ class Workload:
     num_experts / N whole experts instead of a ZeRO-3 shard of every expert, the same bytes when N is the rank count,
     and gathers none of them, so the MoE block's gathered parameters and its whole-block gradient before the
     reduce-scatter leave the peak. Speed as ZeRO-3's (measured 0.96-0.98x of it on 2 and 4 H200s, moe.md)."""
+    zero3_leaves: str = "auto"
+    """train.zero3_leaves (auto, true, false): at ZeRO-3, decoder layers as leaf modules (toolkit/plan/speedups.py
+    leaves_on), or a DeepSpeed hook on each submodule (ZERO3_HOOK_S)."""
     objective: str = "sft"
     """train.objective: sft, or a preference objective (dpo, ipo, simpo, orpo). A preference micro-batch holds
     micro_batch pairs, two sequences of seq_len each; its log-probs come from the head in chunks of tokens
@@ -534,13 +554,23 @@ def compiled(w: Workload, stage: int) -> bool:
                       no_leaves=leaves_blocked(lora=w.lora is not None))[0]
 
 
+def leaves(w: Workload, stage: int) -> bool:
+    """Whether this choice's decoder layers are ZeRO-3 leaf modules (toolkit/plan/speedups.py leaves_on, as the run
+    resolves train.zero3_leaves; the plan models no NVMe offload)."""
+    from toolkit.plan.speedups import leaves_blocked, leaves_on
+
+    try:
+        return leaves_on(w.zero3_leaves, stage=stage, compiled=compiled(w, stage),
+                         blocked=leaves_blocked(lora=w.lora is not None), model_type=w.shape.model_type,
+                         objective=w.objective)[0]
+    except ValueError:  # true where leaves are blocked: the run refuses it; the plan counts hooks
+        return False
+
+
 def split_by_hooks(w: Workload, stage: int) -> bool:
     """Compiled layers that ZeRO-3's hooks on every submodule split into a graph per module: at ZeRO-3 where the
-    layers cannot be leaf modules (toolkit/plan/speedups.py leaves_blocked; the plan models no NVMe offload, so
-    under LoRA)."""
-    from toolkit.plan.speedups import leaves_blocked
-
-    return stage == 3 and leaves_blocked(lora=w.lora is not None) is not None and compiled(w, stage)
+    layers are not leaf modules."""
+    return stage == 3 and compiled(w, stage) and not leaves(w, stage)
 
 
 def _liger(w: Workload, stage: int) -> tuple[bool, bool]:
@@ -940,19 +970,24 @@ def _accumulated_grads_in_cpu(s: ModelShape, n: int) -> float:
 def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int, fused_loss: bool,
                  tiled_loss: bool = False,
                  offload_opt: bool, offload_param: bool, cpu_params: float) -> float:
-    """Seconds per optimizer step on one rank: compute per micro-step at an MFU that grows with the
-    tokens per micro-step, ZeRO-3's per-micro-step cost, offload copies, and the CPU Adam step."""
+    """Seconds per optimizer step on one rank: per micro-step, attention at its measured kernel rate
+    (toolkit/plan/attention_rates.py) plus the rest at an MFU that grows with the tokens per micro-step, ZeRO-3's cost
+    (leaves: per parameter; hooks on every submodule: host time the GPU waits on), offload copies; then the CPU Adam
+    step."""
+    from toolkit.plan import attention_rates
+
     s = w.shape
     pref = w.objective != "sft"
     # per rank; its heads' attention spans the whole row; a preference micro-batch: chosen and rejected; a GRPO
     # one: each prompt's completions (the rollout's generation is not in this model: time/generate_s shows it)
     tokens = c.micro_batch * w.seq_len * w.sequences // w.sequence_parallel
-    attn = 12.0 * s.num_layers * s.hidden_size * w.attended  # packed documents: their own length (Workload.doc_len)
     # a token runs through its routed experts only: FLOPs by active parameters (Mixture-of-Experts)
     p_run, t_run = s.active_params, min(t_all, s.active_params)
-    flops = 4.0 * p_run + 2.0 * t_run + attn  # toolkit/observe/metrics.py flops_per_token
+    flops = 4.0 * p_run + 2.0 * t_run  # toolkit/observe/metrics.py flops_per_token, attention apart
+    forwards = 0  # attention forwards beyond the step's own forward and backward
     if c.grad_ckpt:
-        flops += 2.0 * p_run + attn / 3  # one more forward
+        flops += 2.0 * p_run  # one more forward
+        forwards += 1
     if tiled_loss:  # each tile's logits computed again in backward
         flops += 2.0 * s.hidden_size * s.vocab_size
     if w.tiled_mlp and s.model_type in LLAMA_LIKE:
@@ -960,30 +995,68 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     if pref:  # the chunked head's logits once more in backward; the reference's forward where it runs one
         flops += 2.0 * s.hidden_size * s.vocab_size
         if w.reference in ("adapter", "engine"):
-            flops += 2.0 * p_run + attn / 3
+            flops += 2.0 * p_run
+            forwards += 1
     mfu = MFU_MAX * tokens / (tokens + MFU_HALF_TOKENS)  # fitted on runs with Liger's kernels and fused loss
     comp = compiled(w, c.stage)
     if not (fused_loss or comp):  # compiled layers fuse what Liger's kernels fuse (1.02x llama-1b, run s20)
         mfu /= LIGER_SPEEDUP
-    micro = flops * tokens / (mfu * GPU_PEAK_FLOPS)
-    if split_by_hooks(w, c.stage):
-        micro /= ZERO3_COMPILED_SPEED
+    mfu *= min(1.0, s.hidden_size / 2048) ** NARROW_EXPONENT
+    dense = flops * tokens / (mfu * GPU_PEAK_FLOPS)
     if w.fp8:  # never under LoRA (refused), so the layers are leaves at ZeRO-3
         f = fp8_flop_share(s, w.fp8, flops, c.grad_ckpt)
-        micro *= (1 - f) + f / fp8_gain(s.hidden_size)
-    if c.stage == 3:
+        dense *= (1 - f) + f / fp8_gain(s.hidden_size)
+    # packed documents: their own length (Workload.attended); width: query heads x head dim (not always the hidden)
+    width, t_att = s.num_heads * s.head_dim, w.attended
+    attention = s.num_layers * tokens * width * t_att * (
+        12.0 / attention_rates.rate(s.head_dim, t_att) + forwards * 4.0 / attention_rates.rate(
+            s.head_dim, t_att, backward=False))
+    micro = dense + attention
+    if split_by_hooks(w, c.stage):
+        micro /= ZERO3_COMPILED_SPEED
+    host = 0.0  # host time per micro-step the GPU waits on (ZeRO-3 hooks on every submodule)
+    if c.stage == 3 and not leaves(w, c.stage):
+        host = _hook_time_s(w, c, hw, p_all, offload_param)
+    elif c.stage == 3:
+        host = s.num_layers * (2 + c.grad_ckpt) * ZERO3_LEAF_S
         micro += ZERO3_S_PER_GPARAM * p_all / 1e9
-    if w.reference == "engine":  # the frozen ZeRO-3 copy gathers every layer for its forward (a third of a step's)
+        if offload_param:
+            # each rank copies its partition of every layer to the GPU in forward and again in backward
+            micro += (3 if c.grad_ckpt else 2) * 2.0 * p_all / hw.world / PCIE_BYTES_PER_S
+    if w.reference == "engine":  # the frozen ZeRO-3 copy gathers every layer for its forward, a hook a module
         micro += ZERO3_S_PER_GPARAM * p_all / 1e9 / 3
-    if offload_param:
-        # each rank copies its partition of every layer to the GPU in forward and again in backward
-        micro += (3 if c.grad_ckpt else 2) * 2.0 * p_all / hw.world / PCIE_BYTES_PER_S
-    step = c.grad_accum * micro
+        host += s.num_layers * _modules(s)[0] * ZERO3_HOOK_S
+    step = c.grad_accum * max(micro, host)
     if offload_opt:
         # every rank of a node shares the host's cores for DeepSpeedCPUAdam; the measured rate includes
         # the gradient and parameter copies
         step += cpu_params * hw.gpus_per_node / CPU_ADAM_PARAMS_PER_S
     return step / MEMORY_SIZES_SPEED[c.stage] if c.zero_sizes == "memory" else step
+
+
+def _modules(s: ModelShape) -> tuple[int, int, int]:
+    """(modules with parameters in a decoder layer, those in its MLP, the MLP's parameters)."""
+    owners = {name.rsplit(".", 1)[0] for name, _ in s.layer_params}
+    mlp = {o for o in owners if o.startswith("mlp.")}
+    return len(owners), len(mlp), sum(n for name, n in s.layer_params if name.startswith("mlp."))
+
+
+def _hook_time_s(w: Workload, c: Choice, hw: Hardware, p_all: int, offload_param: bool) -> float:
+    """Host seconds per micro-step of ZeRO-3's hooks on every submodule: each call of a module with parameters in
+    forward and backward, and under tiled MLPs each tile's call of the MLP's modules (its forward without gradients,
+    checkpointing's recompute, its backward), plus, with parameters on the CPU, every such call's copy of the module's
+    partition to the GPU (DeepSpeed releases it after each call)."""
+    s = w.shape
+    owners, mlp_owners, mlp_numel = _modules(s)
+    tiled = w.tiled_mlp and s.model_type in LLAMA_LIKE
+    tiles = math.ceil(w.seq_len / w.sequence_parallel / s.hidden_size) if tiled else 1
+    mlp_calls = tiles * (2 + c.grad_ckpt) if tiled else 2
+    calls = s.num_layers * (2 * (owners - mlp_owners) + mlp_calls * mlp_owners)
+    host = calls * ZERO3_HOOK_S
+    if offload_param:
+        fetched = s.num_layers * (2 * (s.layer_numel - mlp_numel) + mlp_calls * mlp_numel)
+        host += 2.0 * fetched / hw.world / PCIE_BYTES_PER_S
+    return host
 
 
 # -- candidates and the choice --------------------------------------------------------------------------

@@ -24,8 +24,14 @@ from toolkit.config.schema import Config, packing
 from toolkit.launch import dist
 from toolkit.plan.experts import ExpertsChoice
 from toolkit.plan.liger import LigerChoice
-from toolkit.plan.speedups import (compile_on, leaves_blocked, leaves_on, tiled_loss_on, tiled_loss_tile,
-                                   tiled_mlp_on)
+from toolkit.plan.speedups import (
+    compile_on,
+    leaves_blocked,
+    leaves_on,
+    tiled_loss_on,
+    tiled_loss_tile,
+    tiled_mlp_on,
+)
 from toolkit.runtime.attention import AttentionPlan
 from toolkit.runtime.sequence.offload import Plan as OffloadPlan
 
@@ -220,11 +226,12 @@ def _no_leaves(cfg: Config, ds: dict[str, Any]) -> str | None:
     return leaves_blocked(lora=bool(cfg.lora.enabled), ds=ds)
 
 
-def leaves_choice(cfg: Config, ds: dict[str, Any], compiled: bool) -> tuple[bool, str]:
+def leaves_choice(cfg: Config, ds: dict[str, Any], compiled: bool, model_type: str) -> tuple[bool, str]:
     """train.zero3_leaves resolved (speedups.leaves_on); ConfigError where true cannot be honoured."""
     try:
         return leaves_on(cfg.train.zero3_leaves, stage=zero_stage(ds), compiled=compiled,
-                         blocked=leaves_blocked(lora=bool(cfg.lora.enabled), ds=ds))
+                         blocked=leaves_blocked(lora=bool(cfg.lora.enabled), ds=ds), model_type=model_type,
+                         objective=cfg.train.objective)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -245,7 +252,7 @@ def resolve_run(cfg: Config, ds: dict[str, Any], model_config: Any, world: int, 
     stage = zero_stage(ds)
     fp8 = t.fp8_recipe if t.precision == "fp8" else None
     compiled, compile_why = compile_choice(cfg, ds, machine.cuda, total_steps)
-    leaves, leaves_why = leaves_choice(cfg, ds, compiled)
+    leaves, leaves_why = leaves_choice(cfg, ds, compiled, str(getattr(model_config, "model_type", "")))
     tiled, tiled_why = tiled_mlp_choice(cfg)
     compile_note = plain_linear(ds) if compiled and stage == 3 else None
     from toolkit.plan.liger import choose

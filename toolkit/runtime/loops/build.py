@@ -98,6 +98,6 @@ def _fp8_and_compile(p: RunSpec, model: Any) -> None:
         if r.fp8 and r.stage == 3 and not leaves:
             lines.append(FP8_ZERO3_NOTE)
     elif r.zero3_leaves:
-        lines.append(compiling.eager_leaves(model, layers, r.zero3_leaves_why))
+        lines.append(compiling.eager_leaves(model, layers, r.zero3_leaves_why, p.cfg.train.zero3_leaves == "true"))
     if dist.rank() == 0 and any(lines):
         print("\n".join(x for x in lines if x), flush=True)

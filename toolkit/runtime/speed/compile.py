@@ -94,13 +94,16 @@ def compile_layers(model: Any, zero3_leaves: bool = False) -> tuple[int, bool]:
     return len(layers), leaves
 
 
-def eager_leaves(model: Any, layers: list[Any], why: str) -> str:
+def eager_leaves(model: Any, layers: list[Any], why: str, required: bool) -> str:
     """train.zero3_leaves at ZeRO-3 without compile: each decoder layer a leaf module (one gather and one reduce a
-    layer instead of a hook on each of its submodules); returns a line for the log. Before deepspeed.initialize."""
+    layer instead of a hook on each of its submodules); returns a line for the log. Before deepspeed.initialize.
+    required (train.zero3_leaves=true): a model whose layers cannot be leaves stops the run; else it keeps its hooks."""
     if not layers or not leaves_safe(model):
-        raise RuntimeError(f"{why}: the decoder layers cannot be ZeRO-3 leaf modules here (no repeated decoder layer, "
-                           "or the input embeddings are frozen, so the first layer's gradients would be reduced "
-                           "before they exist); set train.zero3_leaves=false")
+        what = ("the decoder layers cannot be ZeRO-3 leaf modules here (no repeated decoder layer, or the input "
+                "embeddings are frozen, so the first layer's gradients would be reduced before they exist)")
+        if required:
+            raise RuntimeError(f"{why}: {what}; set train.zero3_leaves=false")
+        return f"ZeRO-3 leaf modules: none ({what}); a hook on each submodule"
     mark_leaves(model, layers)
     return f"ZeRO-3 leaf modules: {len(layers)} x {type(layers[0]).__name__}, eager ({why})"
 
