@@ -138,17 +138,20 @@ LONG: tuple[Config, ...] = (
 # (128, 8:1), Mistral-7B at full width in 8 of its 32 layers (128, 4:1); short and long rows, ZeRO-0/2/3 and offload.
 # The issue's own case first: Qwen2.5-1.5B at 262,144 tokens, its two choices (ZeRO-0; ZeRO-3 with all on the CPU).
 Q15, Q3, M7 = "qwen2.5-1.5b", "qwen2.5-3b", "mistral-7b"
+# The ZeRO-3 rows ran (run s56) when eager layers kept DeepSpeed's hook on each submodule by default; today that is
+# train.zero3_leaves=false.
+HOOKS = ("train.zero3_leaves=false",)
 VALIDATE: tuple[Config, ...] = (
     Config("v-q15-z0-256k", Q15, 262144, 1, 1, 0, ckpt=True, tiled=True, rope=16.0),
-    Config("v-q15-z3all-256k", Q15, 262144, 1, 1, 3, "all", ckpt=True, tiled=True, rope=16.0),
+    Config("v-q15-z3all-256k", Q15, 262144, 1, 1, 3, "all", ckpt=True, tiled=True, rope=16.0, extra=HOOKS),
     Config("v-q15-z2-s4096-m4", Q15, 4096, 4, 1, 2),
-    Config("v-q15-z3-s4096-m4", Q15, 4096, 4, 1, 3),
+    Config("v-q15-z3-s4096-m4", Q15, 4096, 4, 1, 3, extra=HOOKS),
     Config("v-q15-z0-s2048-m8", Q15, 2048, 8, 1, 0),
     Config("v-q15-z2-32k", Q15, 32768, 1, 1, 2, ckpt=True),
     Config("v-q15-z2opt-s4096-m4", Q15, 4096, 4, 1, 2, "optimizer"),
     Config("v-q3-z2-s4096-m2", Q3, 4096, 2, 1, 2),
     Config("v-q3-z3-s8192-m1", Q3, 8192, 1, 1, 3),
-    Config("v-q3-z3-64k", Q3, 65536, 1, 1, 3, ckpt=True, tiled=True, rope=2.0),
+    Config("v-q3-z3-64k", Q3, 65536, 1, 1, 3, ckpt=True, tiled=True, rope=2.0, extra=HOOKS),
     Config("v-m7l8-z2-s2048-m4", M7, 2048, 4, 1, 2, layers=8),
     Config("v-m7l8-z3-s4096-m2", M7, 4096, 2, 1, 3, layers=8),
     Config("v-m7l8-z2-32k", M7, 32768, 1, 1, 2, ckpt=True, layers=8),
@@ -175,9 +178,10 @@ def workload(c: Config) -> pl.Workload:
         shape = dataclasses.replace(shape, num_layers=c.layers)
     if shape.max_positions is not None:
         shape = dataclasses.replace(shape, max_positions=int(shape.max_positions * c.rope))
+    leaves = next((e.split("=", 1)[1] for e in c.extra if e.startswith("train.zero3_leaves=")), "auto")
     return pl.Workload(shape, c.seq, c.micro * c.accum * c.gpus // c.sp, pl.Lora() if c.lora else None, c.liger,
                        fused_loss=c.fused_loss, tiled_mlp=c.tiled, activation_offload=c.act_offload,
-                       sequence_parallel=c.sp)
+                       sequence_parallel=c.sp, zero3_leaves=leaves)
 
 
 def predict(c: Config, gpu_mem_gib: float, cpu: bool, host_mem_gib: float = 0.0) -> pl.Prediction:
@@ -384,8 +388,9 @@ def table(result: dict[str, Any]) -> str:
     lines = [f"# toolkit plan calibration ({result.get('device') or 'CPU smoke'}, {result['date']})", "",
              f"Command: `{result['command']}`", "",
              "| config | GPUs | ZeRO | offload | micro x accum | seq | ckpt | LoRA | Liger | predicted peak | measured peak "
-             "(max rank) | error | peak reserved | predicted host | measured host | error | tokens/s/GPU pred / meas | rc |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(max rank) | error | peak reserved | predicted host | measured host | error | tokens/s/GPU pred / meas | "
+             "speed error | rc |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     gpu_errs, host_errs = [], []
     for r in result["rows"]:
         c, p, m = r["config"], r["predicted"], r.get("measured") or {}
@@ -405,7 +410,8 @@ def table(result: dict[str, Any]) -> str:
                      f"{'yes' if c['lora'] else 'no'} | {liger} | {_f(p['peak_allocated_gib'])} | {_f(peak)} | "
                      f"{_pct(r.get('gpu_error'))} | {_f(res)} | {_f(p['host_rank_gib'])} | {_f(host)} | "
                      f"{_pct(r.get('host_error'))} | {_f(p['tokens_per_s_per_gpu'], 0)} / "
-                     f"{_f(m.get('tokens_per_s_per_gpu'), 0)} | {r['rc']} |")
+                     f"{_f(m.get('tokens_per_s_per_gpu'), 0)} | "
+                     f"{_pct(_err(p['tokens_per_s_per_gpu'], m.get('tokens_per_s_per_gpu')))} | {r['rc']} |")
     lines.append("")
     if gpu_errs:
         w = max(gpu_errs)
@@ -436,12 +442,14 @@ def cmd_repredict(a: argparse.Namespace) -> int:
     """A calibration.json's measurements against the planner as it is now (no GPU): the table, then each
     row's errors before (the predictions stored at the run) and now."""
     result = json.loads(Path(a.json).read_text())
-    by_name = {c.name: c for c in (*CONFIGS, *LONG, *SMOKE)}
+    by_name = {c.name: c for c in (*CONFIGS, *LONG, *VALIDATE, *LEAVES, *SMOKE)}
     before = {}
     for r in result["rows"]:
         before[r["config"]["name"]] = (r.get("gpu_error"), r.get("host_error"))
         _set_prediction(r, predict(by_name[r["config"]["name"]], a.gpu_mem, bool(result.get("smoke")),
                                     a.host_mem))
+    if a.write:  # the stored file with today's predictions
+        Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
     lines = [table(result), "| config | GPU error at the run | GPU error now | host error at the run | host error now |",
              "|---|---|---|---|---|"]
     for r in result["rows"]:
@@ -534,6 +542,7 @@ def main() -> int:
     rp.add_argument("json")
     rp.add_argument("--gpu-mem", type=float, default=139.0)
     rp.add_argument("--host-mem", type=float, default=0.0, help="host GiB for the predictions (0: not checked)")
+    rp.add_argument("--write", action="store_true", help="store today's predictions in the file")
     rp.set_defaults(func=cmd_repredict)
     b = sub.add_parser("bigrun", help="a large full fine-tune (--gpus GPUs of this host), as toolkit plan chooses it")
     b.add_argument("--out", required=True)

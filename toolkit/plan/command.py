@@ -63,6 +63,8 @@ def train_overrides(args: Any, p: pl.Prediction, out_dir: Path | None) -> dict[s
         o["model.liger_fused_loss"] = args.fused_loss
     if args.compile != "auto":
         o["train.compile"] = args.compile
+    if args.zero3_leaves != "auto":
+        o["train.zero3_leaves"] = args.zero3_leaves
     if args.precision == "fp8":
         o["train.precision"] = "fp8"
         o["train.fp8_recipe"] = args.fp8_recipe
@@ -151,7 +153,7 @@ def _workload(args: Any) -> tuple[pl.Workload, pl.Hardware]:
                     args.sequence_parallel, tiled, args.activation_offload, args.tiled_loss,
                     expert_parallel=args.expert_parallel, objective=args.objective,
                     reference=pl.reference_mode(args.objective, args.reference, lora is not None),
-                    generations=args.generations, completion_len=_completion(args))
+                    generations=args.generations, completion_len=_completion(args), zero3_leaves=args.zero3_leaves)
     hw = pl.Hardware(args.gpus, args.nodes, args.gpu_mem, args.host_mem)
     return w, hw
 
@@ -324,6 +326,7 @@ def plan_json(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predic
                    "world_size": hw.world, "gpu_mem_gib": hw.gpu_mem_gib, "host_mem_gib": hw.host_mem_gib,
                    "lora": None if w.lora is None else {"r": w.lora.r, "targets": list(w.lora.targets)},
                    "liger": w.liger, "fused_loss": w.fused_loss, "attn": w.attn, "compile": w.compile,
+                   "zero3_leaves": w.zero3_leaves,
                    "fp8": w.fp8, "task": w.shape.task, "doc_len": w.doc_len,
                    "sequence_parallel": w.sequence_parallel, "expert_parallel": w.expert_parallel,
                    "tiled_mlp": w.tiled_mlp,
@@ -367,7 +370,8 @@ def command(args: Any) -> str:
                                  ("--tiled-loss", args.tiled_loss, "auto"),
                                  ("--activation-offload", args.activation_offload, "auto"),
                                  ("--rope-factor", f"{args.rope_factor:g}", "1"), ("--fused-loss", args.fused_loss, "auto"), ("--attn", args.attn, "sdpa"),
-                                 ("--compile", args.compile, "auto"), ("--precision", args.precision, "bf16"),
+                                 ("--compile", args.compile, "auto"), ("--zero3-leaves", args.zero3_leaves, "auto"),
+                                 ("--precision", args.precision, "bf16"),
                                  ("--fp8-recipe", args.fp8_recipe, "tensorwise"), ("--task", args.task, "causal_lm"),
                                  ("--stage", args.stage, None), ("--offload", args.offload, None),
                                  ("--micro-batch", args.micro_batch, None), ("-o", args.output, None)):
@@ -499,6 +503,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--doc-len", type=float, default=None,
                    help="packed rows: the documents' token-weighted mean length, as a run prints it (attention "
                         "runs within each document); default: full-length rows")
+    p.add_argument("--zero3-leaves", choices=("auto", "true", "false"), default="auto",
+                   help="train.zero3_leaves (auto: ZeRO-3 decoder layers as leaf modules where the run makes them so)")
     p.add_argument("--compile", choices=("auto", "off", "torch"), default="auto",
                    help="train.compile (auto: compiled for a run of 200+ steps; eager at ZeRO-3 under LoRA)")
     p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",

@@ -123,9 +123,10 @@ ZERO3_S_PER_GPARAM = 0.012
 # measured, 0.41 s from 2 passes).
 ZERO3_HOOK_S = 1.43e-3
 # The same for decoder layers as leaf modules: each layer's call (forward, checkpointing's recompute, backward) fetches
-# and releases the whole layer. Fitted to llama-1b at micro 2 on one H200 (0.224 s a micro-step, 32 calls; the GPU's
-# work 0.11 s): at micro 8 with checkpointing the 48 calls take 0.34 s, under the GPU's 0.37 (measured 0.369).
-ZERO3_LEAF_S = 7.0e-3
+# and releases the whole layer. Fitted to llama-1b at micro 2, 32 calls a micro-step: on 2 H200s 0.152 s a micro-step
+# (the GPU's work 0.11 s), on one 0.224 s (why one rank costs more was not traced); at micro 8 with checkpointing on
+# one the 48 calls take 0.34 s, under the GPU's 0.37 (measured 0.369).
+ZERO3_LEAF_S = {1: 7.0e-3, 2: 4.75e-3}  # by world size: one rank, more
 # train.zero_sizes=memory (h^2 buckets, ~2-layer live limit) against the speed sizes: llama-1b ZeRO-3
 # lost 35% of its tokens/s, GPT-2 ZeRO-2 a quarter (ds_config.py SPEED_SIZES comment).
 MEMORY_SIZES_SPEED = {3: 0.65, 2: 0.75, 1: 0.75, 0: 1.0}
@@ -550,8 +551,8 @@ def compiled(w: Workload, stage: int) -> bool:
 
     if w.objective != "sft":  # preference and RL runs stay eager (toolkit/runtime/resolved.py: the reference must match)
         return False
-    return compile_on(str(w.compile), cuda=True, steps=None, fp8=bool(w.fp8), stage=stage,
-                      no_leaves=leaves_blocked(lora=w.lora is not None))[0]
+    no_leaves = "with train.zero3_leaves=false" if w.zero3_leaves == "false" else leaves_blocked(lora=w.lora is not None)
+    return compile_on(str(w.compile), cuda=True, steps=None, fp8=bool(w.fp8), stage=stage, no_leaves=no_leaves)[0]
 
 
 def leaves(w: Workload, stage: int) -> bool:
@@ -1018,7 +1019,7 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     if c.stage == 3 and not leaves(w, c.stage):
         host = _hook_time_s(w, c, hw, p_all, offload_param)
     elif c.stage == 3:
-        host = s.num_layers * (2 + c.grad_ckpt) * ZERO3_LEAF_S
+        host = s.num_layers * (2 + c.grad_ckpt) * ZERO3_LEAF_S[min(hw.world, 2)]
         micro += ZERO3_S_PER_GPARAM * p_all / 1e9
         if offload_param:
             # each rank copies its partition of every layer to the GPU in forward and again in backward
