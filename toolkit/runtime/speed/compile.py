@@ -167,9 +167,9 @@ def _require_positional_input(layer: Any) -> None:
             by_name = ", ".join(sorted(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad))
             what = f"receives {by_name} by keyword" if by_name else "has no positional input that needs a gradient"
             raise RuntimeError(
-                f"train.compile at ZeRO-3: {type(module).__name__} {what}; as a ZeRO-3 leaf module its gradients would "
+                f"ZeRO-3 leaf modules: {type(module).__name__} {what}; as a ZeRO-3 leaf module its gradients would "
                 "be reduced before they exist (torch's full backward hook sees positional inputs only). "
-                "Set train.compile=off")
+                "Set train.zero3_leaves=false")
 
     handle = layer.register_forward_pre_hook(check, with_kwargs=True)
 
