@@ -79,11 +79,14 @@ def test_compiled_layers_train_as_eager_at_zero3(tmp_path: Path) -> None:
     for name, (path, mode) in runs.items():
         run_dir = tmp_path / name
         extra = ["model.gradient_checkpointing=true"] if name.endswith("-ckpt") else []
-        if name == "eager-leaves-ckpt":  # train.zero3_leaves=true without compile: leaves, eager, recomputed
-            extra.append("train.zero3_leaves=true")
+        if name == "eager":  # the reference: DeepSpeed's hook on every submodule
+            extra.append("train.zero3_leaves=false")
+        if name == "eager-leaves-ckpt":  # leaves without compile, recomputed, MLPs in 2 tiles (TiledMLP's backward)
+            extra += ["train.zero3_leaves=true", "model.tiled_mlp=true"]
         cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "toolkit/train.py",
                "--ds", "ds_configs/zero3.json", f"train.path={path}", f"train.compile={mode}",
                "train.micro_batch_size=1", "train.grad_accum=2", "train.max_steps=3", "train.export=false",
+               "data.seq_len=128",  # two hidden sizes: tiled MLPs (where asked) run 2 tiles
                "memory.every=0", "metrics.tensorboard=false", f"train.run_dir={run_dir}", *extra]
         env = os.environ | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

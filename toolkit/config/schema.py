@@ -201,7 +201,7 @@ class TrainConfig:
     zero3_leaves: str = "auto"
     """ZeRO-3 only: each decoder layer a leaf module (one gather of the whole layer before its forward, one reduce
     after its backward, no hook on its submodules). true, false, or auto: leaves where the layers are compiled, and
-    eager for Llama, Mistral and Qwen2 full fine-tunes (SFT, preference: measured 1.3-1.8x faster; toolkit/plan/
+    eager for Llama, Mistral and Qwen2 full fine-tunes (SFT, preference: measured 1.3-2.4x faster; toolkit/plan/
     speedups.py leaves_on). Never under LoRA or NVMe parameter offload (true is refused there)."""
     stop_after: int = 0
     """Stop (with a checkpoint) after this many steps, keeping the schedule of max_steps: for resume tests."""

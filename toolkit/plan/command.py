@@ -148,6 +148,9 @@ def _workload(args: Any) -> tuple[pl.Workload, pl.Hardware]:
     from toolkit.plan.speedups import tiled_mlp_on
 
     tiled = tiled_mlp_on(args.tiled_mlp, args.seq, args.sequence_parallel)[0]
+    if args.zero3_leaves == "true" and lora is not None:  # as the run refuses it (speedups.leaves_on)
+        raise ConfigError("--zero3-leaves true: under LoRA the decoder layers cannot be ZeRO-3 leaf modules (the first "
+                          "layer's input needs no gradient); leave --zero3-leaves at auto")
     w = pl.Workload(shape, args.seq + _completion(args), args.global_batch, lora, not args.no_liger, args.attn, args.fused_loss,
                     args.compile, args.fp8_recipe if args.precision == "fp8" else None, args.doc_len,
                     args.sequence_parallel, tiled, args.activation_offload, args.tiled_loss,

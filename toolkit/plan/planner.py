@@ -118,14 +118,14 @@ ZERO3_S_PER_GPARAM = 0.012
 # model types without eager leaves): the host spends about this long on each call of a module with parameters
 # (fetch, release), and the step waits on it where it outlasts the GPU's work. Fitted to llama-1b at micro 2 on one
 # H200 (0.412 s a micro-step with hooks, 0.224 s as leaves; 2 passes x 16 layers x 9 modules); the same constant gives
-# Qwen2.5-1.5B at micro 4 0.72 s (measured 0.754) and the Qwen2.5-3B shape at 64K with tiled MLPs 15.7 s (14.7):
+# Qwen2.5-1.5B at micro 4 0.72 s (measured 0.754) and the Qwen2.5-3B shape at 64K with tiled MLPs 15.4 s (14.7):
 # bench/results/speed_model/README.md. Checkpointing's recompute is not counted again (llama-1b micro 8: 0.50 s
 # measured, 0.41 s from 2 passes).
 ZERO3_HOOK_S = 1.43e-3
 # The same for decoder layers as leaf modules: each layer's call (forward, checkpointing's recompute, backward) fetches
 # and releases the whole layer. Fitted to llama-1b at micro 2, 32 calls a micro-step: on 2 H200s 0.152 s a micro-step
 # (the GPU's work 0.11 s), on one 0.224 s (why one rank costs more was not traced); at micro 8 with checkpointing on
-# one the 48 calls take 0.34 s, under the GPU's 0.37 (measured 0.369).
+# one the 48 calls take 0.34 s, under the GPU's 0.39 (measured 0.369).
 ZERO3_LEAF_S = {1: 7.0e-3, 2: 4.75e-3}  # by world size: one rank, more
 # train.zero_sizes=memory (h^2 buckets, ~2-layer live limit) against the speed sizes: llama-1b ZeRO-3
 # lost 35% of its tokens/s, GPT-2 ZeRO-2 a quarter (ds_config.py SPEED_SIZES comment).
@@ -1004,7 +1004,7 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
         mfu /= LIGER_SPEEDUP
     mfu *= min(1.0, s.hidden_size / 2048) ** NARROW_EXPONENT
     dense = flops * tokens / (mfu * GPU_PEAK_FLOPS)
-    if w.fp8:  # never under LoRA (refused), so the layers are leaves at ZeRO-3
+    if w.fp8:  # never under LoRA (refused)
         f = fp8_flop_share(s, w.fp8, flops, c.grad_ckpt)
         dense *= (1 - f) + f / fp8_gain(s.hidden_size)
     # packed documents: their own length (Workload.attended); width: query heads x head dim (not always the hidden)
@@ -1013,21 +1013,23 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
         12.0 / attention_rates.rate(s.head_dim, t_att) + forwards * 4.0 / attention_rates.rate(
             s.head_dim, t_att, backward=False))
     micro = dense + attention
-    if split_by_hooks(w, c.stage):
-        micro /= ZERO3_COMPILED_SPEED
-    host = 0.0  # host time per micro-step the GPU waits on (ZeRO-3 hooks on every submodule)
+    host = 0.0  # host time per micro-step the GPU waits on: ZeRO-3's fetch and release of each module or layer
+    if c.stage == 3:
+        micro += ZERO3_S_PER_GPARAM * p_all / 1e9
     if c.stage == 3 and not leaves(w, c.stage):
-        host = _hook_time_s(w, c, hw, p_all, offload_param)
+        host = _hook_time_s(w, c, hw, offload_param)
     elif c.stage == 3:
         host = s.num_layers * (2 + c.grad_ckpt) * ZERO3_LEAF_S[min(hw.world, 2)]
-        micro += ZERO3_S_PER_GPARAM * p_all / 1e9
         if offload_param:
             # each rank copies its partition of every layer to the GPU in forward and again in backward
             micro += (3 if c.grad_ckpt else 2) * 2.0 * p_all / hw.world / PCIE_BYTES_PER_S
     if w.reference == "engine":  # the frozen ZeRO-3 copy gathers every layer for its forward, a hook a module
         micro += ZERO3_S_PER_GPARAM * p_all / 1e9 / 3
-        host += s.num_layers * _modules(s)[0] * ZERO3_HOOK_S
-    step = c.grad_accum * max(micro, host)
+        host += s.num_layers * _modules(s)[0] * ZERO3_HOOK_S  # the reference: no adapters
+    micro = max(micro, host)
+    if split_by_hooks(w, c.stage):  # measured against eager with the same hooks
+        micro /= ZERO3_COMPILED_SPEED
+    step = c.grad_accum * micro
     if offload_opt:
         # every rank of a node shares the host's cores for DeepSpeedCPUAdam; the measured rate includes
         # the gradient and parameter copies
@@ -1035,20 +1037,23 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     return step / MEMORY_SIZES_SPEED[c.stage] if c.zero_sizes == "memory" else step
 
 
-def _modules(s: ModelShape) -> tuple[int, int, int]:
-    """(modules with parameters in a decoder layer, those in its MLP, the MLP's parameters)."""
+def _modules(s: ModelShape, lora: Lora | None = None) -> tuple[int, int, int]:
+    """(modules with parameters in a decoder layer, those in its MLP, the MLP's parameters); under LoRA each targeted
+    Linear holds two more (PEFT's lora_A and lora_B)."""
     owners = {name.rsplit(".", 1)[0] for name, _ in s.layer_params}
     mlp = {o for o in owners if o.startswith("mlp.")}
-    return len(owners), len(mlp), sum(n for name, n in s.layer_params if name.startswith("mlp."))
+    extra = {o for o in owners if lora is not None and o.rsplit(".", 1)[-1] in lora.targets}
+    n_mlp = len(mlp) + 2 * len(extra & mlp)
+    return len(owners) + 2 * len(extra), n_mlp, sum(n for name, n in s.layer_params if name.startswith("mlp."))
 
 
-def _hook_time_s(w: Workload, c: Choice, hw: Hardware, p_all: int, offload_param: bool) -> float:
+def _hook_time_s(w: Workload, c: Choice, hw: Hardware, offload_param: bool) -> float:
     """Host seconds per micro-step of ZeRO-3's hooks on every submodule: each call of a module with parameters in
     forward and backward, and under tiled MLPs each tile's call of the MLP's modules (its forward without gradients,
     checkpointing's recompute, its backward), plus, with parameters on the CPU, every such call's copy of the module's
     partition to the GPU (DeepSpeed releases it after each call)."""
     s = w.shape
-    owners, mlp_owners, mlp_numel = _modules(s)
+    owners, mlp_owners, mlp_numel = _modules(s, w.lora)
     tiled = w.tiled_mlp and s.model_type in LLAMA_LIKE
     tiles = math.ceil(w.seq_len / w.sequence_parallel / s.hidden_size) if tiled else 1
     mlp_calls = tiles * (2 + c.grad_ckpt) if tiled else 2
@@ -1250,7 +1255,7 @@ def run_settings(cfg: Any, compiled: bool, tiled_mlp: bool) -> dict[str, Any]:
             "fp8": t.fp8_recipe if t.precision == "fp8" else None,
             "tiled_mlp": tiled_mlp,
             "activation_offload": m.activation_offload, "tiled_loss": m.tiled_loss,
-            "objective": t.objective, "reference": _reference_of(cfg)}
+            "objective": t.objective, "reference": _reference_of(cfg), "zero3_leaves": t.zero3_leaves}
 
 
 def _reference_of(cfg: Any) -> str:
@@ -1280,7 +1285,8 @@ def fitting_micro_batches(model_config: Any, ds_config: dict[str, Any], world_si
                           zero_sizes: str = "speed", fused_loss: str = "auto",
                           gpus_per_node: int | None = None, compile: str = "off", fp8: str | None = None,
                           tiled_mlp: bool = False, activation_offload: str = "auto",
-                          tiled_loss: str = "auto", objective: str = "sft", reference: str = "none") -> list[int]:
+                          tiled_loss: str = "auto", objective: str = "sft", reference: str = "none",
+                          zero3_leaves: str = "auto") -> list[int]:
     """Micro-batch sizes (divisors of per_rank_batch = micro x grad_accum) predicted to fit in
     gpu_mem_gib per GPU for this DeepSpeed config, largest first; [] when none does.
 
@@ -1290,7 +1296,7 @@ def fitting_micro_batches(model_config: Any, ds_config: dict[str, Any], world_si
     fused_loss: model.liger_fused_loss. compile: train.compile (off, torch, auto); fp8: the float8 recipe or None.
     tiled_mlp: model.tiled_mlp as the run resolved it; activation_offload: model.activation_offload; tiled_loss:
     model.tiled_loss. objective, reference: train.objective and pref.reference resolved (a preference run's
-    per_rank_batch counts pairs).
+    per_rank_batch counts pairs). zero3_leaves: train.zero3_leaves.
     Raises ConfigError for a model type without an activation model.
     """
     shape = model_config if isinstance(model_config, ModelShape) else _shape_of(model_config)
@@ -1299,7 +1305,8 @@ def fitting_micro_batches(model_config: Any, ds_config: dict[str, Any], world_si
     adapters = Lora() if lora is True else (lora or None)
     w = Workload(shape, seq_len, per_rank_batch * world_size, adapters, liger, attn, fused_loss, compile, fp8,
                  tiled_mlp=tiled_mlp, activation_offload=activation_offload, tiled_loss=tiled_loss,
-                 expert_parallel=autoep_size(ds_config, world_size, shape), objective=objective, reference=reference)
+                 expert_parallel=autoep_size(ds_config, world_size, shape), objective=objective, reference=reference,
+                 zero3_leaves=zero3_leaves)
     out = []
     for m in sorted(divisors(per_rank_batch), reverse=True):
         c = choice_from_ds(ds_config, micro_batch=m, grad_accum=per_rank_batch // m, grad_ckpt=grad_ckpt,

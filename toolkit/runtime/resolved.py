@@ -145,6 +145,9 @@ class Resolved:
         if self.experts is not None:
             out.append(f"  {self.experts.describe()}")
         out.append(f"  torch.compile: {'on' if self.compile else 'off'} ({self.compile_why})")
+        if self.stage == 3:
+            out.append(f"  ZeRO-3 leaf modules (decoder layers): {'on' if self.zero3_leaves else 'off'} "
+                       f"({self.zero3_leaves_why})")
         if self.compile_note:
             out.append(f"  {self.compile_note}")
         out.append(f"  MLP tiled over the sequence: {'on' if self.tiled_mlp else 'off'} ({self.tiled_mlp_why})")

@@ -63,8 +63,8 @@ def decoder_layers(model: Any) -> list[Any]:
 def compile_layers(model: Any, zero3_leaves: bool = False) -> tuple[int, bool]:
     """Compile every decoder layer in place (inductor); returns (how many, whether they are ZeRO-3 leaves). Call
     after LoRA, Liger and float8 conversion (the compiled graph must see the final modules) and before
-    deepspeed.initialize (ZeRO-3 reads the leaf marks when it registers its hooks). zero3_leaves: a ZeRO-3 run
-    whose layers may be leaves (toolkit/plan/speedups.py leaves_blocked says when not)."""
+    deepspeed.initialize (ZeRO-3 reads the leaf marks when it registers its hooks). zero3_leaves: train.zero3_leaves
+    resolved (toolkit/plan/speedups.py leaves_on); a model whose layers cannot be leaves (`leaves_safe`) keeps hooks."""
     import torch._dynamo
 
     layers = decoder_layers(model)
