@@ -81,7 +81,7 @@ def test_leaves_stop_a_model_that_passes_hidden_states_by_keyword() -> None:
     ids = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
         model(ids, by_keyword=True)  # no gradients: nothing to lose, and the check waits for a training forward
-    with pytest.raises(RuntimeError, match=r"_Block receives hidden_states by keyword.*train\.compile=off"):
+    with pytest.raises(RuntimeError, match=r"_Block receives hidden_states by keyword.*train\.zero3_leaves=false"):
         model(ids, by_keyword=True)
 
 
