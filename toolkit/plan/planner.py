@@ -1014,18 +1014,22 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
             s.head_dim, t_att, backward=False))
     micro = dense + attention
     host = 0.0  # host time per micro-step the GPU waits on: ZeRO-3's fetch and release of each module or layer
-    if c.stage == 3:
-        micro += ZERO3_S_PER_GPARAM * p_all / 1e9
     if c.stage == 3 and not leaves(w, c.stage):
+        # the gathers ride inside the hooks' host time as fitted (one and two GPUs); not measured across nodes
         host = _hook_time_s(w, c, hw, offload_param)
     elif c.stage == 3:
         host = s.num_layers * (2 + c.grad_ckpt) * ZERO3_LEAF_S[min(hw.world, 2)]
+        micro += ZERO3_S_PER_GPARAM * p_all / 1e9
         if offload_param:
             # each rank copies its partition of every layer to the GPU in forward and again in backward
             micro += (3 if c.grad_ckpt else 2) * 2.0 * p_all / hw.world / PCIE_BYTES_PER_S
-    if w.reference == "engine":  # the frozen ZeRO-3 copy gathers every layer for its forward, a hook a module
+    if w.reference == "engine":  # the frozen ZeRO-3 copy gathers every layer for its forward (objectives/reference.py)
         micro += ZERO3_S_PER_GPARAM * p_all / 1e9 / 3
-        host += s.num_layers * _modules(s)[0] * ZERO3_HOOK_S  # the reference: no adapters
+        from toolkit.plan.speedups import leaves_on
+
+        as_leaves = leaves_on(w.zero3_leaves, stage=3, compiled=False, blocked=None, model_type=s.model_type,
+                              objective=w.objective)[0]
+        host += s.num_layers * (ZERO3_LEAF_S[min(hw.world, 2)] if as_leaves else _modules(s)[0] * ZERO3_HOOK_S)
     micro = max(micro, host)
     if split_by_hooks(w, c.stage):  # measured against eager with the same hooks
         micro /= ZERO3_COMPILED_SPEED

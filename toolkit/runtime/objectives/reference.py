@@ -91,6 +91,22 @@ def adapters_off(engine_or_model: Any) -> Iterator[None]:
         yield
 
 
+def _leaves(cfg: Any, model: Any, model_config: Any) -> None:
+    """The reference's decoder layers as ZeRO-3 leaf modules where train.zero3_leaves makes a policy's so (the
+    reference is ZeRO-3 whatever the policy's stage): one gather a layer for its forward instead of a hook on each
+    submodule. It runs no backward, so the leaf's gradient hook never matters."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    from toolkit.plan.speedups import leaves_on
+    from toolkit.runtime.speed.compile import decoder_layers
+
+    on = leaves_on(cfg.train.zero3_leaves, stage=3, compiled=False, blocked=None,
+                   model_type=str(getattr(model_config, "model_type", "")), objective=cfg.train.objective)[0]
+    layers = decoder_layers(model)
+    if on and layers:
+        set_z3_leaf_modules(model, [type(layers[0])])
+
+
 def build_reference(cfg: Any, model_config: Any, policy_ds: dict[str, Any], policy_alive: Any, resolved: Any) -> Any:
     """The frozen ZeRO-3 reference engine of a full fine-tune, built from the policy's starting weights (the same
     preset seed or model directory, without LoRA) with the policy's attention and Liger kernels, so that at step 1
@@ -111,6 +127,7 @@ def build_reference(cfg: Any, model_config: Any, policy_ds: dict[str, Any], poli
     model = build_model(plain, model_config, attn=resolved.attention.implementation)
     kernels.apply(model, resolved.liger)
     disable_dropout(model)
+    _leaves(cfg, model, model_config)
     if isinstance(policy_alive, HfDeepSpeedConfig):
         set_hf_deepspeed_config(policy_alive)
     return build_engine(model, ds)
