@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 50's device rows on one host of 2 GPUs, from the repo root (carry .whl; kind nvidia-h100-x2 or nvidia-h200-x2):
-#   bash bench/speed_model_rows.sh OUT PART      PART: 1 (attention rates + the unfitted shapes), 2 or 3 (ZeRO-3 leaves)
+#   bash bench/speed_model_rows.sh OUT PART      PART: 1 (attention rates + the unfitted shapes; runs past one 600 s command: give it two), rest (what
+#   part 1 left), 2 or 3 (ZeRO-3 leaves)
 # Part 1, each GPU its own queue: GPU 0 the attention kernel rates (bench/attention.py --rates) then its share of
 # the validation rows (bench/plan_calibrate.py VALIDATE), GPU 1 the rest; the 262K rows with 2 steps, the others 4.
 # Part 2: llama-1b at ZeRO-3 with train.zero3_leaves=false/true (LEAVES), one-GPU rows on both GPUs, then on two.
@@ -21,6 +22,13 @@ if [ "$2" = 1 ]; then
       --only v-q15-z2opt-s4096-m4,v-m7l8-z3-s4096-m2,v-m7l8-z3opt-s2048-m4
   ) > "$out/g1.log" 2>&1 &
   wait
+elif [ "$2" = rest ]; then  # the VALIDATE rows call 1 never started (it ran past 600 s), one queue per GPU
+  cal --out "$out/r0" --device 0 --port 29610 --steps 4 \
+    --only v-q3-z2-s4096-m2,v-q3-z3-s8192-m1,v-m7l8-z2-s2048-m4 > "$out/r0.log" 2>&1 &
+  cal --out "$out/r1" --device 1 --port 29710 --steps 4 \
+    --only v-m7l8-z3-s4096-m2,v-m7l8-z3opt-s2048-m4,v-q15-z2opt-s4096-m4 > "$out/r1.log" 2>&1 &
+  wait
+  cal --out "$out/r2" --device 0 --port 29630 --steps 2 --only v-m7l8-z2-32k > "$out/r2.log" 2>&1
 elif [ "$2" = 2 ]; then
   cal --out "$out/leaves1a" --device 0 --port 29610 --steps 6 \
     --only lv-l-z3-s2048-m2-1gpu-false,lv-l-z3-s2048-m2-1gpu-true > "$out/leaves1a.log" 2>&1 &
