@@ -1025,10 +1025,9 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
             micro += (3 if c.grad_ckpt else 2) * 2.0 * p_all / hw.world / PCIE_BYTES_PER_S
     if w.reference == "engine":  # the frozen ZeRO-3 copy gathers every layer for its forward (objectives/reference.py)
         micro += ZERO3_S_PER_GPARAM * p_all / 1e9 / 3
-        from toolkit.plan.speedups import leaves_on
+        from toolkit.plan.speedups import reference_leaves
 
-        as_leaves = leaves_on(w.zero3_leaves, stage=3, compiled=False, blocked=None, model_type=s.model_type,
-                              objective=w.objective)[0]
+        as_leaves = reference_leaves(w.zero3_leaves, model_type=s.model_type, objective=w.objective)
         host += s.num_layers * (ZERO3_LEAF_S[min(hw.world, 2)] if as_leaves else _modules(s)[0] * ZERO3_HOOK_S)
     micro = max(micro, host)
     if split_by_hooks(w, c.stage):  # measured against eager with the same hooks
@@ -1058,9 +1057,10 @@ def _hook_time_s(w: Workload, c: Choice, hw: Hardware, offload_param: bool) -> f
     partition to the GPU (DeepSpeed releases it after each call)."""
     s = w.shape
     owners, mlp_owners, mlp_numel = _modules(s, w.lora)
-    tiled = w.tiled_mlp and s.model_type in LLAMA_LIKE
-    tiles = math.ceil(w.seq_len / w.sequence_parallel / s.hidden_size) if tiled else 1
-    mlp_calls = tiles * (2 + c.grad_ckpt) if tiled else 2
+    if w.tiled_mlp and s.model_type in LLAMA_LIKE:  # each tile: ceil(row tokens / hidden) of them
+        mlp_calls = math.ceil(w.seq_len / w.sequence_parallel / s.hidden_size) * (2 + c.grad_ckpt)
+    else:
+        mlp_calls = 2
     calls = s.num_layers * (2 * (owners - mlp_owners) + mlp_calls * mlp_owners)
     host = calls * ZERO3_HOOK_S
     if offload_param:

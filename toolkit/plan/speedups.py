@@ -80,6 +80,12 @@ def leaves_on(setting: str, *, stage: int, compiled: bool, blocked: str | None, 
     return False, f"train.zero3_leaves=auto: eager leaves not measured for {why}; a hook on each submodule"
 
 
+def reference_leaves(setting: str, *, model_type: str, objective: str) -> bool:
+    """Whether a preference run's frozen ZeRO-3 reference engine makes its decoder layers leaf modules: where
+    train.zero3_leaves would make an eager policy's so (it has no LoRA and runs no backward, so nothing blocks it)."""
+    return leaves_on(setting, stage=3, compiled=False, blocked=None, model_type=model_type, objective=objective)[0]
+
+
 def leaves_blocked(*, lora: bool, ds: dict | None = None) -> str | None:
     """Why the decoder layers of a ZeRO-3 run cannot be leaf modules (toolkit/runtime/speed/compile.py), or None.
 

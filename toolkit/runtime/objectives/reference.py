@@ -97,11 +97,11 @@ def _leaves(cfg: Any, model: Any, model_config: Any) -> None:
     submodule. It runs no backward, so the leaf's gradient hook never matters."""
     from deepspeed.utils import set_z3_leaf_modules
 
-    from toolkit.plan.speedups import leaves_on
+    from toolkit.plan.speedups import reference_leaves
     from toolkit.runtime.speed.compile import decoder_layers
 
-    on = leaves_on(cfg.train.zero3_leaves, stage=3, compiled=False, blocked=None,
-                   model_type=str(getattr(model_config, "model_type", "")), objective=cfg.train.objective)[0]
+    on = reference_leaves(cfg.train.zero3_leaves, model_type=str(getattr(model_config, "model_type", "")),
+                          objective=cfg.train.objective)
     layers = decoder_layers(model)
     if on and layers:
         set_z3_leaf_modules(model, [type(layers[0])])
