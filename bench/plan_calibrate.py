@@ -158,11 +158,11 @@ VALIDATE: tuple[Config, ...] = (
     Config("v-m7l8-z3opt-s2048-m4", M7, 2048, 4, 1, 3, "optimizer", layers=8),
 )
 # ZeRO-3 with the decoder layers as leaf modules without compile (train.zero3_leaves=true) against DeepSpeed's hook on
-# every submodule (issue 50 item 4): llama-1b at small micro-batches, one GPU and two, with and without checkpointing.
+# every submodule (issue 50 item 4): llama-1b at small micro-batches, on 1, 2 and 4 GPUs, with and without checkpointing.
 LEAVES: tuple[Config, ...] = (
     *(Config(f"lv-l-z3-s2048-m{m}{'-ckpt' * ck}-{g}gpu-{lv}", L, 2048, m, 1, 3, gpus=g, ckpt=ck,
              extra=(f"train.zero3_leaves={lv}", "train.compile=off"))
-      for g in (1, 2) for m, ck in ((2, False), (8, True)) for lv in ("false", "true")),
+      for g in (1, 2, 4) for m, ck in ((2, False), (8, True)) for lv in ("false", "true")),
     Config("lv-q15-z3-s4096-m4-1gpu-true", Q15, 4096, 4, 1, 3, extra=("train.zero3_leaves=true", "train.compile=off")),
 )
 SMOKE: tuple[Config, ...] = (

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 50's device rows on one host of 2 GPUs, from the repo root (carry .whl; kind nvidia-h100-x2 or nvidia-h200-x2):
 #   bash bench/speed_model_rows.sh OUT PART      PART: 1 (attention rates + the unfitted shapes; runs past one 600 s command: give it two), rest (what
-#   part 1 left), 2 or 3 (ZeRO-3 leaves)
+#   part 1 left), 2 or 3 (ZeRO-3 leaves), x4a then x4b (one host of 4 GPUs, kind nvidia-h100-x4: two commands)
 # Part 1, each GPU its own queue: GPU 0 the attention kernel rates (bench/attention.py --rates) then its share of
 # the validation rows (bench/plan_calibrate.py VALIDATE), GPU 1 the rest; the 262K rows with 2 steps, the others 4.
 # Part 2: llama-1b at ZeRO-3 with train.zero3_leaves=false/true (LEAVES), one-GPU rows on both GPUs, then on two.
@@ -29,6 +29,35 @@ elif [ "$2" = rest ]; then  # the VALIDATE rows call 1 never started (it ran pas
     --only v-m7l8-z3-s4096-m2,v-m7l8-z3opt-s2048-m4,v-q15-z2opt-s4096-m4 > "$out/r1.log" 2>&1 &
   wait
   cal --out "$out/r2" --device 0 --port 29630 --steps 2 --only v-m7l8-z2-32k > "$out/r2.log" 2>&1
+elif [ "$2" = x4a ]; then  # 4 one-GPU queues: leaves on this card, Mistral-7B (8 layers), issue 47's rows
+  python bench/prebuild_ops.py fused_adam cpu_adam > "$out/prebuild.log" 2>&1
+  C="python bench/plan_calibrate.py run --lanes 1 --host-mem 120 --gpu-mem 79"
+  P="python bench/preference.py --tokenizer .pairs/tok --warmup 3 --steps 6 --max-length 2048 --micro 16
+     --pairs .pairs/pairs_short.jsonl"
+  ( timeout 300 $C --timeout 140 --out "$out/a0" --device 0 --port 29610 --steps 6 \
+      --only lv-l-z3-s2048-m2-1gpu-false,lv-l-z3-s2048-m2-1gpu-true,lv-l-z3-s2048-m8-ckpt-1gpu-true
+    timeout 200 $P --model llama-1b --budget-s 100 --include localhost:0 --port 29500 \
+      --sft-seq 3200 --sft-micro 2 --rows sft-z2,tk-pre-z2 --out "$out/sft" ) > "$out/a0.log" 2>&1 &
+  timeout 450 $C --timeout 300 --out "$out/a1" --device 1 --port 29710 --steps 4 \
+    --only v-m7l8-z2-s2048-m4,v-m7l8-z3-s4096-m2 > "$out/a1.log" 2>&1 &
+  ( timeout 250 $C --timeout 240 --out "$out/a2" --device 2 --port 29810 --steps 4 --only v-m7l8-z3opt-s2048-m4
+    timeout 230 $C --timeout 220 --out "$out/a2l" --device 2 --port 29830 --steps 2 --only v-m7l8-z2-32k
+  ) > "$out/a2.log" 2>&1 &
+  ( timeout 260 $P --model llama-3-8b --gpu-mem 79 --budget-s 60 --include localhost:3 \
+      --port 29600 --syn-seq 1024 --syn-micro 4 --rows tk-syn-lora-z2 --out "$out/lora8b"
+    timeout 220 $P --model llama-1b --budget-s 120 --include localhost:3 --port 29800 \
+      --rows tk-lora-z2,trl-lora-z2 --out "$out/lora" ) > "$out/a3.log" 2>&1 &
+  wait
+elif [ "$2" = x4b ]; then  # two GPUs (leaves rows; DPO against TRL on the other two), then all four
+  ( timeout 250 python bench/plan_calibrate.py run --gpu-mem 79 --out "$out/b2" --port 29650 --steps 6 --timeout 120 \
+      --host-mem 120 --only lv-l-z3-s2048-m2-2gpu-false,lv-l-z3-s2048-m2-2gpu-true ) > "$out/b2.log" 2>&1 &
+  timeout 250 python bench/preference.py --tokenizer .pairs/tok --warmup 3 --steps 6 --max-length 2048 \
+    --pairs .pairs/pairs_short.jsonl --micro 16 --model llama-1b --budget-s 120 --gpus 2 --include localhost:2,3 \
+    --port 29500 --rows tk-pre-leaves-z3,trl-z3 --out "$out/pref2" > "$out/pref2.log" 2>&1 &
+  wait
+  timeout 270 python bench/plan_calibrate.py run --gpu-mem 79 --out "$out/b4" --port 29750 --steps 6 --timeout 120 \
+    --host-mem 120 --only lv-l-z3-s2048-m2-4gpu-false,lv-l-z3-s2048-m2-4gpu-true,lv-l-z3-s2048-m8-ckpt-4gpu-true \
+    > "$out/b4.log" 2>&1
 elif [ "$2" = 2 ]; then
   cal --out "$out/leaves1a" --device 0 --port 29610 --steps 6 \
     --only lv-l-z3-s2048-m2-1gpu-false,lv-l-z3-s2048-m2-1gpu-true > "$out/leaves1a.log" 2>&1 &
