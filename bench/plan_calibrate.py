@@ -135,9 +135,10 @@ LONG: tuple[Config, ...] = (
     Config("ls-1b-z2-512k", "llama-3.2-1b", 524288, 1, 1, 2, ckpt=True, tiled=True, rope=8.0, act_offload="auto"),
 )
 # Shapes the speed model was not fitted on (issue 50), run with --only: Qwen2.5-1.5B (head dim 128, GQA 6:1), Qwen2.5-3B
-# (128, 8:1), Mistral-7B at full width in 8 of its 32 layers (128, 4:1); short and long rows, ZeRO-0/2/3 and offload.
+# (128, 8:1), Mistral-7B at full width in 8 of its 32 layers (128, 4:1), GPT-2; short and long rows, ZeRO-0/2/3 and
+# offload.
 # The issue's own case first: Qwen2.5-1.5B at 262,144 tokens, its two choices (ZeRO-0; ZeRO-3 with all on the CPU).
-Q15, Q3, M7 = "qwen2.5-1.5b", "qwen2.5-3b", "mistral-7b"
+Q15, Q3, M7, G2 = "qwen2.5-1.5b", "qwen2.5-3b", "mistral-7b", "gpt2-124m"
 # The ZeRO-3 rows ran (run s56) when eager layers kept DeepSpeed's hook on each submodule by default; today that is
 # train.zero3_leaves=false.
 HOOKS = ("train.zero3_leaves=false",)
@@ -156,6 +157,10 @@ VALIDATE: tuple[Config, ...] = (
     Config("v-m7l8-z3-s4096-m2", M7, 4096, 2, 1, 3, layers=8),
     Config("v-m7l8-z2-32k", M7, 32768, 1, 1, 2, ckpt=True, layers=8),
     Config("v-m7l8-z3opt-s2048-m4", M7, 2048, 4, 1, 3, "optimizer", layers=8),
+    # GPT-2 (124M: LayerNorm, GELU, 12 heads of 64, no GQA, hidden 768), at its 1,024 positions
+    Config("v-g2-z2-s1024-m16", G2, 1024, 16, 1, 2),
+    Config("v-g2-z3-s1024-m16", G2, 1024, 16, 1, 3),
+    Config("v-g2-z0-s1024-m32", G2, 1024, 32, 1, 0),
 )
 # ZeRO-3 with the decoder layers as leaf modules without compile (train.zero3_leaves=true) against DeepSpeed's hook on
 # every submodule (issue 50 item 4): llama-1b at small micro-batches, on 1, 2 and 4 GPUs, with and without checkpointing.

@@ -9,7 +9,7 @@ the repo's ds_configs/zeroS.json for every system):
   tk         toolkit/train.py, train.objective=dpo, defaults: pairs packed one row per micro-batch, log-probs through
              the head in chunks, reference auto (engine: a frozen ZeRO-3 copy) for a full fine-tune;
   tk-pre     the same with pref.reference=precomputed (the pass before training is timed apart, not in tokens/s);
-  tk-lora    LoRA (the toolkit's defaults), reference adapter;
+  tk-lora    LoRA (the toolkit's defaults), reference adapter; tk-lora-gc the same with checkpointing;
   tk-pad     tk with data.packing=false: pairs side by side, padded (TRL's layout), for the packing gain;
   tk-gc, tk-pre-gc  tk (and tk-pre) with model.gradient_checkpointing=true: TRL's default checkpoints too;
   tk...-leaves  any tk row with train.zero3_leaves=true (ZeRO-3: each decoder layer a leaf module, eager);
@@ -66,7 +66,7 @@ def _toolkit(name: str, stage: int, args: argparse.Namespace, out: Path) -> list
     if kind.endswith("-leaves"):  # ZeRO-3: the decoder layers as leaf modules, eager (train.zero3_leaves=true)
         kind, leaves = kind.removesuffix("-leaves"), ["train.zero3_leaves=true"]
     extra = {"tk": [], "tk-pre": ["pref.reference=precomputed"], "tk-lora": ["lora.enabled=true"],
-             "tk-pad": ["data.packing=false"], "tk-gc": [gc], "tk-pre-gc": ["pref.reference=precomputed", gc],
+             "tk-lora-gc": ["lora.enabled=true", gc], "tk-pad": ["data.packing=false"], "tk-gc": [gc], "tk-pre-gc": ["pref.reference=precomputed", gc],
              "tk-pre-half": ["pref.reference=precomputed", f"train.micro_batch_size={args.micro // 2}",
                              "train.grad_accum=2"]}[kind] + leaves
     return [*launcher(args), str(ROOT / "toolkit/train.py"), "--ds", str(ROOT / f"ds_configs/zero{stage}.json"),

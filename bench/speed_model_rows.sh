@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 50's device rows on one host of 2 GPUs, from the repo root (carry .whl; kind nvidia-h100-x2 or nvidia-h200-x2):
 #   bash bench/speed_model_rows.sh OUT PART      PART: 1 (attention rates + the unfitted shapes; runs past one 600 s command: give it two), rest (what
-#   part 1 left), 2 or 3 (ZeRO-3 leaves), x4a then x4b (one host of 4 GPUs, kind nvidia-h100-x4: two commands)
+#   part 1 left), 2 or 3 (ZeRO-3 leaves), x4a then x4b (one host of 4 GPUs, kind nvidia-h100-x4: two commands),
+#   s57 (2 H200s: DPO on both GPUs, then GPT-2 and Qwen2.5-3B rows beside LoRA DPO rows)
 # Part 1, each GPU its own queue: GPU 0 the attention kernel rates (bench/attention.py --rates) then its share of
 # the validation rows (bench/plan_calibrate.py VALIDATE), GPU 1 the rest; the 262K rows with 2 steps, the others 4.
 # Part 2: llama-1b at ZeRO-3 with train.zero3_leaves=false/true (LEAVES), one-GPU rows on both GPUs, then on two.
@@ -58,6 +59,19 @@ elif [ "$2" = x4b ]; then  # two GPUs (leaves rows; DPO against TRL on the other
   timeout 270 python bench/plan_calibrate.py run --gpu-mem 79 --out "$out/b4" --port 29750 --steps 6 --timeout 120 \
     --host-mem 120 --only lv-l-z3-s2048-m2-4gpu-false,lv-l-z3-s2048-m2-4gpu-true,lv-l-z3-s2048-m8-ckpt-4gpu-true \
     > "$out/b4.log" 2>&1
+elif [ "$2" = s57 ]; then
+  python bench/prebuild_ops.py fused_adam > "$out/prebuild.log" 2>&1
+  C="python bench/plan_calibrate.py run --lanes 1 --host-mem 120 --gpu-mem 139"
+  P="python bench/preference.py --tokenizer .pairs/tok --warmup 3 --steps 6 --max-length 2048 --micro 16
+     --pairs .pairs/pairs_short.jsonl --model llama-1b"
+  timeout 190 $P --gpus 2 --budget-s 90 --port 29500 --rows tk-pre-gc-leaves-z3,trl-z3 --out "$out/pref2" \
+    > "$out/pref2.log" 2>&1
+  timeout 330 $C --timeout 120 --out "$out/c0" --device 0 --port 29610 --steps 4 \
+    --only v-g2-z2-s1024-m16,v-g2-z3-s1024-m16,v-g2-z0-s1024-m32,v-q3-z2-s4096-m2,v-q3-z3-s8192-m1 \
+    > "$out/c0.log" 2>&1 &
+  ( timeout 320 $P --budget-s 200 --include localhost:1 --port 29800 \
+      --rows tk-lora-gc-z2,trl-lora-z2,tk-syn-pre-z2 --out "$out/lora" ) > "$out/c1.log" 2>&1 &
+  wait
 elif [ "$2" = 2 ]; then
   cal --out "$out/leaves1a" --device 0 --port 29610 --steps 6 \
     --only lv-l-z3-s2048-m2-1gpu-false,lv-l-z3-s2048-m2-1gpu-true > "$out/leaves1a.log" 2>&1 &
