@@ -1,7 +1,8 @@
 """Preference training (train.objective) on 2 CPU ranks, the raw path, in one shared launch: DPO's first loss is ln 2
 in every reference mode (the run checks it and stops otherwise), ZeRO-3 trains as ZeRO-0, the reference modes of a
 full fine-tune give the same losses, the preference accuracy rises, every objective runs, and a pair file of
-strings trains with its rows counted."""
+strings trains with its rows counted; KTO's unpaired rows likewise (its first loss 0.5, ZeRO-3 = ZeRO-0 = the
+Trainer with the precomputed reference, a file with LoRA)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,22 @@ def _runs(tmp: Path) -> list[dict]:
         "train.eval_every=5")
     add("reward-trainer-zero3", "zero3", "train.objective=reward", "model.task=seq_cls", "train.path=trainer",
         "data.eval_fraction=0.25", "train.eval_every=5")
+    # KTO: unpaired rows (half desirable); its KL estimate an all-reduce each micro-batch
+    add("kto-zero0", "zero0", "train.objective=kto")
+    add("kto-zero3", "zero3", "train.objective=kto")
+    add("kto-trainer-zero2-precomputed", "zero2", "train.objective=kto", "train.path=trainer",
+        "pref.reference=precomputed")
+    add("kto-eval-weights", "zero2", "train.objective=kto", "pref.undesirable_weight=1.5", "data.eval_fraction=0.25",
+        "train.max_steps=4", "train.eval_every=2")
     tok = write_tokenizer(tmp / "tokenizer")
+    kto = tmp / "kto.jsonl"
+    with kto.open("w") as f:
+        for i in range(20):
+            f.write(json.dumps({"prompt": "what did the cat do " + "the dog " * (i % 3),
+                                "completion": "sat on the mat" if i % 2 else "ran on the log" if i % 7 else "",
+                                "label": bool(i % 2)}) + "\n")
+    add("kto-file-lora", "zero2", "train.objective=kto", f"data.source={kto}", f"model.tokenizer={tok}",
+        "train.micro_batch_size=2", "train.max_steps=3", "lora.enabled=true")
     pairs = tmp / "pairs.jsonl"
     with pairs.open("w") as f:
         for i in range(20):
@@ -191,3 +207,23 @@ def test_a_reward_model_learns_to_score_chosen_above_rejected_on_both_paths(runs
     assert [r["step"] for r in held] == [5, 10] and all(r["eval_pairs"] == 12 for r in held)
     record = json.loads((runs / "reward-zero0" / "resolved.json").read_text())
     assert record["objective"] == "reward" and record["reference"] is None and record["packing"] is False
+
+
+@pytest.mark.timeout(60)
+def test_kto_starts_at_one_half_trains_alike_at_every_stage_and_path_and_reads_unpaired_files(runs: Path) -> None:
+    base = _lines(runs / "kto-zero0")
+    assert base[0]["loss"] == pytest.approx(0.5, abs=1e-6)  # policy = reference: 1 - sigmoid(0) every row
+    assert base[0]["kl"] == 0.0 and base[-1]["loss"] < 0.45, [r["loss"] for r in base]
+    assert min(r["rewards/accuracies"] for r in base[-3:]) >= 0.75, [r["rewards/accuracies"] for r in base]
+    assert base[-1]["rewards/chosen"] > 0 > base[-1]["rewards/rejected"]
+    for name in ("kto-zero3", "kto-trainer-zero2-precomputed"):
+        assert [r["loss"] for r in _lines(runs / name)] == pytest.approx([r["loss"] for r in base], abs=1e-4), name
+    record = json.loads((runs / "kto-trainer-zero2-precomputed" / "resolved.json").read_text())
+    assert record["objective"] == "kto" and record["reference"] == "precomputed"
+    lines = [json.loads(x) for x in (runs / "kto-eval-weights" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "eval_loss" in r] == [2, 4]
+    assert all(r["eval_pairs"] == 12 and "eval_kl" in r for r in lines if "eval_loss" in r)
+    log = (runs / "launch.log").read_text()
+    assert "data.source: 20 preference unpaired rows from" in log
+    assert "18 kept, 2 dropped: an empty completion; 10 desirable, 8 undesirable" in log, log[-3000:]
+    assert _lines(runs / "kto-file-lora")[0]["loss"] == pytest.approx(0.5, abs=1e-6)

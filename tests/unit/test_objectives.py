@@ -50,7 +50,7 @@ def test_dpo_starts_at_ln2_when_policy_is_reference() -> None:
     with pytest.raises(ValueError, match="reference"):
         pair_loss("dpo", pol, None, beta=0.1)
     with pytest.raises(ValueError, match="one of"):
-        pair_loss("kto", pol, None, beta=0.1)
+        pair_loss("cpo", pol, None, beta=0.1)
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 64])
@@ -81,7 +81,8 @@ def test_the_first_loss_check_stops_another_model_and_lets_bf16_rounding_train(c
     from toolkit.runtime.loops.shared import first_loss_check
 
     def spec(precision: str) -> Any:
-        cfg = SimpleNamespace(train=SimpleNamespace(objective="dpo"), pref=SimpleNamespace(beta=0.1))
+        cfg = SimpleNamespace(train=SimpleNamespace(objective="dpo"), pref=SimpleNamespace(beta=0.1, desirable_weight=1.0,
+                                                                                  undesirable_weight=1.0))
         return SimpleNamespace(cfg=cfg, precision=precision)
 
     first_loss_check(spec("fp32"), math.log(2) + 5e-4)
@@ -105,3 +106,51 @@ def test_the_reward_models_loss_is_bradley_terry_with_optional_centering() -> No
     torch.testing.assert_close(centred, want + 0.01 * (c + r) ** 2)
     with pytest.raises(ValueError, match="reward_loss"):
         pair_loss("reward", PairLogps(c, r, c, r), None, beta=0.1)
+
+
+def test_kto_matches_its_papers_formula_with_the_kl_estimate_and_the_weights() -> None:
+    from toolkit.runtime.objectives.losses import kto_loss
+
+    pol, ref = _logps(2), _logps(3)
+    good = torch.tensor([True, False, True])
+    beta, wd, wu = 0.1, 1.0, 1.5
+    kl = max(0.0, float((pol.rejected - ref.rejected).mean()))  # mismatched completions' mean log-ratio, at least 0
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    want = []
+    for i in range(3):
+        r = float(pol.chosen[i] - ref.chosen[i])
+        want.append(wd * (1 - sig(beta * (r - kl))) if good[i] else wu * (1 - sig(beta * (kl - r))))
+    got = kto_loss(pol, ref, good, torch.tensor(kl), beta=beta, desirable_weight=wd, undesirable_weight=wu)
+    assert got.loss.tolist() == pytest.approx(want, rel=1e-5)
+    assert got.chosen_rewards.tolist() == pytest.approx((beta * (pol.chosen - ref.chosen)).tolist(), rel=1e-6)
+    same = kto_loss(pol, pol, good, torch.tensor(0.0), beta=beta)  # policy = reference: 1 - sigmoid(0) a row
+    assert same.loss.tolist() == pytest.approx([0.5] * 3)
+    with pytest.raises(ValueError, match="kto_loss"):
+        pair_loss("kto", pol, ref, beta=beta)
+
+
+def test_kto_metrics_weigh_each_side_by_its_labels_and_a_batch_without_rows_has_kl_0() -> None:
+    from types import SimpleNamespace
+
+    from toolkit.runtime.objectives.step import PreferenceStep
+
+    step = PreferenceStep.__new__(PreferenceStep)  # the metrics alone: no model
+    step.objective, step.pref = "kto", SimpleNamespace(beta=0.1)
+    step.summed = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected", "kl")
+    pol, ref = _logps(4), _logps(5)
+    kl = step._kl(pol, ref, torch.zeros(3))  # stand-in rows only (evaluation past the end): nothing counted
+    assert float(kl) == 0.0 and not math.isnan(float(kl))
+    from toolkit.runtime.objectives.losses import kto_loss
+
+    good = torch.tensor([True, False, True])
+    out = kto_loss(pol, ref, good, kl, beta=0.1)
+    values, weights = step._per_pair(out, pol, {"good": good, "kl": kl})
+    got = step._means((values * weights).sum(1), weights.sum(1))
+    reward = 0.1 * (pol.chosen - ref.chosen)
+    assert got["rewards/chosen"] == pytest.approx(float(reward[[0, 2]].mean()), rel=1e-6)
+    assert got["rewards/rejected"] == pytest.approx(float(reward[1]), rel=1e-6)
+    assert got["rewards/margins"] == pytest.approx(got["rewards/chosen"] - got["rewards/rejected"])
+    on_side = [float(reward[0]) > 0, float(reward[1]) < 0, float(reward[2]) > 0]
+    assert got["rewards/accuracies"] == pytest.approx(sum(on_side) / 3)
+    per_token = pol.chosen / pol.chosen_tokens
+    assert got["logps/rejected"] == pytest.approx(float(per_token[1]), rel=1e-6) and got["kl"] == 0.0

@@ -262,3 +262,46 @@ def test_stored_reference_values_are_found_by_key_or_on_a_resume_by_model_and_pa
     assert pc._load(bad) is None
     pc.save_atomic(bad, saved)
     assert pc._load(bad)["key"] == "k-2ranks"
+
+
+def test_kto_rows_take_the_next_rows_completion_as_their_mismatched_one(tmp_path: Path, tok: Any) -> None:
+    rows = [{"prompt": "what did the cat do", "completion": "sat on the mat", "label": True},
+            {"prompt": "what did the dog do", "completion": "ran on the log", "label": False},
+            {"prompt": "and the bird", "completion": "", "label": True},  # empty: dropped, never a partner
+            {"prompt": [{"role": "user", "content": "hi"}],
+             "completion": [{"role": "assistant", "content": "hello"}], "label": False}]
+    path = tmp_path / "kto.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    P.check_file(path, "data.source", kto=True)
+    got, note = P.load_file(path, tok, 64, "data.source", kto=True)
+    assert [r["label"] for r in got] == [1, 0, 0]
+    assert got[0]["rejected"] == got[1]["chosen"] and got[1]["rejected"] == got[0]["chosen"]  # strings with strings
+    assert got[2]["rejected"] == got[2]["chosen"]  # the only conversation: its own completion
+    assert "4 preference unpaired rows" in note and "1 dropped: an empty completion" in note
+    assert "1 desirable, 2 undesirable" in note
+    batch = PairCollator(pad_id=0, packed=True)(got[:2])
+    assert batch["kto_labels"] == [1, 0] and "kto_labels" in PRIVATE
+    cached, _ = P.load_cached(path, tok, 64, "data.source", tmp_path / "cache", kto=True)
+    again, note = P.load_cached(path, tok, 64, "data.source", tmp_path / "cache", kto=True)
+    assert again == cached == got and "tokenized before" in note
+
+
+@pytest.mark.parametrize(("row", "msg"), [
+    ({"prompt": "p", "completion": "c"}, 'no "label" field'),
+    ({"prompt": "p", "completion": "c", "label": 1}, '"label" must be true or false'),
+    ({"prompt": "p", "chosen": "c", "label": True}, 'no "completion" field'),
+    ({"prompt": "", "completion": "c", "label": True}, '"prompt" must be a non-empty string'),
+    ({"prompt": "p", "completion": [{"role": "user", "content": "c"}], "label": True}, "assistant's turn"),
+])
+def test_a_bad_kto_row_names_itself_and_its_field(tmp_path: Path, row: dict[str, Any], msg: str) -> None:
+    path = tmp_path / "kto.jsonl"
+    path.write_text(json.dumps({"prompt": "p", "completion": "c", "label": True}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ConfigError, match=msg) as e:
+        P.check_file(path, "data.source", kto=True)
+    assert "kto.jsonl:2" in str(e.value)
+
+
+def test_synthetic_kto_rows_alternate_desirable_and_not() -> None:
+    rows = P.synthetic_kto(5, 16, 64, 0)
+    assert [r["label"] for r in rows] == [1, 0, 1, 0, 1]
+    assert all(r["rejected"] == rows[(k + 1) % 5]["chosen"] for k, r in enumerate(rows))

@@ -418,6 +418,10 @@ def test_a_preference_run_plans_pairs_its_reference_and_no_logits() -> None:
     assert dpo["adapter"].tokens_per_s_per_gpu > dpo["engine"].tokens_per_s_per_gpu
     with pytest.raises(ConfigError, match="preference and RL objectives"):
         pl.predict(pl.Workload(shape, 1024, 8, objective="dpo", fp8="tensorwise"), c, hw)
+    # kto: a row is a completion and a mismatched one, with the reference, as a pair is
+    kto = pl.predict(pl.Workload(shape, 1024, 8, compile="off", objective="kto", reference="engine"), c, hw)
+    assert kto.peak_allocated_gib == pytest.approx(dpo["engine"].peak_allocated_gib)
+    assert kto.tokens_per_s_per_gpu == pytest.approx(dpo["engine"].tokens_per_s_per_gpu)
 
 
 def test_a_grpo_run_plans_its_completions_and_its_rollout() -> None:

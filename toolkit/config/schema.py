@@ -132,7 +132,8 @@ class TrainConfig:
     """trainer (HF Trainer) or raw (deepspeed.initialize loop)."""
     objective: str = "sft"
     """sft (next-token loss); a preference objective on pairs: dpo, ipo, simpo, orpo (pref.*), reward (a
-    Bradley-Terry reward model); or grpo, online RL with reward functions (rl.*, raw path)."""
+    Bradley-Terry reward model); kto, on unpaired rows marked desirable or not; or grpo, online RL with reward
+    functions (rl.*, raw path)."""
     ds_config: str = "ds_configs/zero2.json"
     """DeepSpeed JSON; "auto" values are filled from this config."""
     precision: str = "auto"
@@ -345,7 +346,7 @@ class MoeConfig:
     size and accumulation (toolkit/runtime/moe/); eval losses and the resume check leave it out."""
 
 
-OBJECTIVES = ("sft", "dpo", "ipo", "simpo", "orpo", "reward", "grpo")
+OBJECTIVES = ("sft", "dpo", "ipo", "simpo", "orpo", "kto", "reward", "grpo")
 
 
 @dataclass
@@ -353,20 +354,25 @@ class PrefConfig:
     """Preference training (train.objective other than sft); the knobs named as TRL names them."""
 
     beta: float = 0.1
-    """dpo/ipo: how far the policy may move from the reference; simpo: the reward scale; orpo: the odds-ratio weight
-    (the paper's lambda)."""
+    """dpo/ipo/kto: how far the policy may move from the reference; simpo: the reward scale; orpo: the odds-ratio
+    weight (the paper's lambda)."""
     label_smoothing: float = 0.0
     """dpo/simpo: the share of pairs assumed mislabelled (conservative DPO)."""
     simpo_gamma: float = 0.5
     """simpo: the target reward margin."""
     reference: str = "auto"
-    """dpo/ipo: adapter (LoRA: the base with the adapters off), engine (a frozen copy at ZeRO-3, no optimizer),
+    """dpo/ipo/kto: adapter (LoRA: the base with the adapters off), engine (a frozen copy at ZeRO-3, no optimizer),
     precomputed (every pair's reference log-probs computed once before training, by the policy before its first
     update, and cached), or auto: adapter for LoRA runs, else engine."""
     reference_offload: bool = False
     """reference=engine: its parameters on the CPU (fetched per layer as ZeRO-3 offload does)."""
     max_length: int = 0
     """Tokens per sequence (prompt + completion) at most; 0: data.seq_len."""
+    desirable_weight: float = 1.0
+    """kto: the weight of a desirable row's loss (TRL's name). The paper keeps desirable_weight x desirable rows over
+    undesirable_weight x undesirable rows between 1 and 4/3; the run's data line gives both counts."""
+    undesirable_weight: float = 1.0
+    """kto: the weight of an undesirable row's loss."""
     center_rewards_coefficient: float = 0.0
     """reward: weight of the mean squared sum of each pair's rewards (Eisenstein et al. 2023), keeping them centred
     on 0; TRL's RewardConfig name. 0: off."""
@@ -377,7 +383,9 @@ class PrefConfig:
                   (self.reference in ("auto", "adapter", "engine", "precomputed"),
                    f"pref.reference must be auto, adapter, engine or precomputed, got {self.reference!r}"),
                   (self.max_length >= 0, "pref.max_length must be >= 0"),
-                  (self.center_rewards_coefficient >= 0, "pref.center_rewards_coefficient must be >= 0")]
+                  (self.center_rewards_coefficient >= 0, "pref.center_rewards_coefficient must be >= 0"),
+                  (self.desirable_weight > 0 and self.undesirable_weight > 0,
+                   "pref.desirable_weight and pref.undesirable_weight must be > 0")]
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)

@@ -41,6 +41,7 @@ PREF_TAGS = {k: f"pref/{k}" for k in ("rewards/chosen", "rewards/rejected", "rew
                                       "logps/chosen", "logps/rejected")}  # train.objective other than sft
 PREF_TAGS |= {f"eval_{k}": f"eval/{k}" for k in ("rewards/accuracies", "rewards/margins", "rewards/chosen",
                                                  "rewards/rejected")}  # held-out pairs
+KTO_TAGS = {"kl": "pref/kl", "eval_kl": "eval/kl"}  # train.objective=kto: the KL estimate
 RL_KEYS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/max_length",
            "completions/clipped_ratio", "clip_ratio", "kl", "time/generate_s", "time/reward_s", "time/reference_s",
            "time/train_s")
@@ -94,10 +95,11 @@ class TrainWriter:
         _add(self._w, TRAIN_TAGS, rec, int(rec["step"]), None)
         _add(self._w, EVAL_TAGS, rec, int(rec["step"]), None)
         _add(self._w, GEN_TAGS, rec, int(rec["step"]), None)
-        _add(self._w, PREF_TAGS, rec, int(rec["step"]), None)
+        pref = "rewards/chosen" in rec or "eval_rewards/chosen" in rec  # a preference line: a kl in it is KTO's
+        _add(self._w, PREF_TAGS | (KTO_TAGS if pref else {}), rec, int(rec["step"]), None)
         _add(self._w, MOE_TAGS, rec, int(rec["step"]), None)
-        _add(self._w, RL_TAGS | {k: f"rl/{k}" for k in rec if k.startswith("rewards/") and k.endswith("/mean")}, rec,
-             int(rec["step"]), None)
+        rl = {} if pref else RL_TAGS | {k: f"rl/{k}" for k in rec if k.startswith("rewards/") and k.endswith("/mean")}
+        _add(self._w, rl, rec, int(rec["step"]), None)
         for layer, value in enumerate(rec.get("expert_load") or []):  # MoE: busiest expert / mean, per layer
             self._w.add_scalar(f"moe/expert_load_layer{layer}", float(value), global_step=int(rec["step"]))
 

@@ -254,6 +254,8 @@ def render(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predictio
          f"{w.seq_len - w.completion_len} + completion {w.completion_len}), packed; the rollout (the model gathered "
          f"under ZeRO-3, a static KV cache) counted in the peak; step times are the update's "
          f"(generation not modelled); reference: {w.reference}; " if w.objective == "grpo" else
+         f"kto: micro-batches of rows, a completion and a mismatched one of up to {w.seq_len} tokens each, packed; "
+         f"reference: {w.reference}; " if w.objective == "kto" else
          f"{w.objective}: micro-batches of pairs, chosen and rejected of up to {w.seq_len} tokens each, packed; "
          f"reference: {w.reference}; " if w.objective != "sft" else "")
         + f"sequence {w.seq_len}" + (f" packed with documents of {w.doc_len:g} tokens (token-weighted)" if w.doc_len else "")
@@ -471,9 +473,9 @@ def add_parser(sub: Any) -> None:
                    help="instead of --seq: the longest sequence each choice fits (steps of 1,024 x --sequence-parallel)")
     p.add_argument("--global-batch", type=int, required=True,
                    help="sequences per optimizer step, all ranks (pairs, for a preference objective)")
-    p.add_argument("--objective", choices=("sft", "dpo", "ipo", "simpo", "orpo", "grpo"), default="sft",
+    p.add_argument("--objective", choices=("sft", "dpo", "ipo", "simpo", "orpo", "kto", "grpo"), default="sft",
                    help="train.objective: a preference objective plans micro-batches of pairs (two sequences of "
-                        "--seq each) and the reference model; grpo plans prompts of --seq tokens, their "
+                        "--seq each; kto: a completion and a mismatched one) and the reference model; grpo plans prompts of --seq tokens, their "
                         "--generations completions of --completion tokens, and the rollout")
     p.add_argument("--generations", type=int, default=8, help="grpo: completions a prompt (rl.num_generations)")
     p.add_argument("--completion", type=int, default=None,

@@ -82,7 +82,7 @@ HOST_BASELINE_CPU_GIB = 0.5
 # Loss without the fused kernel: fp32 log-softmax output + two fp32 logit-sized gradients alive as
 # backward starts, 12 bytes per logit (bench/results/anatomy.md: 0.98 + 1.99 GiB at 2048 x 128256).
 LOGIT_BYTES = 12
-PAIR_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
+PAIR_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo", "kto")  # kto: a completion and a mismatched one
 REFERENCE_FREE_OBJECTIVES = ("simpo", "orpo", "reward")  # as runtime/objectives/losses.REFERENCE_FREE
 # tokens per chunk of a preference run's head (toolkit/runtime/objectives/logprobs.py DEFAULT_CHUNK)
 PREF_CHUNK_TOKENS = 2048
@@ -243,8 +243,8 @@ class Workload:
     """train.zero3_leaves (auto, true, false): at ZeRO-3, decoder layers as leaf modules (toolkit/plan/speedups.py
     leaves_on), or a DeepSpeed hook on each submodule (ZERO3_HOOK_S)."""
     objective: str = "sft"
-    """train.objective: sft, or a preference objective (dpo, ipo, simpo, orpo). A preference micro-batch holds
-    micro_batch pairs, two sequences of seq_len each; its log-probs come from the head in chunks of tokens
+    """train.objective: sft, or a preference objective (dpo, ipo, simpo, orpo, kto). A preference micro-batch holds
+    micro_batch pairs (kto: rows, each a completion and a mismatched one), two sequences of seq_len each; its log-probs come from the head in chunks of tokens
     (objectives/logprobs.py), no logits tensor whole and no Liger fused loss."""
     reference: str = "none"
     """A preference run's reference (pref.reference resolved): adapter (one more forward, nothing held), engine (a

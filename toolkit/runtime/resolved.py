@@ -278,7 +278,8 @@ def resolve_run(cfg: Config, ds: dict[str, Any], model_config: Any, world: int, 
     offloading = _activation_offload(cfg, text, hidden_size(text), micro, machine)
     ranks = world // t.sequence_parallel
     groups = f"{ranks} sequence-parallel groups" if t.sequence_parallel > 1 else f"{ranks} rank{'s' * (ranks > 1)}"
-    what = {"sft": "sequences", "grpo": f"prompts (x {cfg.rl.num_generations} completions)"}.get(
+    what = {"sft": "sequences", "grpo": f"prompts (x {cfg.rl.num_generations} completions)",
+            "kto": "unpaired rows (each with a mismatched completion: twice the sequences)"}.get(
         t.objective, "pairs (chosen and rejected: twice the sequences)")
     batch_why = (f"micro {micro} x grad_accum {t.grad_accum} x {groups} = {micro * t.grad_accum * ranks} {what} "
                  f"of {cfg.data.seq_len:,} tokens; {total_steps if total_steps is not None else 'one epoch of'} steps")
@@ -300,6 +301,8 @@ def _objective(cfg: Config) -> tuple[str, str | None, str]:
     rl = cfg.rl
     knobs = {"dpo": f"beta {pref.beta}, label_smoothing {pref.label_smoothing}", "ipo": f"beta {pref.beta}",
              "simpo": f"beta {pref.beta}, gamma {pref.simpo_gamma}", "orpo": f"lambda (pref.beta) {pref.beta}",
+             "kto": f"beta {pref.beta}, desirable_weight {pref.desirable_weight}, undesirable_weight "
+                    f"{pref.undesirable_weight}",
              "reward": f"Bradley-Terry, center_rewards_coefficient {pref.center_rewards_coefficient}",
              "grpo": f"{rl.num_generations} completions a prompt of up to {rl.max_completion_length} tokens, "
                      f"temperature {rl.temperature}, loss_type {rl.loss_type}, scale_rewards {rl.scale_rewards}, "

@@ -188,7 +188,7 @@ def _check_objective(cfg: Config) -> None:
 
     for what, source in (("data.source", d.source), ("data.eval_source", d.eval_source)):
         if source and source != "synthetic":
-            check_file(source, what)
+            check_file(source, what, kto=t.objective == "kto")
 
 
 def _check_vocabulary(cfg: Config, mc: Any) -> None:

@@ -268,13 +268,15 @@ def _pair_rows(p: RunSpec, tokenizer: Any) -> tuple[Rows, Rows | None]:
     from toolkit.runtime.data.corpus import default_cache_dir
 
     def read(source: str, what: str) -> Rows:
-        got, note = pairs.load_cached(source, tokenizer, length, what, cfg.data.cache_dir or default_cache_dir())
+        got, note = pairs.load_cached(source, tokenizer, length, what, cfg.data.cache_dir or default_cache_dir(),
+                                      kto=cfg.train.objective == "kto")
         if dist.rank() == 0:
             print(note, flush=True)
         return Rows(got)
 
     if cfg.data.source == "synthetic":
-        rows = Rows(pairs.synthetic(cfg.data.num_samples, length, p.model_config.vocab_size, cfg.train.seed))
+        make = pairs.synthetic_kto if cfg.train.objective == "kto" else pairs.synthetic
+        rows = Rows(make(cfg.data.num_samples, length, p.model_config.vocab_size, cfg.train.seed))
     else:
         rows = read(cfg.data.source, "data.source")
     if cfg.data.eval_source:

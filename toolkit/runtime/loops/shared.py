@@ -99,7 +99,8 @@ def first_loss_check(p: RunSpec, loss: float) -> None:
     if t.objective != "sft":
         from toolkit.runtime.objectives.step import first_loss
 
-        want = first_loss(t.objective, p.cfg.pref.beta)
+        pref = p.cfg.pref
+        want = first_loss(t.objective, pref.beta, pref.desirable_weight, pref.undesirable_weight)
         if want is None:
             return
         off = abs(loss - want) / max(1.0, want)

@@ -11,8 +11,8 @@ Sequences are numbered pair by pair, chosen then rejected: sequence 2i is pair i
 
 Each batch carries `seq_ids` ([rows, positions], the sequence each label belongs to, -1 on padding) and `sequences`
 (their count, a Python int: read from the device it would be a host sync between the forward and the backward), which
-the step takes out before the forward, and `ref_logps` (a list of (chosen, rejected) floats a pair) where the reference's
-log-probs were precomputed.
+the step takes out before the forward, `ref_logps` (a list of (chosen, rejected) floats a pair) where the reference's
+log-probs were precomputed, and `kto_labels` (a list of 0/1 a row: desirable or not) for train.objective=kto.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from toolkit.runtime.objectives.logprobs import IGNORE
 from toolkit.runtime.objectives.losses import PairLogps
 
-PRIVATE = ("seq_ids", "sequences", "ref_logps")
+PRIVATE = ("seq_ids", "sequences", "ref_logps", "kto_labels")
 """Batch keys the step reads and the model must not see."""
 
 
@@ -55,6 +55,8 @@ class PairCollator:
             # a summed log-prob near -1,000 in bf16 is off by up to 4 (TRL's precompute under DeepSpeed bf16 has that
             # bug: its first DPO loss 0.80, not ln 2, measured on llama-1b with TRL 1.16)
             out["ref_logps"] = [(float(r["ref_chosen"]), float(r["ref_rejected"])) for r in rows]
+        if "label" in rows[0]:  # kto: Python ints, as the step reads them (no host sync)
+            out["kto_labels"] = [int(r["label"]) for r in rows]
         return out
 
     def _side_by_side(self, seqs: list[dict[str, list[int]]]) -> dict[str, Any]:

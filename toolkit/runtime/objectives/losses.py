@@ -15,6 +15,10 @@ chosen and rejected, their margin, and whether the chosen won. Pure torch: testa
 - orpo (Hong et al. 2024, TRL ORPO): reference-free: the chosen completions' NLL (a token-level mean over the batch, as
   TRL's cross-entropy takes it) minus beta (the paper's lambda) times log sigmoid of the log odds ratio of the
   length-averaged probabilities.
+- kto (Ethayarajh et al. 2024, TRL KTOTrainer, loss_type="kto"): unpaired rows, each a completion marked desirable or
+  not. With r the completion's log-ratio (policy - reference) and z the batch's KL estimate (the mean log-ratio of
+  mismatched completions, every rank's, clamped at 0, no gradient): desirable_weight * (1 - sigmoid(beta * (r - z)))
+  for a desirable row, undesirable_weight * (1 - sigmoid(beta * (z - r))) for an undesirable one. `kto_loss`.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-OBJECTIVES = ("dpo", "ipo", "simpo", "orpo", "reward")
+OBJECTIVES = ("dpo", "ipo", "simpo", "orpo", "reward", "kto")
 REFERENCE_FREE = ("simpo", "orpo", "reward")
 
 
@@ -64,6 +68,8 @@ def pair_loss(objective: str, policy: PairLogps, reference: PairLogps | None, *,
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     if objective == "reward":
         raise ValueError("a reward model's loss takes its scores, not log-probs: reward_loss")
+    if objective == "kto":
+        raise ValueError("kto's rows are unpaired, each with its label: kto_loss")
     if objective in REFERENCE_FREE:
         avg_c, avg_r = policy.averaged()
         if objective == "simpo":
@@ -95,3 +101,17 @@ def reward_loss(chosen: torch.Tensor, rejected: torch.Tensor, center_rewards_coe
     if center_rewards_coefficient:
         loss = loss + center_rewards_coefficient * (chosen + rejected) ** 2
     return PairLoss(loss, chosen.detach(), rejected.detach())
+
+
+def kto_loss(policy: PairLogps, reference: PairLogps, desirable: torch.Tensor, kl: torch.Tensor, *, beta: float,
+             desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> PairLoss:
+    """KTO's per-row loss. Each row is one completion (`chosen`) and a mismatched one (`rejected`: another row's
+    completion after this row's prompt) whose log-ratio estimates the KL term; `kl` is that estimate over the batch
+    (every rank's, clamped at 0, detached: objectives/step.py). `desirable`: the row's label. The rewards returned are
+    beta times the completion's log-ratio in both fields; the step weighs them by the labels."""
+    ratio = policy.chosen - reference.chosen
+    good = desirable.to(ratio.dtype)
+    loss = (good * desirable_weight * (1 - torch.sigmoid(beta * (ratio - kl)))
+            + (1 - good) * undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratio))))
+    reward = beta * ratio.detach()
+    return PairLoss(loss, reward, reward)

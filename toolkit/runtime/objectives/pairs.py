@@ -17,6 +17,13 @@ the same room from their end. A row that loses tokens is counted as truncated. A
 completion is empty, or whose two completions are the same (before truncation or after it), is dropped and
 counted. A missing field or a wrong type
 is a ConfigError naming the row and the field.
+
+train.objective=kto takes unpaired rows, TRL's names: {"prompt", "completion", "label": true or false}, the prompt and
+completion strings or conversations (a prompt conversation and a final assistant turn). Each becomes a Pair whose
+chosen is its completion and whose rejected is the next row's completion (the next of the same shape with one,
+wrapping to the first) after this row's prompt: the mismatched sequence KTO's KL estimate reads (TRL pairs them within
+a batch; here within the file, so a precomputed reference covers them too). Truncation as for pairs; a row with an
+empty completion is dropped and counted.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ OK, TRUNCATED, EMPTY, IDENTICAL = 0, 1, 2, 3
 STATUS = {OK: "kept", TRUNCATED: "truncated", EMPTY: "dropped: an empty completion",
           IDENTICAL: "dropped: chosen and rejected are the same"}
 FIELDS = ("prompt", "chosen", "rejected")
+KTO_FIELDS = ("prompt", "completion", "label")
 
 
 @dataclass(frozen=True)
@@ -77,8 +85,32 @@ def shape_of(row: dict[str, Any], where: str) -> str:
     return "split"
 
 
-def tokenize(row: dict[str, Any], tokenizer: Any, max_length: int, where: str) -> Pair:
-    """One row as a Pair (its status says whether it was truncated or is to be dropped)."""
+def kto_shape_of(row: dict[str, Any], where: str) -> str:
+    """An unpaired (kto) row: strings or split (a prompt conversation and a final assistant turn); a ConfigError
+    naming the field otherwise."""
+    for field in KTO_FIELDS:
+        if field not in row:
+            raise ConfigError(f'{where}: no "{field}" field (train.objective=kto reads unpaired rows: "prompt", '
+                              '"completion" and "label")')
+    if not isinstance(row["label"], bool):
+        raise ConfigError(f'{where}: "label" must be true or false (whether the completion is desirable), got '
+                          f"{row['label']!r}")
+    prompt, completion = row["prompt"], row["completion"]
+    if isinstance(completion, str):
+        if not isinstance(prompt, str) or not prompt:
+            raise ConfigError(f'{where}: "prompt" must be a non-empty string when "completion" is a string')
+        return "strings"
+    if not is_messages(completion) or completion[-1]["role"] != "assistant":
+        raise ConfigError(f'{where}: "completion" must be a string or a list of {{"role": str, "content": str}} '
+                          "ending with the assistant's turn")
+    if not is_messages(prompt):
+        raise ConfigError(f'{where}: "prompt" must be a list of {{"role": str, "content": str}} with conversations')
+    return "split"
+
+
+def tokenize(row: dict[str, Any], tokenizer: Any, max_length: int, where: str, unpaired: bool = False) -> Pair:
+    """One row as a Pair (its status says whether it was truncated or is to be dropped). unpaired (kto): rejected is
+    the mismatched completion, which may equal chosen."""
     shape = shape_of(row, where)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if shape == "strings":
@@ -102,10 +134,10 @@ def tokenize(row: dict[str, Any], tokenizer: Any, max_length: int, where: str) -
                             for c, f in zip(completions, ("chosen", "rejected"), strict=True))
     if not chosen or not rejected:
         return Pair(prompt, chosen, rejected, EMPTY)
-    if chosen == rejected:
+    if chosen == rejected and not unpaired:
         return Pair(prompt, chosen, rejected, IDENTICAL)
     pair = truncate(prompt, chosen, rejected, max_length)
-    if pair.chosen == pair.rejected:  # they differed only past the room truncation left
+    if pair.chosen == pair.rejected and not unpaired:  # they differed only past the room truncation left
         return Pair(pair.prompt, pair.chosen, pair.rejected, IDENTICAL)
     return pair
 
@@ -128,11 +160,14 @@ def counts(pairs: list[Pair]) -> dict[str, int]:
     return {STATUS[status]: k for status, k in n.items() if k}
 
 
-def as_row(pair: Pair) -> dict[str, list[int]]:
+def as_row(pair: Pair, label: bool | None = None) -> dict[str, Any]:
     """A pair as the loops' row: its parts, and the chosen sequence as an SFT row (input_ids, labels), which the
-    resume proof batch and the generation prompts read."""
+    resume proof batch and the generation prompts read; a kto row's label (1: desirable) too."""
     chosen, _ = pair.rows()
-    return {"prompt": pair.prompt, "chosen": pair.chosen, "rejected": pair.rejected, **chosen}
+    row: dict[str, Any] = {"prompt": pair.prompt, "chosen": pair.chosen, "rejected": pair.rejected, **chosen}
+    if label is not None:
+        row["label"] = int(label)
+    return row
 
 
 def synthetic(n: int, seq_len: int, vocab_size: int, seed: int) -> list[dict[str, list[int]]]:
@@ -158,8 +193,17 @@ def synthetic(n: int, seq_len: int, vocab_size: int, seed: int) -> list[dict[str
     return rows
 
 
-def check_file(path: Any, label: str) -> None:
-    """Before launch: every row of a JSON-lines pair file has the fields and types of one of the three shapes."""
+def synthetic_kto(n: int, seq_len: int, vocab_size: int, seed: int) -> list[dict[str, Any]]:
+    """Learnable unpaired rows: `synthetic`'s pairs split into a desirable row (the chain) and an undesirable one
+    (random tokens), each with the next row's completion as its mismatched one."""
+    items = [(r["prompt"], r[side], side == "chosen") for r in synthetic((n + 1) // 2, seq_len, vocab_size, seed)
+             for side in ("chosen", "rejected")][:n]
+    return [as_row(Pair(p, c, items[(k + 1) % len(items)][1]), good) for k, (p, c, good) in enumerate(items)]
+
+
+def check_file(path: Any, label: str, kto: bool = False) -> None:
+    """Before launch: every row of a JSON-lines pair file has the fields and types of one of the three shapes (kto:
+    of an unpaired row)."""
     from pathlib import Path
 
     from toolkit.runtime.data.jsonl import check_rows
@@ -167,30 +211,59 @@ def check_file(path: Any, label: str) -> None:
     path = Path(path)
     if path.is_file() and path.suffix not in (".jsonl", ".json"):
         raise ConfigError(f"{label}: preference pairs are read from JSON lines (.jsonl), got {path.name}")
-    check_rows(path, label, shape_of)
+    check_rows(path, label, kto_shape_of if kto else shape_of)
 
 
-def load_file(path: Any, tokenizer: Any, max_length: int, label: str) -> tuple[list[dict[str, list[int]]], str]:
-    """The file's pairs as rows (the dropped ones left out), and one line saying what happened to its rows."""
+def _kto_pairs(objects: list[tuple[int, dict[str, Any]]], tokenizer: Any, max_length: int, where: str
+               ) -> tuple[list[Pair], list[bool]]:
+    """Unpaired rows as Pairs (module docstring) and their labels."""
+    def filled(c: Any) -> bool:
+        return bool(c) if isinstance(c, str) else bool(c[-1]["content"])
+
+    shapes = [kto_shape_of(row, f"{where}:{lineno}") for lineno, row in objects]
+    pairs = []
+    for k, (lineno, row) in enumerate(objects):
+        later = [(k + j) % len(objects) for j in range(1, len(objects) + 1)]
+        partner = next((i for i in later if shapes[i] == shapes[k] and filled(objects[i][1]["completion"])), k)
+        pseudo = {"prompt": row["prompt"], "chosen": row["completion"], "rejected": objects[partner][1]["completion"]}
+        pairs.append(tokenize(pseudo, tokenizer, max_length, f"{where}:{lineno}", unpaired=True))
+    return pairs, [row["label"] for _, row in objects]
+
+
+def load_file(path: Any, tokenizer: Any, max_length: int, label: str, kto: bool = False
+              ) -> tuple[list[dict[str, Any]], str]:
+    """The file's pairs (kto: unpaired rows) as rows (the dropped ones left out), and one line saying what happened
+    to its rows."""
     from pathlib import Path
 
     from toolkit.runtime.data.jsonl import read_objects
 
     if tokenizer is None:
         raise ConfigError(f"{label} is a file: set model.tokenizer to a local tokenizer directory")
-    pairs = [tokenize(row, tokenizer, max_length, f"{label}: {path}:{lineno}")
-             for lineno, row in read_objects(Path(path), label)]
-    rows = [as_row(p) for p in pairs if p.status in (OK, TRUNCATED)]
+    where = f"{label}: {path}"
+    if kto:
+        pairs, labels = _kto_pairs(list(read_objects(Path(path), label)), tokenizer, max_length, where)
+    else:
+        pairs = [tokenize(row, tokenizer, max_length, f"{where}:{lineno}")
+                 for lineno, row in read_objects(Path(path), label)]
+        labels = [None] * len(pairs)
+    rows = [as_row(p, good) for p, good in zip(pairs, labels, strict=True) if p.status in (OK, TRUNCATED)]
+    what = "unpaired rows" if kto else "pairs"
     if not rows:
-        raise ConfigError(f"{label}: {path}: no usable pair ({counts(pairs)})")
+        raise ConfigError(f"{label}: {path}: no usable {what.removesuffix('s')} ({counts(pairs)})")
     said = ", ".join(f"{n:,} {what}" for what, n in counts(pairs).items())
-    return rows, f"{label}: {len(pairs):,} preference pairs from {path}: {said} (at most {max_length} tokens a sequence)"
+    if kto:
+        good = sum(r["label"] for r in rows)
+        said += f"; {good:,} desirable, {len(rows) - good:,} undesirable"
+    return rows, (f"{label}: {len(pairs):,} preference {what} from {path}: {said} (at most {max_length} tokens a "
+                  "sequence)")
 
 
 CACHE_VERSION = 1
 
 
-def load_cached(path: Any, tokenizer: Any, max_length: int, label: str, cache_root: Any) -> tuple[list[dict], str]:
+def load_cached(path: Any, tokenizer: Any, max_length: int, label: str, cache_root: Any, kto: bool = False
+                ) -> tuple[list[dict], str]:
     """load_file, tokenized once: the rows go to `cache_root`/pairs/NAME.pt (token ids as flat int32 tensors),
     keyed by the file (path, size, modification time), the tokenizer (corpus.tokenizer_identity) and max_length, as
     SFT files are cached; a later launch reads them back. Every rank reads the cache or tokenizes; rank 0 writes."""
@@ -208,7 +281,7 @@ def load_cached(path: Any, tokenizer: Any, max_length: int, label: str, cache_ro
     src = Path(path)
     st = src.stat()
     key = {"version": CACHE_VERSION, "file": str(src.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-           "tokenizer": tokenizer_identity(tokenizer), "max_length": max_length}
+           "tokenizer": tokenizer_identity(tokenizer), "max_length": max_length, **({"kto": True} if kto else {})}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     cached = Path(cache_root) / "pairs" / f"{src.stem[:40]}-{digest}.pt"
     if cached.is_file():
@@ -217,7 +290,7 @@ def load_cached(path: Any, tokenizer: Any, max_length: int, label: str, cache_ro
             return _unflatten(saved), f"{saved['note']} (tokenized before: {cached})"
         except Exception:  # a truncated or foreign file: tokenize again (rank 0 replaces it below)
             pass
-    rows, note = load_file(path, tokenizer, max_length, label)
+    rows, note = load_file(path, tokenizer, max_length, label, kto)
     if dist.rank() == 0:
         from toolkit.runtime.objectives.precompute import save_atomic
 
@@ -235,6 +308,8 @@ def _flatten(rows: list[dict]) -> dict[str, Any]:
     for field in FIELDS:
         out[field] = torch.tensor([t for r in rows for t in r[field]], dtype=torch.int32)
         out[f"{field}_lens"] = torch.tensor([len(r[field]) for r in rows], dtype=torch.int64)
+    if "label" in rows[0]:
+        out["label"] = torch.tensor([r["label"] for r in rows], dtype=torch.int8)
     return out
 
 
@@ -246,4 +321,6 @@ def _unflatten(saved: dict[str, Any]) -> list[dict]:
         for n in lens:
             starts.append(starts[-1] + n)
         parts[field] = [flat[a:b] for a, b in itertools.pairwise(starts)]
-    return [as_row(Pair(p, c, r)) for p, c, r in zip(parts["prompt"], parts["chosen"], parts["rejected"], strict=True)]
+    labels = saved["label"].tolist() if "label" in saved else [None] * len(parts["prompt"])
+    return [as_row(Pair(p, c, r), good) for p, c, r, good in zip(parts["prompt"], parts["chosen"], parts["rejected"],
+                                                                  labels, strict=True)]

@@ -19,19 +19,31 @@ from toolkit.launch import dist
 from toolkit.runtime.data.batches import to_device
 from toolkit.runtime.objectives.batch import sequence_sums, token_logps
 from toolkit.runtime.objectives.logprobs import SelectedHead
-from toolkit.runtime.objectives.losses import REFERENCE_FREE, PairLogps, PairLoss, pair_loss, reward_loss
+from toolkit.runtime.objectives.losses import (
+    REFERENCE_FREE,
+    PairLogps,
+    PairLoss,
+    kto_loss,
+    pair_loss,
+    reward_loss,
+)
 from toolkit.runtime.objectives.reference import adapters_off
 
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
-           "logps/rejected")
+# rewards/margins is not summed: it is rewards/chosen minus rewards/rejected (each a mean over its rows)
+SUMMED = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected")
+KTO_SUMMED = (*SUMMED, "kl")
 
 
-def first_loss(objective: str, beta: float) -> float | None:
-    """The first step's loss when the policy is its reference (before any update), or None for reference-free ones."""
+def first_loss(objective: str, beta: float, desirable_weight: float = 1.0, undesirable_weight: float = 1.0
+               ) -> float | None:
+    """The first step's loss when the policy is its reference (before any update), or None for reference-free ones
+    (and kto with unequal weights: then it depends on the batch's labels)."""
     if objective == "dpo":
         return math.log(2)
     if objective == "ipo":
         return 1 / (4 * beta * beta)
+    if objective == "kto" and desirable_weight == undesirable_weight:
+        return 0.5 * desirable_weight  # every log-ratio and the KL estimate are 0: weight * (1 - sigmoid(0))
     return None
 
 
@@ -51,9 +63,10 @@ class PreferenceStep:
         if reference is not None:
             self.heads[id(_module(reference))] = SelectedHead.of(_module(reference))
         # a reward model has scores, not log-probs: its lines carry the rewards only
-        self.metrics = METRICS[:4] if self.objective == "reward" else METRICS
-        self._stats = torch.zeros(len(self.metrics), device=self.device)
-        self._micro = 0
+        self.summed = SUMMED[:3] if self.objective == "reward" else KTO_SUMMED if self.objective == "kto" else SUMMED
+        # per metric: the sum of its values over the window's rows and the sum of their weights (kto: a metric of
+        # desirable rows weighs those alone)
+        self._stats = torch.zeros(2, len(self.summed), device=self.device)
         self.stored: tuple[Any, Any, tuple[str, str]] | None = None
         """pref.reference=precomputed: (run directory, cache directory, (key, model key)) of the values
         (precompute.py)."""
@@ -105,24 +118,65 @@ class PreferenceStep:
         scores = out.logits.squeeze(-1).float()
         return scores[0::2], scores[1::2]
 
-    def _pair_loss(self, engine: Any, b: dict[str, Any]) -> tuple[PairLoss, PairLogps | None]:
-        """The objective's per-pair losses of one micro-batch, and the policy's log-probs (None for a reward model)."""
+    def _pair_loss(self, engine: Any, b: dict[str, Any], real: torch.Tensor | None = None
+                   ) -> tuple[PairLoss, PairLogps | None, dict[str, torch.Tensor]]:
+        """The objective's per-pair losses of one micro-batch, the policy's log-probs (None for a reward model) and
+        what the metrics read besides (kto: the labels and the KL estimate). real: which rows count (evaluation's
+        stand-ins do not)."""
         if self.objective == "reward":
-            return reward_loss(*self.scores(engine, b), self.pref.center_rewards_coefficient), None
+            return reward_loss(*self.scores(engine, b), self.pref.center_rewards_coefficient), None, {}
         stored = self.stored_logps(b) if self.mode == "precomputed" else None  # queued before the forward
         ref = None if stored is not None else self.reference_logps(engine, b)
         policy = self.logps(engine, b)
         if stored is not None:
             ref = PairLogps(stored[:, 0], stored[:, 1], policy.chosen_tokens, policy.rejected_tokens)
-        return pair_loss(self.objective, policy, ref, beta=self.pref.beta, label_smoothing=self.pref.label_smoothing,
-                         simpo_gamma=self.pref.simpo_gamma), policy
+        if self.objective != "kto":
+            return pair_loss(self.objective, policy, ref, beta=self.pref.beta,
+                             label_smoothing=self.pref.label_smoothing, simpo_gamma=self.pref.simpo_gamma), policy, {}
+        good = torch.tensor(b["kto_labels"], dtype=torch.bool).to(self.device, non_blocking=True)
+        kl = self._kl(policy, ref, real)
+        out = kto_loss(policy, ref, good, kl, beta=self.pref.beta, desirable_weight=self.pref.desirable_weight,
+                       undesirable_weight=self.pref.undesirable_weight)
+        return out, policy, {"good": good, "kl": kl}
 
-    def _per_pair(self, out: PairLoss, policy: PairLogps | None) -> list[torch.Tensor]:
-        """The log line's metrics, per pair, in self.metrics' order."""
-        got = [out.chosen_rewards, out.rejected_rewards, out.margins, out.accuracy]
-        if policy is not None:
-            got += [policy.chosen.detach() / policy.chosen_tokens.clamp(min=1),
-                    policy.rejected.detach() / policy.rejected_tokens.clamp(min=1)]
+    @torch.no_grad()
+    def _kl(self, policy: PairLogps, ref: PairLogps, real: torch.Tensor | None) -> torch.Tensor:
+        """KTO's KL estimate of this micro-batch: the mean log-ratio of the mismatched completions over every rank's
+        rows, clamped at 0, without gradient. Summed as two scalars in one all-reduce (TRL gathers per-rank tensors; a
+        gather of non-scalar tensors of different sizes is what hangs its users), so a rank without rows adds 0 and
+        a batch with none gives 0, not NaN. Every rank runs the same number of micro-batches, so each calls it alike."""
+        ratio = (policy.rejected - ref.rejected).double()
+        weight = real.double() if real is not None else torch.ones_like(ratio)
+        total = dist.all_reduce_tensor(torch.stack([(ratio * weight).sum(), weight.sum()]))
+        return (total[0] / total[1].clamp(min=1)).clamp(min=0).float()
+
+    def _per_pair(self, out: PairLoss, policy: PairLogps | None, extra: dict[str, torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The log line's summed metrics ([metrics, rows], in self.summed's order) and their weights (kto: the
+        desirable rows for the chosen metrics, the undesirable ones for the rejected)."""
+        ones = torch.ones_like(out.loss)
+        if self.objective == "kto":
+            good = extra["good"].to(out.loss.dtype)
+            bad = 1 - good
+            reward = out.chosen_rewards
+            on_side = torch.where(extra["good"], reward > self.pref.beta * extra["kl"],
+                                  reward < self.pref.beta * extra["kl"]).to(out.loss.dtype)
+            per_token = policy.chosen.detach() / policy.chosen_tokens.clamp(min=1)
+            values = [reward, reward, on_side, per_token, per_token, extra["kl"].expand_as(reward)]
+            weights = [good, bad, ones, good, bad, ones]
+        else:
+            values = [out.chosen_rewards, out.rejected_rewards, out.accuracy]
+            if policy is not None:
+                values += [policy.chosen.detach() / policy.chosen_tokens.clamp(min=1),
+                           policy.rejected.detach() / policy.rejected_tokens.clamp(min=1)]
+            weights = [ones] * len(values)
+        return torch.stack(values).float(), torch.stack(weights).float()
+
+    def _means(self, sums: torch.Tensor, weights: torch.Tensor, prefix: str = "") -> dict[str, float]:
+        """Each summed metric's mean over the rows it weighs, and rewards/margins (chosen minus rejected)."""
+        means = (sums / weights.clamp(min=1e-12)).tolist()
+        got = {f"{prefix}{k}": float(v) for k, v in zip(self.summed, means, strict=True)}
+        got[f"{prefix}rewards/margins"] = got[f"{prefix}rewards/chosen"] - got[f"{prefix}rewards/rejected"]
         return got
 
     def loss(self, engine: Any, b: dict[str, Any]) -> torch.Tensor:
@@ -131,9 +185,9 @@ class PreferenceStep:
         if self.mode == "precomputed" and "ref_logps" not in b:
             raise RuntimeError("pref.reference=precomputed: a batch without its reference log-probs (prepare() "
                                "did not run)")
-        out, policy = self._pair_loss(engine, b)
-        self._stats += torch.stack([x.mean() for x in self._per_pair(out, policy)]).float()
-        self._micro += 1
+        out, policy, extra = self._pair_loss(engine, b)
+        values, weights = self._per_pair(out, policy, extra)
+        self._stats += torch.stack([(values * weights).sum(1), weights.sum(1)])
         return out.loss.mean()
 
     def forward_backward(self, engine: Any, batches: list[dict[str, Any]], loss_sum: torch.Tensor) -> None:
@@ -156,32 +210,33 @@ class PreferenceStep:
         from toolkit.runtime.data.batches import rank_batches
 
         t0 = time.perf_counter()
-        sums = torch.zeros(len(self.metrics) + 2, dtype=torch.float64, device=self.device)  # + loss, pairs
+        k = len(self.summed)
+        sums = torch.zeros(2 * k + 2, dtype=torch.float64, device=self.device)  # values, weights, loss, pairs
         was_training = engine.training
         engine.eval()
         try:
             for idx in rank_batches(len(rows), micro, dist.rank(), dist.world_size()):
                 b = to_device(self.collate([rows[max(i, 0)] for i in idx]), self.device)
-                out, policy = self._pair_loss(engine, b)
                 real = torch.tensor([i >= 0 for i in idx], device=self.device, dtype=torch.float64)
-                per_pair = torch.stack([*self._per_pair(out, policy), out.loss]).double()
-                sums[:-1] += per_pair @ real
+                out, policy, extra = self._pair_loss(engine, b, real)
+                values, weights = self._per_pair(out, policy, extra)
+                weights = weights.double() * real
+                sums[:k] += (values.double() * weights).sum(1)
+                sums[k:2 * k] += weights.sum(1)
+                sums[-2] += out.loss.double() @ real
                 sums[-1] += real.sum()
         finally:
             engine.train(was_training)
         total = dist.all_reduce_tensor(sums)
         n = max(float(total[-1]), 1.0)
-        rec: dict[str, Any] = {f"eval_{k}": float(v) / n for k, v in zip(self.metrics,
-                                                                         total[:len(self.metrics)].tolist(),
-                                                                         strict=True)}
-        return {"eval_loss": float(total[-2]) / n, **rec, "eval_pairs": int(total[-1]),
-                "eval_s": time.perf_counter() - t0}
+        return {"eval_loss": float(total[-2]) / n, **self._means(total[:k], total[k:2 * k], "eval_"),
+                "eval_pairs": int(total[-1]), "eval_s": time.perf_counter() - t0}
 
     def take(self) -> dict[str, float]:
-        """The metrics since the last log line: means over its micro-batches and ranks (a collective). logps/* are
-        per-token means of the completions, so long and short pairs compare."""
-        world = dist.world_size()
-        stats = dist.all_reduce_tensor(self._stats.clone()) / (max(self._micro, 1) * world)
+        """The metrics since the last log line: means over its rows on every rank (a collective). logps/* are
+        per-token means of the completions, so long and short pairs compare. kto: rewards/chosen and logps/chosen
+        over the desirable rows, the rejected ones over the undesirable rows, rewards/accuracies the share of rows on
+        their label's side of the KL estimate, kl its mean."""
+        stats = dist.all_reduce_tensor(self._stats.clone())
         self._stats.zero_()
-        self._micro = 0
-        return {k: float(v) for k, v in zip(self.metrics, stats.tolist(), strict=True)}
+        return self._means(stats[0], stats[1])
