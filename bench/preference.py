@@ -20,6 +20,9 @@ the repo's ds_configs/zeroS.json for every system):
   trl        bench/preference_trl.py --mode default: TRL's DPOTrainer at its defaults;
   trl-best   bench/preference_trl.py --mode best --precompute: Liger, padding-free, precomputed reference;
   trl-lora   TRL default with the same LoRA;
+  tk-kto, tk-kto-pre, trl-kto  KTO on the same pairs split into unpaired rows (chosen desirable, rejected not), --micro
+             rows a micro-batch (a row: its completion and a mismatched one, the tokens of a pair): the toolkit
+             (engine or precomputed reference) and TRL's KTOTrainer at its defaults;
   sft        the toolkit's SFT on the same sequences (every chosen and rejected as a prompt + completion row), packed
              into rows of --sft-seq tokens: what a preference step's tokens cost as next-token training.
 tokens/s counts the real tokens of both sequences of each pair (prompt included; for sft every real token), per
@@ -61,6 +64,11 @@ def _toolkit(name: str, stage: int, args: argparse.Namespace, out: Path) -> list
                 *common, "train.objective=dpo", "data.source=synthetic", f"data.seq_len={args.syn_seq}",
                 f"data.num_samples={total * args.syn_micro * args.gpus}", f"train.micro_batch_size={args.syn_micro}",
                 *ref]
+    if kind.startswith("tk-kto"):
+        ref = ["pref.reference=precomputed"] if kind == "tk-kto-pre" else []
+        return [*launcher(args), str(ROOT / "toolkit/train.py"), "--ds", str(ROOT / f"ds_configs/zero{stage}.json"),
+                *common, "train.objective=kto", f"data.source={out / 'kto.jsonl'}", f"data.seq_len={args.max_length}",
+                f"train.micro_batch_size={args.micro}", *ref]
     gc = "model.gradient_checkpointing=true"
     leaves = []
     if kind.endswith("-leaves"):  # ZeRO-3: the decoder layers as leaf modules, eager (train.zero3_leaves=true)
@@ -77,7 +85,7 @@ def _toolkit(name: str, stage: int, args: argparse.Namespace, out: Path) -> list
 def _trl(name: str, stage: int, args: argparse.Namespace, out: Path) -> list[str]:
     kind = name.rsplit("-z", 1)[0]
     flags = {"trl": ["--mode", "default"], "trl-best": ["--mode", "best", "--precompute"],
-             "trl-lora": ["--mode", "default", "--lora"]}[kind]
+             "trl-lora": ["--mode", "default", "--lora"], "trl-kto": ["--mode", "default", "--objective", "kto"]}[kind]
     return [*launcher(args), str(ROOT / "bench/preference_trl.py"), "--model", args.model, "--tokenizer",
             args.tokenizer, "--pairs", args.pairs, "--ds", str(ROOT / f"ds_configs/zero{stage}.json"), "--micro",
             str(args.micro), "--grad-accum", "1", "--steps", str(args.warmup + args.steps), "--warmup-steps",
@@ -117,14 +125,16 @@ def _planned(name: str, stage: int, args: argparse.Namespace) -> dict[str, Any]:
 
 def _files(pairs: Path, n: int, out: Path) -> Path:
     """The first n pairs (what the runs consume: a precomputed reference's pass covers the whole file, in TRL and
-    here), and every chosen and rejected sequence of them as an SFT row (prompt + response): the same tokens."""
+    here), every chosen and rejected sequence of them as an SFT row (prompt + response): the same tokens, and as a
+    KTO row (prompt, completion, label: chosen desirable)."""
     rows = [json.loads(x) for x in pairs.read_text().splitlines()[:n]]
     used = out / "pairs.jsonl"
     used.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with (out / "sft.jsonl").open("w") as g:
+    with (out / "sft.jsonl").open("w") as g, (out / "kto.jsonl").open("w") as k:
         for row in rows:
             for side in ("chosen", "rejected"):
                 g.write(json.dumps({"prompt": row["prompt"], "response": row[side]}) + "\n")
+                k.write(json.dumps({"prompt": row["prompt"], "completion": row[side], "label": side == "chosen"}) + "\n")
     return used
 
 

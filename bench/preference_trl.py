@@ -1,4 +1,5 @@
-"""TRL's `DPOTrainer` on preference pairs, timed: the TRL side of the toolkit-vs-TRL DPO benchmark.
+"""TRL's `DPOTrainer` on preference pairs, timed: the TRL side of the toolkit-vs-TRL DPO benchmark (and with
+`--objective kto`, TRL's `KTOTrainer` on the same pairs split into unpaired rows: chosen desirable, rejected not).
 
     deepspeed --num_gpus N bench/preference_trl.py --model llama-1b --pairs pairs_short.jsonl \\
         --ds ds_configs/zero3.json --micro 8 --grad-accum 1 --steps 20 --warmup-steps 5 --max-length 2048 \\
@@ -47,6 +48,12 @@ every real token, 0 on padding), so both sequences of every pair, prompts includ
 steps warmup+1..steps / (time at the end of the last step - time at the end of step warmup). Peak GPU memory is
 torch.cuda.max_memory_allocated per rank, max over ranks, for the trainer's construction (model, reference,
 precompute) and for training apart. Losses are the Trainer's logged loss at every step. Rank 0 writes one JSON.
+
+KTO (`--objective kto`, default mode only): KTOConfig at its defaults but the shared ones above (loss_type kto,
+beta 0.1, weights 1, sequential sampling as its KL term requires); --micro counts rows, the first steps x micro x
+grad-accum x ranks of the pairs' rows (pair i gives rows 2i, desirable, and 2i + 1). Real tokens count both forwards
+of each row: prompt + completion and prompt + the batch's mismatched completion (KL_attention_mask). The first loss
+must be 0.5.
 """
 
 from __future__ import annotations
@@ -74,7 +81,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
-from trl import DPOConfig, DPOTrainer
+from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the launcher puts bench/ first; toolkit is imported (read-only) from the repo
@@ -93,6 +100,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--warmup-steps", type=int, default=5, help="first steps left out of tokens/s (not the lr warmup)")
     ap.add_argument("--max-length", type=int, default=0, help="TRL's max_length; 0: none")
     ap.add_argument("--mode", choices=("default", "best"), default="default")
+    ap.add_argument("--objective", choices=("dpo", "kto"), default="dpo")
     ap.add_argument("--lora", action="store_true")
     ap.add_argument("--precompute", action="store_true", help="precompute_ref_log_probs=True")
     ap.add_argument("--grad-ckpt", choices=("auto", "on", "off"), default="auto",
@@ -103,6 +111,8 @@ def parse_args() -> argparse.Namespace:
     a = ap.parse_args()
     if not 0 <= a.warmup_steps < a.steps:
         ap.error("--warmup-steps must be below --steps: tokens/s is taken over the steps after it")
+    if a.objective == "kto" and a.mode != "default":
+        ap.error("--objective kto runs --mode default (KTOConfig's Liger flag is deprecated, it has no padding_free)")
     return a
 
 
@@ -130,8 +140,8 @@ def build_model(name: str, vocab: int, max_length: int, seed: int) -> tuple[Any,
     return _random_init(AutoModelForCausalLM, mc, seed, kwargs), {"source": "preset", "changed": changed}
 
 
-class TimedDPOTrainer(DPOTrainer):
-    """DPOTrainer that counts the tokens it trains on and times its reference precompute."""
+class Timed:
+    """A TRL trainer that counts the tokens it trains on and times its reference precompute."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.precompute_s = 0.0
@@ -143,8 +153,12 @@ class TimedDPOTrainer(DPOTrainer):
                      num_items_in_batch: Any = None) -> Any:
         if model.training:  # the batch exactly as the model gets it: [prompt+chosen; prompt+rejected], padded
             # kept on the device: read once per step by the callback, after its synchronize (no extra sync here)
-            self.real_tokens = self.real_tokens.to(inputs["attention_mask"].device) + inputs["attention_mask"].sum()
-            self.padded_tokens += inputs["input_ids"].numel()
+            # (KTO: prompt+completion, and prompt+mismatched completion in the KL_ tensors, a forward of its own)
+            for prefix in ("", "KL_"):
+                if f"{prefix}attention_mask" in inputs:
+                    mask = inputs[f"{prefix}attention_mask"]
+                    self.real_tokens = self.real_tokens.to(mask.device) + mask.sum()
+                    self.padded_tokens += mask.numel()
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def _precompute_ref_logps(self, *args: Any, **kwargs: Any) -> Any:
@@ -156,6 +170,14 @@ class TimedDPOTrainer(DPOTrainer):
         return out
 
 
+class TimedDPOTrainer(Timed, DPOTrainer):
+    pass
+
+
+class TimedKTOTrainer(Timed, KTOTrainer):
+    pass
+
+
 def sync() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
@@ -164,7 +186,7 @@ def sync() -> None:
 class StepClock(TrainerCallback):
     """Wall time at train begin and at each step end; the step's tokens (this rank); the logged losses."""
 
-    def __init__(self, trainer: TimedDPOTrainer) -> None:
+    def __init__(self, trainer: Timed) -> None:
         self.trainer = trainer
         self.begin = 0.0
         self.ends: list[float] = []
@@ -264,15 +286,17 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     # DPOConfig before the model: its HfDeepSpeedConfig makes transformers build the model inside zero.Init
-    cfg = DPOConfig(
+    kto = a.objective == "kto"
+    shared = dict(
         output_dir=str(out_dir / f".{a.out.stem}_trainer"), deepspeed=a.ds, bf16=True, use_cpu=not cuda,
         per_device_train_batch_size=a.micro, gradient_accumulation_steps=a.grad_accum, max_steps=a.steps,
         learning_rate=tk.lr, lr_scheduler_type="cosine", warmup_steps=tk.warmup_steps, weight_decay=tk.weight_decay,
         adam_beta1=tk.betas[0], adam_beta2=tk.betas[1], adam_epsilon=tk.eps, max_grad_norm=tk.grad_clip,
         seed=a.seed, max_length=a.max_length or None, gradient_checkpointing=grad_ckpt,
-        precompute_ref_log_probs=a.precompute, use_liger_kernel=use_liger, padding_free=best,
+        precompute_ref_log_probs=a.precompute,
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, dataloader_drop_last=True,
     )
+    cfg = KTOConfig(**shared) if kto else DPOConfig(**shared, use_liger_kernel=use_liger, padding_free=best)
     rank, world = dist.get_rank(), dist.get_world_size()
 
     # A fresh datasets cache per launch, shared by the ranks: TRL's precompute reuses a cached result otherwise
@@ -285,6 +309,11 @@ def main() -> None:
     rows = a.steps * a.micro * a.grad_accum * world  # exactly what the run consumes: the precompute sees no more
     with cfg.main_process_first(desc="load pairs"):
         data = load_dataset("json", data_files=str(a.pairs), split="train", cache_dir=cache_dir)
+        if kto:  # each pair as two unpaired rows, in order: chosen (desirable), then rejected
+            from datasets import Dataset
+
+            data = Dataset.from_list([{"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
+                                      for r in data for side in ("chosen", "rejected")])
     if len(data) < rows:
         raise SystemExit(f"{a.pairs}: {len(data)} pairs, the run needs {rows} (steps x micro x grad-accum x ranks)")
     data = data.select(range(rows))
@@ -299,14 +328,15 @@ def main() -> None:
     tl = ToolkitLora()
     peft_config = LoraConfig(r=tl.r, lora_alpha=tl.alpha, lora_dropout=tl.dropout,
                              target_modules=list(tl.target_modules), task_type="CAUSAL_LM") if a.lora else None
-    trainer = TimedDPOTrainer(model=model, ref_model=ref, args=cfg, train_dataset=data, processing_class=tok,
-                              peft_config=peft_config)
+    trainer = (TimedKTOTrainer if kto else TimedDPOTrainer)(
+        model=model, ref_model=ref, args=cfg, train_dataset=data, processing_class=tok, peft_config=peft_config)
     sync()
     construct_s = time.perf_counter() - t0
 
     # No truncation: every sequence, as TRL tokenized it (EOS included), must fit max_length
     prepared = trainer.train_dataset
-    triples = list(zip(prepared["prompt_ids"], prepared["chosen_ids"], prepared["rejected_ids"], strict=True))
+    second = ("completion_ids", "KL_completion_ids") if kto else ("chosen_ids", "rejected_ids")
+    triples = list(zip(prepared["prompt_ids"], prepared[second[0]], prepared[second[1]], strict=True))
     lens = [len(p) + max(len(c), len(r)) for p, c, r in triples]
     pair_tokens = sum(2 * len(p) + len(c) + len(r) for p, c, r in triples)  # both sequences, prompts included
     if len(prepared) != rows or (a.max_length and max(lens) > a.max_length):
@@ -341,7 +371,7 @@ def main() -> None:
         peaks_c = [r["peak_construct"] for r in every if r["peak_construct"] is not None]
         pre_s = max(r["precompute_s"] for r in every) if a.precompute else None
         result = {
-            "bench": "trl_dpo", "versions": versions(),
+            "bench": f"trl_{a.objective}", "versions": versions(),
             "device": torch.cuda.get_device_name() if cuda else "cpu", "ranks": world,
             "model": a.model, "model_build": built, "n_params": n_params, "tokenizer": a.tokenizer,
             "pairs": str(a.pairs), "rows": rows, "ds_config": a.ds,
@@ -355,7 +385,7 @@ def main() -> None:
                 # after train(): Liger patches the policy there; TRL's separate reference model is never patched
                 "liger_patched_policy": liger_patched(trainer.model),
                 "liger_patched_reference": liger_patched(trainer.ref_model) if trainer.ref_model is not None else None,
-                "padding_free_requested": best, "padding_free_effective": trainer.padding_free,
+                "padding_free_requested": best, "padding_free_effective": getattr(trainer, "padding_free", False),
                 "lr": cfg.learning_rate, "lr_scheduler": "cosine", "lr_warmup_steps": cfg.warmup_steps,
                 "weight_decay": cfg.weight_decay, "max_grad_norm": cfg.max_grad_norm, "seed": a.seed,
                 "reference": "adapters disabled" if a.lora else ("precomputed" if a.precompute else "model copy"),
@@ -367,8 +397,9 @@ def main() -> None:
             "real_tokens_per_step": real, "padded_tokens_per_step": padded,
             "longest_sequence": max(lens), "mean_sequence": pair_tokens / (2 * rows),
             "step_times_s": step_s, "timed_s": timed, "losses": clock.losses,
-            # the policy starts as the reference: the first DPO (sigmoid) loss must be ln 2
-            "first_loss_minus_ln2": clock.losses[0] - math.log(2) if clock.losses else None,
+            # the policy starts as the reference: the first DPO (sigmoid) loss must be ln 2, KTO's 0.5
+            "first_loss_minus_ln2": clock.losses[0] - math.log(2) if clock.losses and not kto else None,
+            "first_loss_minus_half": clock.losses[0] - 0.5 if clock.losses and kto else None,
             "peak_gpu_gib": max(peaks + peaks_c) if peaks else None,
             "peak_gpu_gib_train": max(peaks) if peaks else None,
             "peak_gpu_gib_construct": max(peaks_c) if peaks_c else None,
