@@ -114,3 +114,12 @@ def test_plan_counts_hooks_where_layers_are_not_leaves() -> None:
     fast = pl.predict(pl.Workload(shape, 2048, 2), choice, hw).tokens_per_s_per_gpu
     slow = pl.predict(pl.Workload(shape, 2048, 2, zero3_leaves="false"), choice, hw).tokens_per_s_per_gpu
     assert fast > 1.5 * slow
+
+
+def test_the_plan_says_where_its_speeds_were_not_validated() -> None:
+    hw1 = pl.Hardware(1, 1, 139.0, None)
+    assert pl.speed_caveat(pl.Workload(load_shape("llama-1b"), 2048, 8), hw1) is None
+    narrow = pl.speed_caveat(pl.Workload(load_shape("gpt2-124m"), 1024, 8), hw1)
+    assert narrow is not None and "hidden 768" in narrow
+    wide = pl.speed_caveat(pl.Workload(load_shape("llama-1b"), 2048, 16), pl.Hardware(8, 2, 139.0, None))
+    assert wide is not None and "more than one node" in wide

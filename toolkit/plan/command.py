@@ -291,6 +291,9 @@ def render(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predictio
     lines.append("")
     lines.append(f"chosen: {_describe(chosen.choice)}{_offload_note(chosen)}; predicted {chosen.tokens_per_s_per_gpu:,.0f} tokens/s per GPU")
     lines.append(f"  why: {pl.why_chosen(ranked)}")
+    caveat = pl.speed_caveat(w, hw)
+    if caveat:
+        lines.append(f"  speed: {caveat}")
     gpu = ", ".join(f"{k} {v:.2f}" for k, v in chosen.gpu.items() if v >= 0.005)
     lines.append(f"  GPU at its peak ({chosen.phase}): {gpu} = {chosen.peak_allocated_gib:.2f} GiB allocated")
     host_parts = ", ".join(f"{k} {v:.2f}" for k, v in chosen.host.items())
@@ -342,6 +345,7 @@ def plan_json(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predic
     if chosen is not None:
         data["chosen"] = candidate_json(chosen) | {
             "why": pl.why_chosen(ranked),
+            "speed_caveat": pl.speed_caveat(w, hw),
             "phase": chosen.phase,
             "gpu_breakdown_gib": chosen.gpu,
             "persistent_gib": chosen.persistent,

@@ -1184,6 +1184,23 @@ def best(ranked: Sequence[Prediction]) -> Prediction | None:
     return _best(ranked)[0]
 
 
+# The speed model's measured range (bench/results/speed_model/README.md): hidden sizes from 1,536 (Qwen2.5-1.5B) to
+# 4,096 (Mistral-7B, Llama-3-8B), one node of up to 4 GPUs. GPT-2 (hidden 768) ran 23% (ZeRO-0) and 58% (ZeRO-2)
+# below its predicted speeds.
+VALIDATED_HIDDEN = 1536
+
+
+def speed_caveat(w: Workload, hw: Hardware) -> str | None:
+    """Where the plan's tokens/s were not validated, one line saying so (its peaks hold further: 10% on GPT-2)."""
+    why = []
+    if w.shape.hidden_size < VALIDATED_HIDDEN:
+        why.append(f"hidden {w.shape.hidden_size:,} is below the {VALIDATED_HIDDEN:,} validated (GPT-2, 768, ran 23-58% "
+                   "slower than predicted at ZeRO-0/2)")
+    if hw.nodes > 1 or hw.world > 4:
+        why.append("more than one node or 4 GPUs was not measured")
+    return ("tokens/s not validated here: " + "; ".join(why) + " (bench/results/speed_model/)") if why else None
+
+
 def why_chosen(ranked: Sequence[Prediction]) -> str:
     """One line: why `best` took its choice."""
     return _best(ranked)[1]
