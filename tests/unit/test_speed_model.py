@@ -26,7 +26,7 @@ KNOWN_OFF = {
     # overlap less than max() assumes
     ("validation.json", "lv-l-z3-s2048-m8-ckpt-1gpu-false"): (0.21, 0.05),
     # GPT-2 (hidden 768) at ZeRO-0/2: the model runs far below the MFU the narrow-width factor gives (fitted at 1536);
-    # its peaks are low by 9% (the activation model's GPT-2 terms date from older transformers); not refitted on it
+    # its peaks are low by 9% (not traced); not refitted on it
     ("validation.json", "v-g2-z2-s1024-m16"): (0.60, 0.10),
     ("validation.json", "v-g2-z0-s1024-m32"): (0.25, 0.10),
     ("validation.json", "v-g2-z3-s1024-m16"): (0.15, 0.10),
