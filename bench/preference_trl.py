@@ -50,7 +50,7 @@ torch.cuda.max_memory_allocated per rank, max over ranks, for the trainer's cons
 precompute) and for training apart. Losses are the Trainer's logged loss at every step. Rank 0 writes one JSON.
 
 KTO (`--objective kto`, default mode only): KTOConfig at its defaults but the shared ones above (loss_type kto,
-beta 0.1, weights 1, sequential sampling as its KL term requires); --micro counts rows, the first steps x micro x
+beta 0.1, weights 1; its mismatched completions rotated within chunks of the prepared dataset); --micro counts rows, the first steps x micro x
 grad-accum x ranks of the pairs' rows (pair i gives rows 2i, desirable, and 2i + 1). Real tokens count both forwards
 of each row: prompt + completion and prompt + the batch's mismatched completion (KL_attention_mask). The first loss
 must be 0.5.

@@ -304,4 +304,13 @@ def test_a_bad_kto_row_names_itself_and_its_field(tmp_path: Path, row: dict[str,
 def test_synthetic_kto_rows_alternate_desirable_and_not() -> None:
     rows = P.synthetic_kto(5, 16, 64, 0)
     assert [r["label"] for r in rows] == [1, 0, 1, 0, 1]
-    assert all(r["rejected"] == rows[(k + 1) % 5]["chosen"] for k, r in enumerate(rows))
+    # each mismatched completion is another prompt's: the next row but one (the next shares the prompt)
+    assert [r["rejected"] for r in rows] == [rows[k]["chosen"] for k in (2, 2, 4, 4, 0)]
+
+
+def test_partners_skip_empty_rows_other_shapes_and_the_same_prompt_and_scale() -> None:
+    assert P.partners(["s", "s", "s", "m"], ["a", "a", "b", "c"], [True, True, False, True]) == [1, 0, 0, 3]
+    # a's answers side by side: the next row with another prompt
+    assert P.partners(["s"] * 4, ["a", "a", "b", "b"], [True] * 4) == [2, 2, 0, 0]
+    # a file of 200,000 rows: one pass (the quadratic search this replaced took minutes at this size)
+    assert len(P.partners(["s"] * 200_000, [str(i // 2) for i in range(200_000)], [True] * 200_000)) == 200_000

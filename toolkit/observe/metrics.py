@@ -256,9 +256,11 @@ class MetricsLogger:
         if not self.is_main:
             return
         self._write({"step": step, **rec})
-        if "eval_pairs" in rec:  # held-out preference pairs
+        if "eval_pairs" in rec:  # held-out preference pairs (kto: rows; a side without rows has no margin)
+            margin = rec.get("eval_rewards/margins")
             msg = f"eval step {step}: loss {rec['eval_loss']:.4f}, accuracy {rec['eval_rewards/accuracies']:.3f}, " \
-                  f"margin {rec['eval_rewards/margins']:.4f} ({rec['eval_pairs']:,} pairs, {rec['eval_s']:.1f} s)"
+                  f"margin {'-' if margin is None else f'{margin:.4f}'} ({rec['eval_pairs']:,} " \
+                  f"{'rows' if 'eval_kl' in rec else 'pairs'}, {rec['eval_s']:.1f} s)"
         else:
             msg = f"eval step {step}: loss {rec['eval_loss']:.4f}, perplexity {rec['eval_ppl']:.2f} " \
                   f"({rec['eval_tokens']:,} tokens, {rec['eval_s']:.1f} s)"
@@ -349,14 +351,18 @@ def closing_summary(
     if evals:
         first, last = evals[0], evals[-1]
         tail = f"perplexity {last['eval_ppl']:.2f}" if "eval_ppl" in last else \
-            f"accuracy {last['eval_rewards/accuracies']:.3f} on {last['eval_pairs']:,} held-out pairs"
+            f"accuracy {last['eval_rewards/accuracies']:.3f} on {last['eval_pairs']:,} held-out " \
+            f"{'rows' if 'eval_kl' in last else 'pairs'}"
         lines.append(f"  eval loss   {first['eval_loss']:.4f} (step {first['step']}) -> {last['eval_loss']:.4f} "
                      f"(step {last['step']}), {tail}")
     pref = [r for r in losses if r.get("rewards/accuracies") is not None]
     if pref:
         a, b = pref[0], pref[-1]
+        def margin(r: dict[str, Any]) -> str:  # kto: a window without rows of one side has none
+            return "-" if r.get("rewards/margins") is None else f"{r['rewards/margins']:.4f}"
+
         lines.append(f"  preference  accuracy {a['rewards/accuracies']:.3f} -> {b['rewards/accuracies']:.3f}, "
-                     f"reward margin {a['rewards/margins']:.4f} -> {b['rewards/margins']:.4f}")
+                     f"reward margin {margin(a)} -> {margin(b)}")
     rl = [r for r in losses if r.get("reward") is not None and r.get("completions/mean_length") is not None]
     if rl:  # train.objective=grpo (runtime/rl/)
         a, b = rl[0], rl[-1]

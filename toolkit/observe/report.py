@@ -154,7 +154,7 @@ def throughput_summary(data: RunData) -> tuple[str, list[str]]:
         a, b = pref[0], pref[-1]
         rows.append(["preference accuracy", f"{a['rewards/accuracies']:.3f} (step {a['step']}) -> "
                                             f"{b['rewards/accuracies']:.3f} (step {b['step']})"])
-        rows.append(["reward margin", f"{_fmt(a['rewards/margins'], 4)} -> {_fmt(b['rewards/margins'], 4)}"])
+        rows.append(["reward margin", f"{_fmt(a.get('rewards/margins'), 4)} -> {_fmt(b.get('rewards/margins'), 4)}"])
     for g in data.generations:
         match = "" if g["gen_exact_match"] is None else f", exact match {g['gen_exact_match']:.3f}"
         rows.append([f"generate (step {g['step']})",

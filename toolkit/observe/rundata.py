@@ -23,7 +23,8 @@ NUMERIC_MEMORY = (*GPU_KEYS, "host_rss_gib", "alloc_retries", "oom_count")
 METRIC_KEYS = ("loss", "lr", "tokens_per_s", "samples_per_s", "step_time_s", "grad_norm", "mfu", "elapsed_s",
                "padding_waste")
 EVAL_KEYS = ("eval_loss", "eval_ppl", "eval_tokens",  # a held-out loss line (runtime/loops/evaluate.py)
-             "eval_pairs", "eval_rewards/accuracies", "eval_rewards/margins")  # held-out preference pairs
+             "eval_pairs", "eval_rewards/accuracies", "eval_rewards/margins",  # held-out preference pairs
+             "eval_kl")  # held-out kto rows
 PREF_KEYS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")
 RL_KEYS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "kl")  # train.objective=grpo
 GEN_KEYS = ("gen_prompts", "gen_new_tokens", "gen_s", "gen_tokens_per_s", "gen_batch_size",

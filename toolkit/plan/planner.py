@@ -1031,7 +1031,8 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
             # each rank copies its partition of every layer to the GPU in forward and again in backward
             micro += (3 if c.grad_ckpt else 2) * 2.0 * p_all / hw.world / PCIE_BYTES_PER_S
     if w.reference == "engine":  # the frozen ZeRO-3 copy gathers every layer for its forward (objectives/reference.py)
-        micro += ZERO3_S_PER_GPARAM * p_all / 1e9 / 3
+        if hw.world > 1:  # as the policy's: one rank gathers from no other
+            micro += ZERO3_S_PER_GPARAM * p_all / 1e9 / 3
         from toolkit.plan.speedups import reference_leaves
 
         as_leaves = reference_leaves(w.zero3_leaves, model_type=s.model_type, objective=w.objective)
@@ -1196,8 +1197,8 @@ def speed_caveat(w: Workload, hw: Hardware) -> str | None:
     if w.shape.hidden_size < VALIDATED_HIDDEN:
         why.append(f"hidden {w.shape.hidden_size:,} is below the {VALIDATED_HIDDEN:,} validated (GPT-2, 768, ran 23-58% "
                    "slower than predicted at ZeRO-0/2)")
-    if hw.nodes > 1 or hw.world > 4:
-        why.append("more than one node or 4 GPUs was not measured")
+    if hw.nodes > 1 or hw.world not in ZERO3_LEAF_S:
+        why.append(f"{hw.world} GPUs on {hw.nodes} node(s) were not measured (1, 2 and 4 GPUs of one node were)")
     return ("tokens/s not validated here: " + "; ".join(why) + " (bench/results/speed_model/)") if why else None
 
 

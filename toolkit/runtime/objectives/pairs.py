@@ -21,9 +21,11 @@ is a ConfigError naming the row and the field.
 train.objective=kto takes unpaired rows, TRL's names: {"prompt", "completion", "label": true or false}, the prompt and
 completion strings or conversations (a prompt conversation and a final assistant turn). Each becomes a Pair whose
 chosen is its completion and whose rejected is the next row's completion (the next of the same shape with one,
-wrapping to the first) after this row's prompt: the mismatched sequence KTO's KL estimate reads (TRL pairs them within
-a batch; here within the file, so a precomputed reference covers them too). Truncation as for pairs; a row with an
-empty completion is dropped and counted.
+wrapping to the first, and with another prompt where one of the next few has one) after this row's prompt: the
+mismatched sequence KTO's KL estimate reads (TRL rotates completions within chunks of its prepared dataset; here the
+file's order decides, so a precomputed reference covers them too). The row's own sequence is truncated as a pair's
+would be, alone; the mismatched completion is cut to the room its prompt leaves. A row with an empty completion is
+dropped and counted.
 """
 
 from __future__ import annotations
@@ -136,6 +138,9 @@ def tokenize(row: dict[str, Any], tokenizer: Any, max_length: int, where: str, u
         return Pair(prompt, chosen, rejected, EMPTY)
     if chosen == rejected and not unpaired:
         return Pair(prompt, chosen, rejected, IDENTICAL)
+    if unpaired:  # the row's own sequence is cut as it alone would be; the mismatched completion to the room left
+        own = truncate(prompt, chosen, chosen, max_length)
+        return Pair(own.prompt, own.chosen, rejected[:max_length - len(own.prompt)], own.status)
     pair = truncate(prompt, chosen, rejected, max_length)
     if pair.chosen == pair.rejected and not unpaired:  # they differed only past the room truncation left
         return Pair(pair.prompt, pair.chosen, pair.rejected, IDENTICAL)
@@ -195,10 +200,11 @@ def synthetic(n: int, seq_len: int, vocab_size: int, seed: int) -> list[dict[str
 
 def synthetic_kto(n: int, seq_len: int, vocab_size: int, seed: int) -> list[dict[str, Any]]:
     """Learnable unpaired rows: `synthetic`'s pairs split into a desirable row (the chain) and an undesirable one
-    (random tokens), each with the next row's completion as its mismatched one."""
+    (random tokens), each with a mismatched completion chosen as for a file (`partners`: another prompt's)."""
     items = [(r["prompt"], r[side], side == "chosen") for r in synthetic((n + 1) // 2, seq_len, vocab_size, seed)
              for side in ("chosen", "rejected")][:n]
-    return [as_row(Pair(p, c, items[(k + 1) % len(items)][1]), good) for k, (p, c, good) in enumerate(items)]
+    mates = partners([0] * len(items), [p for p, _, _ in items], [True] * len(items))
+    return [as_row(Pair(p, c, items[m][1]), good) for (p, c, good), m in zip(items, mates, strict=True)]
 
 
 def check_file(path: Any, label: str, kto: bool = False) -> None:
@@ -214,6 +220,33 @@ def check_file(path: Any, label: str, kto: bool = False) -> None:
     check_rows(path, label, kto_shape_of if kto else shape_of)
 
 
+PARTNER_TRIES = 8
+"""How many later candidates a row's mismatched completion is looked for among before one with the row's own prompt
+is taken (files made from pairs hold each prompt's answers side by side)."""
+
+
+def partners(keys: list[Any], prompts: list[Any], usable: list[bool]) -> list[int]:
+    """Each row's mismatched row: the next usable row with the same key (the row's shape), wrapping to the first,
+    whose prompt differs from the row's if one of the next PARTNER_TRIES does; the row itself if none is usable. One
+    pass per key: rows by key in file order, each looked up by its place there."""
+    import bisect
+
+    by_key: dict[Any, list[int]] = {}
+    for i, key in enumerate(keys):
+        if usable[i]:
+            by_key.setdefault(key, []).append(i)
+    out = []
+    for k, key in enumerate(keys):
+        order = by_key.get(key, [])
+        if not order:
+            out.append(k)
+            continue
+        start = bisect.bisect_right(order, k)
+        tries = [order[(start + j) % len(order)] for j in range(min(PARTNER_TRIES, len(order)))]
+        out.append(next((i for i in tries if i != k and prompts[i] != prompts[k]), tries[0]))
+    return out
+
+
 def _kto_pairs(objects: list[tuple[int, dict[str, Any]]], tokenizer: Any, max_length: int, where: str
                ) -> tuple[list[Pair], list[bool]]:
     """Unpaired rows as Pairs (module docstring) and their labels."""
@@ -221,13 +254,13 @@ def _kto_pairs(objects: list[tuple[int, dict[str, Any]]], tokenizer: Any, max_le
         return bool(c) if isinstance(c, str) else bool(c[-1]["content"])
 
     shapes = [kto_shape_of(row, f"{where}:{lineno}") for lineno, row in objects]
+    rows = [row for _, row in objects]
+    mates = partners(shapes, [repr(r["prompt"]) for r in rows], [filled(r["completion"]) for r in rows])
     pairs = []
-    for k, (lineno, row) in enumerate(objects):
-        later = [(k + j) % len(objects) for j in range(1, len(objects) + 1)]
-        partner = next((i for i in later if shapes[i] == shapes[k] and filled(objects[i][1]["completion"])), k)
-        pseudo = {"prompt": row["prompt"], "chosen": row["completion"], "rejected": objects[partner][1]["completion"]}
+    for (lineno, row), mate in zip(objects, mates, strict=True):
+        pseudo = {"prompt": row["prompt"], "chosen": row["completion"], "rejected": rows[mate]["completion"]}
         pairs.append(tokenize(pseudo, tokenizer, max_length, f"{where}:{lineno}", unpaired=True))
-    return pairs, [row["label"] for _, row in objects]
+    return pairs, [row["label"] for row in rows]
 
 
 def load_file(path: Any, tokenizer: Any, max_length: int, label: str, kto: bool = False

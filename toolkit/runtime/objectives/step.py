@@ -173,10 +173,13 @@ class PreferenceStep:
         return torch.stack(values).float(), torch.stack(weights).float()
 
     def _means(self, sums: torch.Tensor, weights: torch.Tensor, prefix: str = "") -> dict[str, float]:
-        """Each summed metric's mean over the rows it weighs, and rewards/margins (chosen minus rejected)."""
-        means = (sums / weights.clamp(min=1e-12)).tolist()
-        got = {f"{prefix}{k}": float(v) for k, v in zip(self.summed, means, strict=True)}
-        got[f"{prefix}rewards/margins"] = got[f"{prefix}rewards/chosen"] - got[f"{prefix}rewards/rejected"]
+        """Each summed metric's mean over the rows it weighs, and rewards/margins (chosen minus rejected). A metric
+        that weighs no row is left out (kto: a window without desirable rows has no rewards/chosen), as TRL does."""
+        means, weighed = (sums / weights.clamp(min=1e-12)).tolist(), (weights > 0).tolist()
+        got = {f"{prefix}{k}": float(v) for k, v, w in zip(self.summed, means, weighed, strict=True) if w}
+        chosen, rejected = got.get(f"{prefix}rewards/chosen"), got.get(f"{prefix}rewards/rejected")
+        if chosen is not None and rejected is not None:
+            got[f"{prefix}rewards/margins"] = chosen - rejected
         return got
 
     def loss(self, engine: Any, b: dict[str, Any]) -> torch.Tensor:
