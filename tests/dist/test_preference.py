@@ -214,8 +214,9 @@ def test_kto_starts_at_one_half_trains_alike_at_every_stage_and_path_and_reads_u
     base = _lines(runs / "kto-zero0")
     assert base[0]["loss"] == pytest.approx(0.5, abs=1e-6)  # policy = reference: 1 - sigmoid(0) every row
     assert base[0]["kl"] == 0.0 and base[-1]["loss"] < 0.45, [r["loss"] for r in base]
-    assert min(r["rewards/accuracies"] for r in base[-3:]) >= 0.75, [r["rewards/accuracies"] for r in base]
-    assert base[-1]["rewards/chosen"] > 0 > base[-1]["rewards/rejected"]
+    # the mismatched completions follow the chain too (another prompt's): the KL estimate grows as the chain is learnt
+    assert sum(r["rewards/accuracies"] for r in base[-3:]) / 3 >= 0.75, [r["rewards/accuracies"] for r in base]
+    assert base[-1]["rewards/chosen"] > 0 > base[-1]["rewards/rejected"] and base[-1]["kl"] > 0
     for name in ("kto-zero3", "kto-trainer-zero2-precomputed"):
         assert [r["loss"] for r in _lines(runs / name)] == pytest.approx([r["loss"] for r in base], abs=1e-4), name
     record = json.loads((runs / "kto-trainer-zero2-precomputed" / "resolved.json").read_text())
