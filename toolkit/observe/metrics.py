@@ -13,6 +13,7 @@ from typing import Any
 
 from toolkit.launch import dist
 from toolkit.observe import trackers
+from toolkit.observe.tables import _fmt
 
 # Dense (no sparsity) bf16/fp16 tensor-core peak per GPU, from NVIDIA's data sheets, matched as a
 # substring of torch.cuda.get_device_name(); the most specific names come first.
@@ -257,9 +258,8 @@ class MetricsLogger:
             return
         self._write({"step": step, **rec})
         if "eval_pairs" in rec:  # held-out preference pairs (kto: rows; a side without rows has no margin)
-            margin = rec.get("eval_rewards/margins")
             msg = f"eval step {step}: loss {rec['eval_loss']:.4f}, accuracy {rec['eval_rewards/accuracies']:.3f}, " \
-                  f"margin {'-' if margin is None else f'{margin:.4f}'} ({rec['eval_pairs']:,} " \
+                  f"margin {_fmt(rec.get('eval_rewards/margins'), 4)} ({rec['eval_pairs']:,} " \
                   f"{'rows' if 'eval_kl' in rec else 'pairs'}, {rec['eval_s']:.1f} s)"
         else:
             msg = f"eval step {step}: loss {rec['eval_loss']:.4f}, perplexity {rec['eval_ppl']:.2f} " \
@@ -358,11 +358,9 @@ def closing_summary(
     pref = [r for r in losses if r.get("rewards/accuracies") is not None]
     if pref:
         a, b = pref[0], pref[-1]
-        def margin(r: dict[str, Any]) -> str:  # kto: a window without rows of one side has none
-            return "-" if r.get("rewards/margins") is None else f"{r['rewards/margins']:.4f}"
-
+        # kto: a window without rows of one side has no margin ("-")
         lines.append(f"  preference  accuracy {a['rewards/accuracies']:.3f} -> {b['rewards/accuracies']:.3f}, "
-                     f"reward margin {margin(a)} -> {margin(b)}")
+                     f"reward margin {_fmt(a.get('rewards/margins'), 4)} -> {_fmt(b.get('rewards/margins'), 4)}")
     rl = [r for r in losses if r.get("reward") is not None and r.get("completions/mean_length") is not None]
     if rl:  # train.objective=grpo (runtime/rl/)
         a, b = rl[0], rl[-1]

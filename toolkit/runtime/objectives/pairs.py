@@ -142,7 +142,7 @@ def tokenize(row: dict[str, Any], tokenizer: Any, max_length: int, where: str, u
         own = truncate(prompt, chosen, chosen, max_length)
         return Pair(own.prompt, own.chosen, rejected[:max_length - len(own.prompt)], own.status)
     pair = truncate(prompt, chosen, rejected, max_length)
-    if pair.chosen == pair.rejected and not unpaired:  # they differed only past the room truncation left
+    if pair.chosen == pair.rejected:  # they differed only past the room truncation left
         return Pair(pair.prompt, pair.chosen, pair.rejected, IDENTICAL)
     return pair
 
