@@ -161,6 +161,13 @@ VALIDATE: tuple[Config, ...] = (
     Config("v-g2-z2-s1024-m16", G2, 1024, 16, 1, 2),
     Config("v-g2-z3-s1024-m16", G2, 1024, 16, 1, 3),
     Config("v-g2-z0-s1024-m32", G2, 1024, 32, 1, 0),
+    # session 58: the same with accumulation (the optimizer step's share of a step), and llama-1b's ZeRO-2 step so;
+    # the 262K offload row as leaf modules, today's default for it
+    Config("v-g2-z2-s1024-m16-a4", G2, 1024, 16, 4, 2),
+    Config("v-g2-z0-s1024-m32-a2", G2, 1024, 32, 2, 0),
+    Config("v-l-z2-s2048-m8", L, 2048, 8, 1, 2),
+    Config("v-l-z2-s2048-m8-a4", L, 2048, 8, 4, 2),
+    Config("v-q15-z3all-256k-leaves", Q15, 262144, 1, 1, 3, "all", ckpt=True, tiled=True, rope=16.0),
 )
 # ZeRO-3 with the decoder layers as leaf modules without compile (train.zero3_leaves=true) against DeepSpeed's hook on
 # every submodule (issue 50 item 4): llama-1b at small micro-batches, on 1, 2 and 4 GPUs, with and without checkpointing.
