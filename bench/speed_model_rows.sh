@@ -2,8 +2,9 @@
 # Issue 50's device rows on one host of 2 GPUs, from the repo root (carry .whl; kind nvidia-h100-x2 or nvidia-h200-x2):
 #   bash bench/speed_model_rows.sh OUT PART      PART: 1 (attention rates + the unfitted shapes; runs past one 600 s command: give it two), rest (what
 #   part 1 left), 2 or 3 (ZeRO-3 leaves), x4a then x4b (one host of 4 GPUs, kind nvidia-h100-x4: two commands),
-#   s57 (2 H200s: DPO on both GPUs, then GPT-2 and Qwen2.5-3B rows beside LoRA DPO rows), s58a then s58b GPU_MEM
-#   (2 GPUs: GPT-2 with accumulation and profiled, llama-1b ZeRO-2; leaves with checkpointing on 2, the 262K row)
+#   s57 (2 H200s: DPO on both GPUs, then GPT-2 and Qwen2.5-3B rows beside LoRA DPO rows), s58a..s58d GPU_MEM
+#   (2 GPUs: GPT-2 with accumulation, llama-1b ZeRO-2; GPT-2 profiled, leaves with checkpointing on 2; the 262K row;
+#   the anatomy of the leaves' peak, GPT-2 alone)
 # Part 1, each GPU its own queue: GPU 0 the attention kernel rates (bench/attention.py --rates) then its share of
 # the validation rows (bench/plan_calibrate.py VALIDATE), GPU 1 the rest; the 262K rows with 2 steps, the others 4.
 # Part 2: llama-1b at ZeRO-3 with train.zero3_leaves=false/true (LEAVES), one-GPU rows on both GPUs, then on two.
@@ -83,18 +84,36 @@ elif [ "$2" = s58a ]; then  # 2 GPUs: GPT-2 alone on GPU 0 (with accumulation, t
   timeout 300 $C --timeout 140 --out "$out/l2" --device 1 --port 29710 --steps 5 \
     --only v-l-z2-s2048-m8,v-l-z2-s2048-m8-a4 > "$out/g1.log" 2>&1 &
   wait
-elif [ "$2" = s58b ]; then  # 2 GPUs: leaves with checkpointing (and what is alive at its peak), then the 262K row
+elif [ "$2" = s58b ]; then  # GPT-2 profiled (train.profile_steps), then leaves with checkpointing on 2 GPUs
+  python bench/prebuild_ops.py fused_adam > "$out/prebuild.log" 2>&1
   C="python bench/plan_calibrate.py run --host-mem 120 --gpu-mem $3"
+  timeout 150 $C --lanes 1 --timeout 70 --out "$out/prof" --device 0 --port 29630 --steps 6 \
+    --set 'train.profile_steps=[4,5]' --only v-g2-z2-s1024-m16,v-g2-z0-s1024-m32 > "$out/prof.log" 2>&1
   timeout 150 $C --timeout 130 --out "$out/lv2" --port 29650 --steps 6 --only lv-l-z3-s2048-m8-ckpt-2gpu-true \
     > "$out/lv2.log" 2>&1
-  ds=$(ls "$out"/lv2/ds/*.json | head -1)
-  timeout 200 deepspeed --master_port 29660 --num_gpus 2 bench/peak_anatomy.py "$out/anatomy-leaves-ckpt-2gpu.json" \
-    --ds "$ds" model.name=llama-1b data.seq_len=2048 data.num_samples=64 train.micro_batch_size=8 train.grad_accum=1 \
-    train.max_steps=3 train.path=raw train.export=false train.warmup_steps=1 memory.every=1 \
-    metrics.tensorboard=false train.zero_sizes=speed model.gradient_checkpointing=true model.liger=true \
-    train.zero3_leaves=true train.compile=off train.run_dir="$out/anatomy-run" > "$out/anatomy.log" 2>&1
-  timeout 330 $C --lanes 1 --timeout 320 --out "$out/q256" --device 0 --port 29670 --steps 2 \
-    --only v-q15-z3all-256k-leaves > "$out/q256.log" 2>&1
+elif [ "$2" = s58c ]; then  # the 262K offload row as leaf modules (today's default for it), one GPU
+  timeout 380 python bench/plan_calibrate.py run --lanes 1 --host-mem 120 --gpu-mem "$3" --timeout 360 \
+    --out "$out/q256" --device 0 --port 29670 --steps 2 --only v-q15-z3all-256k-leaves > "$out/q256.log" 2>&1
+elif [ "$2" = s58d ]; then  # what is alive at the peak of leaves with checkpointing (2 GPUs), then GPT-2 alone
+  python bench/prebuild_ops.py fused_adam > "$out/prebuild.log" 2>&1
+  python -c "
+import sys, json; sys.path.insert(0, 'bench'); import plan_calibrate as pc
+c = next(c for c in pc.LEAVES if c.name == 'lv-l-z3-s2048-m8-ckpt-2gpu-true')
+json.dump(pc.ds_config_for(c.choice()), open('$out/ds.json', 'w'))"
+  # no Python stacks: torch's tracer breaks checkpointing's recompute ("apply returned NULL"), as with TiledMLP
+  PEAK_ANATOMY_STACKS=0 timeout 200 deepspeed --master_port 29660 --num_gpus 2 bench/peak_anatomy.py \
+    "$out/anatomy-leaves-ckpt-2gpu.json" --ds "$out/ds.json" model.name=llama-1b data.seq_len=2048 data.num_samples=64 \
+    train.micro_batch_size=8 train.grad_accum=1 train.max_steps=3 train.path=raw train.export=false \
+    train.warmup_steps=1 memory.every=1 metrics.tensorboard=false train.zero_sizes=speed \
+    model.gradient_checkpointing=true model.liger=true train.zero3_leaves=true train.compile=off \
+    train.run_dir="$out/anatomy-run" > "$out/anatomy.log" 2>&1
+  timeout 240 python bench/plan_calibrate.py run --lanes 1 --host-mem 120 --gpu-mem "$3" --timeout 70 \
+    --out "$out/g2solo" --device 0 --port 29610 --steps 6 \
+    --only v-g2-z2-s1024-m16,v-g2-z0-s1024-m32,v-g2-z0-s1024-m32-a2,v-g2-z2-s1024-m16-a4 > "$out/g2solo.log" 2>&1
+elif [ "$2" = s58e ]; then  # after the leaf-release fix (toolkit/runtime/speed/leaf_release.py): leaves on 2 GPUs again
+  python bench/prebuild_ops.py fused_adam > "$out/prebuild.log" 2>&1
+  timeout 280 python bench/plan_calibrate.py run --host-mem 120 --gpu-mem "$3" --timeout 120 --out "$out/fix" \
+    --port 29650 --steps 6 --only lv-l-z3-s2048-m8-ckpt-2gpu-true,lv-l-z3-s2048-m2-2gpu-true > "$out/fix.log" 2>&1
 elif [ "$2" = 2 ]; then
   cal --out "$out/leaves1a" --device 0 --port 29610 --steps 6 \
     --only lv-l-z3-s2048-m2-1gpu-false,lv-l-z3-s2048-m2-1gpu-true > "$out/leaves1a.log" 2>&1 &

@@ -213,8 +213,16 @@ def _nothing_fits(preds: list[pl.Prediction], hw: pl.Hardware) -> str:
                 f"per node ({_describe(p.choice)}), above --host-mem {hw.host_mem_gib:g}; offload less, add nodes "
                 "or raise --host-mem")
     p = min(preds, key=lambda p: p.gpu_need_gib)
+    leaves = ""
+    # planner._gathered_bytes: ZeRO-3 leaf layers with checkpointing kept every layer gathered where measured
+    held = [q for q in preds if q.choice.stage == 3 and q.choice.grad_ckpt
+            and q.gpu.get("gathered", 0.0) > q.peak_allocated_gib / 4]
+    if held:
+        q = min(held, key=lambda q: q.gpu_need_gib)
+        leaves = (f"; or --zero3-leaves false (with checkpointing, {q.gpu['gathered']:.1f} GiB of ZeRO-3's peak is "
+                  "every decoder layer gathered, as DeepSpeed keeps leaf layers)")
     return (f"nothing fits in {hw.gpu_mem_gib:g} GiB per GPU: the smallest need is {p.gpu_need_gib:.1f} GiB "
-            f"({_describe(p.choice)}); add GPUs, raise --gpu-mem, shorten --seq, or train LoRA (--lora)")
+            f"({_describe(p.choice)}); add GPUs, raise --gpu-mem, shorten --seq, or train LoRA (--lora){leaves}")
 
 
 def _describe(c: pl.Choice) -> str:
