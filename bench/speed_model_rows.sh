@@ -110,7 +110,7 @@ json.dump(pc.ds_config_for(c.choice()), open('$out/ds.json', 'w'))"
   timeout 240 python bench/plan_calibrate.py run --lanes 1 --host-mem 120 --gpu-mem "$3" --timeout 70 \
     --out "$out/g2solo" --device 0 --port 29610 --steps 6 \
     --only v-g2-z2-s1024-m16,v-g2-z0-s1024-m32,v-g2-z0-s1024-m32-a2,v-g2-z2-s1024-m16-a4 > "$out/g2solo.log" 2>&1
-elif [ "$2" = s58e ]; then  # after the leaf-release fix (toolkit/runtime/speed/leaf_release.py): leaves on 2 GPUs again
+elif [ "$2" = s58e ]; then  # run at 841eae4 (the leaf-release experiment, reverted after): leaves on 2 GPUs again
   python bench/prebuild_ops.py fused_adam > "$out/prebuild.log" 2>&1
   timeout 280 python bench/plan_calibrate.py run --host-mem 120 --gpu-mem "$3" --timeout 120 --out "$out/fix" \
     --port 29650 --steps 6 --only lv-l-z3-s2048-m8-ckpt-2gpu-true,lv-l-z3-s2048-m2-2gpu-true > "$out/fix.log" 2>&1

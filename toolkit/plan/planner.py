@@ -602,7 +602,10 @@ def _gathered_bytes(shape: ModelShape, n: int, sizes: ZeroSizes, offload_param: 
     peak, not the reuse-distance few below: llama-1b on 2 H200s, micro 8 with checkpointing, had all 16 layers' weights
     alive (bench/peak_anatomy.py, bench/results/speed_model/anatomy-leaves-ckpt-2gpu.json: 48 MLP-, 32 q/o- and 32
     k/v-sized blocks besides the head), 1.3 GiB above the rule, as on 4 H100s; Qwen2.5-1.5B at 262K with parameters on
-    the CPU 1.8 GiB above it. Why the coordinator keeps them was not traced inside DeepSpeed.
+    the CPU 1.8 GiB above it. DeepSpeed 0.19.8's __params_to_release walks the trace with the released module's leaf
+    flag, so for a leaf it recurses into the model itself and releases nothing in forward (2 CPU ranks; releasing them
+    instead cost 9-44% of the speed for 0.44 GiB: bench/results/speed_model/README.md, session 58). GPU runs without
+    checkpointing peaked within 2.6% of the rule below (not traced), so it stays there.
 
     The head was used last in forward and is first in backward, so it stays gathered. A layer's
     parameters are released after its forward unless they reappear within stage3_max_reuse_distance

@@ -72,10 +72,7 @@ def set_leaves(model: torch.nn.Module) -> list[str]:
     if classes:
         from deepspeed.utils import set_z3_leaf_modules
 
-        from toolkit.runtime.speed import leaf_release
-
         set_z3_leaf_modules(model, classes)
-        leaf_release.install()
     return [c.__name__ for c in classes]
 
 

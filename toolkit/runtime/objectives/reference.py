@@ -104,10 +104,7 @@ def _leaves(cfg: Any, model: Any, model_config: Any) -> None:
                           objective=cfg.train.objective)
     layers = decoder_layers(model)
     if on and layers:
-        from toolkit.runtime.speed import leaf_release
-
         set_z3_leaf_modules(model, [type(layers[0])])
-        leaf_release.install()
 
 
 def build_reference(cfg: Any, model_config: Any, policy_ds: dict[str, Any], policy_alive: Any, resolved: Any) -> Any:

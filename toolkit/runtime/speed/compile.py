@@ -146,10 +146,7 @@ def mark_leaves(model: Any, layers: list[Any]) -> None:
     51.6k tokens/s for float8 at ZeRO-3 against 80.2k at ZeRO-2; bench/results/fp8_compile.md)."""
     from deepspeed.utils import set_z3_leaf_modules
 
-    from toolkit.runtime.speed import leaf_release
-
     set_z3_leaf_modules(model, [type(layers[0])])
-    leaf_release.install()
     _require_positional_input(layers[0])
 
 
