@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,38 @@ def test_leaves_rule() -> None:
     assert leaves_on("true", stage=3, compiled=False, blocked=None, model_type="gpt2")[0] is True
     with pytest.raises(ValueError, match=r"train\.zero3_leaves=true: under LoRA"):
         leaves_on("true", stage=3, compiled=False, blocked="under LoRA", model_type="llama")
+
+
+def test_leaf_layers_kept_gathered_with_checkpointing_are_planned_and_warned_of() -> None:
+    """With checkpointing DeepSpeed keeps every leaf layer gathered where parameters are partitioned (validation rows
+    on 2 and 4 GPUs and the 262K offload row): the plan counts them, and a run whose whole model would take more than
+    half the GPU says so at start (resolved.leaves_choice); one rank without offload gathers nothing."""
+    from transformers import LlamaConfig
+
+    from toolkit.config.schema import load_config
+    from toolkit.plan.speedups import leaves_gathered_gib
+    from toolkit.runtime.resolved import leaves_choice
+
+    assert leaves_gathered_gib(10**9, stage=3, grad_ckpt=True, world=1, offload_param=False) == 0.0
+    assert leaves_gathered_gib(10**9, stage=3, grad_ckpt=False, world=8, offload_param=False) == 0.0
+    assert leaves_gathered_gib(2**30, stage=3, grad_ckpt=True, world=1, offload_param=True) == 2.0
+    shape = load_shape("llama-1b")
+    w = pl.Workload(shape, 2048, 16, None, True)
+    hw = pl.Hardware(2, 1, 139.0, None)
+    ckpt, plain = (pl.predict(w, pl.Choice(3, "none", 1.0, 8, 1, ck), hw) for ck in (True, False))
+    assert ckpt.gpu["gathered"] == pytest.approx(2 * (shape.embed_numel + shape.num_layers * shape.layer_numel) / pl.GIB)
+    assert plain.gpu["gathered"] < ckpt.gpu["gathered"] / 2  # the reuse distance: the head and 4 layers
+    ds = {"zero_optimization": {"stage": 3}}
+    big = LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                      num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False)
+    cfg = load_config(None, ["model.gradient_checkpointing=true"])
+    on, why = leaves_choice(cfg, ds, False, big, 32, 80 * 2**30)
+    assert on and re.search(r"warning: with checkpointing every leaf layer stays gathered, 131\.\d GiB on a 80 GiB "
+                            r"GPU: set train\.zero3_leaves=false", why), why
+    assert "warning" not in leaves_choice(cfg, ds, False, big, 32, 0)[1]  # CPU ranks: the GPU is not known
+    small = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2)
+    assert "warning" not in leaves_choice(cfg, ds, False, small, 32, 80 * 2**30)[1]
 
 
 def test_plan_counts_hooks_where_layers_are_not_leaves() -> None:

@@ -54,8 +54,31 @@ ZERO3_LEAVES = ("auto", "true", "false")
 EAGER_LEAVES_TYPES = frozenset({"llama", "mistral", "qwen2"})
 
 
+# With checkpointing, DeepSpeed keeps every ZeRO-3 leaf layer gathered where parameters are partitioned (planner.
+# _gathered_bytes; bench/results/speed_model/README.md, session 58). Above this share of a GPU the run says so at start.
+LEAVES_GATHERED_SHARE = 0.5
+
+
+def leaves_gathered_gib(total_params: int, *, stage: int, grad_ckpt: bool, world: int, offload_param: bool) -> float:
+    """GiB of bf16 weights ZeRO-3 leaf layers keep gathered at once: the whole model with checkpointing where its
+    parameters are partitioned (several ranks, or on the CPU); 0 where the reuse distance limits them."""
+    return 2.0 * total_params / 2**30 if stage == 3 and grad_ckpt and (world > 1 or offload_param) else 0.0
+
+
 def leaves_on(setting: str, *, stage: int, compiled: bool, blocked: str | None, model_type: str = "",
-              objective: str = "sft") -> tuple[bool, str]:
+              objective: str = "sft", gathered_gib: float = 0.0, gpu_gib: float = 0.0) -> tuple[bool, str]:
+    """`_leaves_on`, and where leaf layers would keep more than LEAVES_GATHERED_SHARE of the GPU gathered
+    (gathered_gib: `leaves_gathered_gib`; gpu_gib 0: not known, as on CPU ranks), the warning in its reason."""
+    on, why = _leaves_on(setting, stage=stage, compiled=compiled, blocked=blocked, model_type=model_type,
+                         objective=objective)
+    if on and gpu_gib and gathered_gib > LEAVES_GATHERED_SHARE * gpu_gib:
+        why += (f"; warning: with checkpointing every leaf layer stays gathered, {gathered_gib:.1f} GiB on a "
+                f"{gpu_gib:.0f} GiB GPU: set train.zero3_leaves=false if it runs out of memory")
+    return on, why
+
+
+def _leaves_on(setting: str, *, stage: int, compiled: bool, blocked: str | None, model_type: str,
+               objective: str) -> tuple[bool, str]:
     """(the decoder layers are ZeRO-3 leaf modules or not, why), for train.zero3_leaves = auto | true | false.
     blocked: `leaves_blocked` for this run. A leaf is gathered whole before its forward and reduced once after its
     backward, with no DeepSpeed hook on its submodules. auto: leaves where the layers are compiled (one graph a

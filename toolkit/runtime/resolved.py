@@ -25,8 +25,10 @@ from toolkit.launch import dist
 from toolkit.plan.experts import ExpertsChoice
 from toolkit.plan.liger import LigerChoice
 from toolkit.plan.speedups import (
+    EAGER_LEAVES_TYPES,
     compile_on,
     leaves_blocked,
+    leaves_gathered_gib,
     leaves_on,
     tiled_loss_on,
     tiled_loss_tile,
@@ -229,12 +231,24 @@ def _no_leaves(cfg: Config, ds: dict[str, Any]) -> str | None:
     return leaves_blocked(lora=bool(cfg.lora.enabled), ds=ds)
 
 
-def leaves_choice(cfg: Config, ds: dict[str, Any], compiled: bool, model_type: str) -> tuple[bool, str]:
+def leaves_choice(cfg: Config, ds: dict[str, Any], compiled: bool, model_config: Any, world: int,
+                  gpu_bytes: int) -> tuple[bool, str]:
     """train.zero3_leaves resolved (speedups.leaves_on); ConfigError where true cannot be honoured."""
+    from toolkit.plan.shapes import shape_of_config
+
+    stage = zero_stage(ds)
+    model_type = str(getattr(model_config, "model_type", ""))
+    held = 0.0
+    # what leaf layers would keep gathered with checkpointing (a warning where large; CPU ranks: not checked)
+    if stage == 3 and gpu_bytes and cfg.train.zero3_leaves != "false" and model_type in EAGER_LEAVES_TYPES:
+        off = ((ds.get("zero_optimization") or {}).get("offload_param") or {}).get("device", "none")
+        held = leaves_gathered_gib(shape_of_config(model_config).total_params, stage=stage,
+                                   grad_ckpt=bool(cfg.model.gradient_checkpointing), world=world,
+                                   offload_param=off in ("cpu", "nvme"))
     try:
-        return leaves_on(cfg.train.zero3_leaves, stage=zero_stage(ds), compiled=compiled,
-                         blocked=leaves_blocked(lora=bool(cfg.lora.enabled), ds=ds), model_type=model_type,
-                         objective=cfg.train.objective)
+        return leaves_on(cfg.train.zero3_leaves, stage=stage, compiled=compiled,
+                         blocked=leaves_blocked(lora=bool(cfg.lora.enabled), ds=ds),
+                         model_type=model_type, objective=cfg.train.objective, gathered_gib=held, gpu_gib=gpu_bytes / 2**30)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -255,7 +269,7 @@ def resolve_run(cfg: Config, ds: dict[str, Any], model_config: Any, world: int, 
     stage = zero_stage(ds)
     fp8 = t.fp8_recipe if t.precision == "fp8" else None
     compiled, compile_why = compile_choice(cfg, ds, machine.cuda, total_steps)
-    leaves, leaves_why = leaves_choice(cfg, ds, compiled, str(getattr(model_config, "model_type", "")))
+    leaves, leaves_why = leaves_choice(cfg, ds, compiled, model_config, world, machine.gpu_bytes)
     tiled, tiled_why = tiled_mlp_choice(cfg)
     compile_note = plain_linear(ds) if compiled and stage == 3 else None
     from toolkit.plan.liger import choose
