@@ -241,14 +241,15 @@ def leaves_choice(cfg: Config, ds: dict[str, Any], compiled: bool, model_config:
     held = 0.0
     # what leaf layers would keep gathered with checkpointing (a warning where large; CPU ranks: not checked)
     if stage == 3 and gpu_bytes and cfg.train.zero3_leaves != "false" and model_type in EAGER_LEAVES_TYPES:
-        off = ((ds.get("zero_optimization") or {}).get("offload_param") or {}).get("device", "none")
+        off = (ds.get("zero_optimization") or {}).get("offload_param") or {}
         held = leaves_gathered_gib(shape_of_config(model_config).total_params, stage=stage,
                                    grad_ckpt=bool(cfg.model.gradient_checkpointing), world=world,
-                                   offload_param=off in ("cpu", "nvme"))
+                                   offload_param=isinstance(off, dict) and off.get("device") in ("cpu", "nvme"))
     try:
         return leaves_on(cfg.train.zero3_leaves, stage=stage, compiled=compiled,
                          blocked=leaves_blocked(lora=bool(cfg.lora.enabled), ds=ds),
-                         model_type=model_type, objective=cfg.train.objective, gathered_gib=held, gpu_gib=gpu_bytes / 2**30)
+                         model_type=model_type, objective=cfg.train.objective, gathered_gib=held,
+                         gpu_gib=gpu_bytes / 2**30)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
