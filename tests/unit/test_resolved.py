@@ -50,8 +50,17 @@ def _machine(w: dict[str, Any]) -> Machine:
                    ranks_per_node=w["world_size"], bf16=True, capability=(9, 0), gpu_name="NVIDIA H100 80GB HBM3")
 
 
+def _stub_tokenizer(overrides: list[str], tmp: Path) -> list[str]:
+    """model.tokenizer=DIR -> the suite's own small tokenizer, made here: the row's tokenizer lay in a developer's /tmp
+    (bench/data_cache.py's work folder), and the decisions read only that one is given and holds the model's ids."""
+    from conftest import write_tokenizer
+
+    return [f"model.tokenizer={write_tokenizer(tmp / 'tokenizer')}" if o.startswith("model.tokenizer=") else o
+            for o in overrides]
+
+
 def _record(w: dict[str, Any], tmp: Path) -> Any:
-    cfg = load_config(None, BENCH._stub_data(w["overrides"], tmp))
+    cfg = load_config(None, _stub_tokenizer(BENCH._stub_data(w["overrides"], tmp), tmp))
     if isinstance(w["ds"], dict):
         path = tmp / f"{w['name']}.ds.json"
         path.write_text(json.dumps(w["ds"]))
