@@ -1,11 +1,18 @@
-"""Test tiers: unit (pure, seconds), dist (real DeepSpeed on 2 CPU ranks), gpu(n) (skipped without n GPUs)."""
+"""Test tiers, by marker: unit (tests/unit: pure, seconds), dist (tests/dist: real DeepSpeed on 2 CPU ranks),
+multinode (tests/dist/test_multinode*.py: hosts made of Linux namespaces), gpu(n) (tests/gpu: skipped without n
+GPUs). `python -m pytest -m unit` runs one tier. Under CI (or TOOLKIT_SUITE_LIMIT_MIN), a run of the whole suite
+that takes longer than its limit fails with one line naming the slowest tests."""
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
+
+TESTS = Path(__file__).resolve().parent
+SUITE_LIMIT_MIN = 45.0  # CI lands nothing past 90 minutes in all; the aim is 30 (docs/testing.md)
 
 # Tests that launch DeepSpeed in this process tree run on the CPU accelerator unless GPUs exist.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -20,9 +27,22 @@ def _gpu_count() -> int:
         return 0
 
 
+def tier(item: pytest.Item) -> str:
+    """unit, dist, multinode or gpu: by the test's folder (and file, for the hosts made of namespaces)."""
+    rel = Path(str(item.path)).resolve().relative_to(TESTS).parts
+    if rel[0] == "dist" and rel[-1].startswith("test_multinode"):
+        return "multinode"
+    return rel[0] if rel[0] in ("unit", "dist", "gpu") else "unit"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     have = None
     for item in items:
+        t = tier(item)
+        if item.get_closest_marker(t) is None:
+            item.add_marker(getattr(pytest.mark, t))
+        if t == "multinode" and item.get_closest_marker("dist") is None:
+            item.add_marker(pytest.mark.dist)
         marker = item.get_closest_marker("gpu")
         if marker is None:
             continue
@@ -31,6 +51,50 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         need = marker.args[0] if marker.args else 1
         if have < need:
             item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPU(s), found {have}"))
+
+
+_START = pytest.StashKey[float]()
+
+
+def _suite_limit_s(config: pytest.Config) -> float | None:
+    """The limit in seconds where it applies: TOOLKIT_SUITE_LIMIT_MIN for any run; under CI, 45 minutes for a run
+    of the whole suite (a selection of it is not what the limit is for)."""
+    if os.environ.get("TOOLKIT_SUITE_LIMIT_MIN"):
+        limit = float(os.environ["TOOLKIT_SUITE_LIMIT_MIN"])
+        return limit * 60 if limit > 0 else None
+    whole = not config.args or [Path(a).resolve() for a in config.args] == [TESTS]
+    if os.environ.get("CI") and whole and not config.getoption("keyword") and not config.getoption("markexpr"):
+        return SUITE_LIMIT_MIN * 60
+    return None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_START] = time.monotonic()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The guard: over the limit, the run fails with one line naming the slowest tests (--durations lists more)."""
+    limit = _suite_limit_s(session.config)
+    if limit is None or _START not in session.config.stash:
+        return
+    took = time.monotonic() - session.config.stash[_START]
+    if took <= limit:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    spent: dict[str, float] = {}
+    for reports in (reporter.stats.values() if reporter else ()):
+        for r in reports:
+            if isinstance(r, pytest.TestReport):
+                spent[r.nodeid] = spent.get(r.nodeid, 0.0) + r.duration
+    slowest = ", ".join(f"{n} ({s:.0f} s)" for n, s in sorted(spent.items(), key=lambda kv: -kv[1])[:5])
+    line = (f"error: the suite took {took / 60:.1f} min, over its limit of {limit / 60:g} min "
+            f"(docs/testing.md); the slowest: {slowest}")
+    if reporter:
+        reporter.write("\n")  # after the progress line
+        reporter.write_line(line, red=True)
+    else:
+        print(line)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session", autouse=True)
