@@ -54,6 +54,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 _START = pytest.StashKey[float]()
+_CACHE = pytest.StashKey[str]()
 
 
 def _suite_limit_s(config: pytest.Config) -> float | None:
@@ -70,12 +71,23 @@ def _suite_limit_s(config: pytest.Config) -> float | None:
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     session.config.stash[_START] = time.monotonic()
+    # Fresh means fresh: the toolkit's caches (tokenized data, model shapes, micro-batch records) live in this
+    # session's own folder, never in ~/.cache where an earlier run (or the user's work) would answer for the suite.
+    if "TOOLKIT_CACHE" not in os.environ or os.environ.get("TOOLKIT_SUITE_OWN_CACHE"):
+        import tempfile
+
+        os.environ["TOOLKIT_CACHE"] = session.config.stash[_CACHE] = tempfile.mkdtemp(prefix="toolkit-test-cache-")
+        os.environ["TOOLKIT_SUITE_OWN_CACHE"] = "1"
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """The guard: over the limit, the run fails with one line naming the slowest tests (--durations lists more)."""
+    if _CACHE in session.config.stash:
+        import shutil
+
+        shutil.rmtree(session.config.stash[_CACHE], ignore_errors=True)
     limit = _suite_limit_s(session.config)
-    if limit is None or _START not in session.config.stash:
+    if limit is None or _START not in session.config.stash or hasattr(session.config, "workerinput"):
         return
     took = time.monotonic() - session.config.stash[_START]
     if took <= limit:

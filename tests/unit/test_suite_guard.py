@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _pytest(limit_min: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "CI"} | {"TOOLKIT_SUITE_LIMIT_MIN": limit_min}
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
                            "tests/unit/test_layout.py::test_no_import_cycles"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
