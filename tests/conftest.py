@@ -35,7 +35,13 @@ def tier(item: pytest.Item) -> str:
     return rel[0] if rel[0] in ("unit", "dist", "gpu") else "unit"
 
 
+# The order files are handed to the workers: the long ones first, so that the last minutes are short unit files
+# filling in beside the last long one (tests/dist files launch DeepSpeed; multinode ones make hosts as well).
+TIER_ORDER = {"multinode": 0, "dist": 1, "unit": 2, "gpu": 3}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: TIER_ORDER[tier(item)])  # stable: a file's tests keep their order
     have = None
     for item in items:
         t = tier(item)

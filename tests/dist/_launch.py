@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,18 @@ def launch(tmp: Path, runs: list[dict], gpus: int = 2, name: str = "launch", tim
     if proc.returncode != 0:
         pytest.fail(f"launcher exited {proc.returncode}:\n{log.read_text()[-6000:]}")
     return port
+
+
+def run_logs(log: Path) -> dict[str, str]:
+    """A shared launch's output by run: from a run's first `=== run NAME` line to the next run's first one. Rank 0
+    prints a run's console; the other ranks only their marker, and no rank starts a run before every rank has
+    ended the one before (its collectives), so a run's start-of-run lines never fall in another's part."""
+    text = log.read_text(errors="replace")
+    starts: dict[str, int] = {}
+    for m in re.finditer(r"^=== run (\S+)$", text, flags=re.M):
+        starts.setdefault(m.group(1), m.start())
+    bounds = [*sorted(starts.values()), len(text)]
+    return {name: text[at:bounds[bounds.index(at) + 1]] for name, at in starts.items()}
 
 
 def reload_logits(run_dir: Path, kind: str = "export") -> None:
