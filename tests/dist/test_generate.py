@@ -7,7 +7,8 @@ training going on after it), layer by layer in left-padded batches under synced_
 command with no prompt on one rank and one rank without room for the gather. The layer-by-layer
 setup with synced_gpus forced off must hang (shown with a timeout, then the process group is killed).
 
-Each launch costs ~30-40 s of imports on a 2-core machine, so the runs are few and tiny.
+Each launch costs ~30-40 s of imports on a 2-core machine, so the runs are few and tiny, and the three training
+runs that generate (once the base run has picked the EOS token) share one launch (tests/dist/_multi_train.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _launch import launch as launch_runs
+from _launch import run_logs
 from _net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -264,13 +267,28 @@ def _lora_reference(run: Path, prompts: list[list[int]], eos: int) -> list[list[
     return _greedy(PeftModel.from_pretrained(build_model(cfg, model_config(cfg)), run / "adapter"), prompts, eos=eos)
 
 
+@pytest.fixture(scope="module")
+def runs(base: Base, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    """The training runs that generate, in one launch after the base run: (their folder, each run's output)."""
+    tmp = tmp_path_factory.mktemp("gen_runs")
+    eos = f"eval.eos_token_id={base.eos}"
+    specs = {
+        "trainer": ["train.path=trainer", "eval.generate=true", eos, "eval.generate_batch_size=1"],
+        "lora": ["train.path=raw", "lora.enabled=true", "eval.generate=true", "eval.generate_every=3", eos],
+        "layers": ["train.path=raw", "eval.generate=true", eos, "eval.generate_gather=false",
+                   "eval.generate_batch_size=2"],
+    }
+    launch_runs(tmp, [{"name": name, "argv": _train_args(base.ds, tmp / name, *extra)} for name, extra in specs.items()],
+                name="generate", timeout=LAUNCH_TIMEOUT_S * 2)
+    return tmp, run_logs(tmp / "generate.log")
+
+
 @pytest.mark.timeout(900)
-def test_trainer_path_gathers_and_ranks_make_different_numbers_of_calls(base: Base, tmp_path: Path) -> None:
+def test_trainer_path_gathers_and_ranks_make_different_numbers_of_calls(
+        base: Base, runs: tuple[Path, dict[str, str]]) -> None:
     """The whole model gathered once, one prompt per call: rank 0 makes two generate calls and rank 1 one,
     without synced_gpus (a gathered forward runs no collective), and rank 0's first prompt ends at EOS."""
-    run = tmp_path / "trainer"
-    out = _ok(launch("toolkit/train.py", _train_args(base.ds, run, "train.path=trainer", "eval.generate=true",
-                                                     f"eval.eos_token_id={base.eos}", "eval.generate_batch_size=1")))
+    run, out = runs[0] / "trainer", runs[1]["trainer"]
     got = _generated(run)
     assert len(got[0]) < MAX_NEW and got[0][-1] == base.eos and len(got[1]) == MAX_NEW, got
     assert got == _greedy(_load_export(run / "export"), base.prompts, eos=base.eos)
@@ -282,13 +300,10 @@ def test_trainer_path_gathers_and_ranks_make_different_numbers_of_calls(base: Ba
 
 
 @pytest.mark.timeout(900)
-def test_raw_lora_generates_mid_run_and_trains_on(base: Base, tmp_path: Path) -> None:
+def test_raw_lora_generates_mid_run_and_trains_on(base: Base, runs: tuple[Path, dict[str, str]]) -> None:
     """LoRA, raw path: a whole-model generation at step 3 (DeepSpeed's hooks off, then on again), training goes
     on to step 6, and the final generation matches the trained adapter; both calls are in metrics.jsonl."""
-    run = tmp_path / "lora"
-    _ok(launch("toolkit/train.py", _train_args(base.ds, run, "train.path=raw", "lora.enabled=true",
-                                               "eval.generate=true", "eval.generate_every=3",
-                                               f"eval.eos_token_id={base.eos}")))
+    run = runs[0] / "lora"
     assert _generated(run) == _lora_reference(run, base.prompts, base.eos)
     assert len(_generated(run, "generations/step_3.jsonl")) == 3
     losses = [r["loss"] for r in _read(run / "metrics.jsonl") if "loss" in r]
@@ -298,13 +313,10 @@ def test_raw_lora_generates_mid_run_and_trains_on(base: Base, tmp_path: Path) ->
 
 
 @pytest.mark.timeout(900)
-def test_layer_by_layer_batches_under_synced_gpus(base: Base, tmp_path: Path) -> None:
+def test_layer_by_layer_batches_under_synced_gpus(base: Base, runs: tuple[Path, dict[str, str]]) -> None:
     """eval.generate_gather=false: every layer gathered per forward, rank 0's two prompts in one left-padded
     batch (one stops at EOS inside it) while rank 1 runs its one; greedy tokens as one prompt at a time."""
-    run = tmp_path / "layers"
-    out = _ok(launch("toolkit/train.py", _train_args(base.ds, run, "train.path=raw", "eval.generate=true",
-                                                     f"eval.eos_token_id={base.eos}", "eval.generate_gather=false",
-                                                     "eval.generate_batch_size=2")))
+    run, out = runs[0] / "layers", runs[1]["layers"]
     assert _generated(run) == base.expected
     assert "layer by layer, batch 2 per rank: eval.generate_gather=false" in out, out[-3000:]
 
