@@ -78,6 +78,17 @@ def _key(test_id: str) -> str:
     return re.sub(r"(\.md):\d+:", r"\1:", test_id)
 
 
+def _keyed(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Rows by _key, a command shown twice on one page counted twice."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        k, n = _key(r["id"]), 1
+        while (f"{k} #{n}" if n > 1 else k) in out:
+            n += 1
+        out[f"{k} #{n}" if n > 1 else k] = r
+    return out
+
+
 def compare(rev: str) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         old_tree = Path(tmp) / "tree"
@@ -87,8 +98,8 @@ def compare(rev: str) -> int:
             old = {r["id"]: r for r in collect(old_tree)}
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old_tree)], check=True)
-    new = {_key(r["id"]): r for r in collect(ROOT)}
-    old = {_key(i): r for i, r in old.items()}
+    new = _keyed(collect(ROOT))
+    old = _keyed(list(old.values()))
     gone, added = sorted(set(old) - set(new)), sorted(set(new) - set(old))
     moved = sorted(i for i in set(old) & set(new) if old[i]["launch"] != new[i]["launch"])
     print(f"{len(old)} tests at {rev}, {len(new)} now: {len(gone)} gone, {len(added)} new, "
