@@ -50,17 +50,24 @@ def _machine(w: dict[str, Any]) -> Machine:
                    ranks_per_node=w["world_size"], bf16=True, capability=(9, 0), gpu_name="NVIDIA H100 80GB HBM3")
 
 
-def _stub_tokenizer(overrides: list[str], tmp: Path) -> list[str]:
-    """model.tokenizer=DIR -> the suite's own small tokenizer, made here: the row's tokenizer lay in a developer's /tmp
-    (bench/data_cache.py's work folder), and the decisions read only that one is given and holds the model's ids."""
+def _stub_paths(overrides: list[str], tmp: Path) -> list[str]:
+    """model.tokenizer=DIR -> the suite's own small tokenizer, made here, and data.cache_dir=DIR -> a folder in tmp: the
+    rows named a developer's /tmp (bench/data_cache.py's work folder), and the decisions read only that a tokenizer
+    is given and holds the model's ids."""
     from conftest import write_tokenizer
 
-    return [f"model.tokenizer={write_tokenizer(tmp / 'tokenizer')}" if o.startswith("model.tokenizer=") else o
-            for o in overrides]
+    out = []
+    for o in overrides:
+        if o.startswith("model.tokenizer="):
+            o = f"model.tokenizer={write_tokenizer(tmp / 'tokenizer')}"
+        elif o.startswith("data.cache_dir="):
+            o = f"data.cache_dir={tmp / 'cache'}"
+        out.append(o)
+    return out
 
 
 def _record(w: dict[str, Any], tmp: Path) -> Any:
-    cfg = load_config(None, _stub_tokenizer(BENCH._stub_data(w["overrides"], tmp), tmp))
+    cfg = load_config(None, _stub_paths(BENCH._stub_data(w["overrides"], tmp), tmp))
     if isinstance(w["ds"], dict):
         path = tmp / f"{w['name']}.ds.json"
         path.write_text(json.dumps(w["ds"]))
