@@ -81,11 +81,11 @@ def _key(test_id: str) -> str:
 def _keyed(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Rows by _key, a command shown twice on one page counted twice."""
     out: dict[str, dict[str, Any]] = {}
+    seen: dict[str, int] = {}
     for r in rows:
-        k, n = _key(r["id"]), 1
-        while (f"{k} #{n}" if n > 1 else k) in out:
-            n += 1
-        out[f"{k} #{n}" if n > 1 else k] = r
+        k = _key(r["id"])
+        seen[k] = seen.get(k, 0) + 1
+        out[k if seen[k] == 1 else f"{k} #{seen[k]}"] = r
     return out
 
 
@@ -95,11 +95,10 @@ def compare(rev: str) -> int:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(old_tree), rev], check=True,
                        capture_output=True)
         try:
-            old = {r["id"]: r for r in collect(old_tree)}
+            old = _keyed(collect(old_tree))
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old_tree)], check=True)
     new = _keyed(collect(ROOT))
-    old = _keyed(list(old.values()))
     gone, added = sorted(set(old) - set(new)), sorted(set(new) - set(old))
     moved = sorted(i for i in set(old) & set(new) if old[i]["launch"] != new[i]["launch"])
     print(f"{len(old)} tests at {rev}, {len(new)} now: {len(gone)} gone, {len(added)} new, "

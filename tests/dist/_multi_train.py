@@ -25,8 +25,8 @@ def reset_accelerate() -> None:
         AcceleratorState._reset_state(reset_partial_state=True)
     except ImportError:
         pass
-    # and torch.compile's state as a new process has it: each run compiles its own layers (the code cache keeps
-    # at most a few graphs per function; a run after several compiled ones would otherwise fall back to eager)
+    # and torch.compile's state as a new process has it: each run compiles its own layers, not counted against
+    # the graphs dynamo keeps per function (torch._dynamo.config.recompile_limit) by the runs before it
     if "torch._dynamo" in sys.modules:
         sys.modules["torch._dynamo"].reset()
 
