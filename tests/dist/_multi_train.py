@@ -39,7 +39,10 @@ def main() -> int:
     failed = 0
     for run in runs:
         reset_accelerate()
-        print(f"=== run {run['name']}", flush=True)
+        # one write, on a line of its own: both ranks print the marker at once into one log, and print()'s text and
+        # newline are two writes when unbuffered, so two markers could run together on one line (CI saw it)
+        sys.stdout.write(f"\n=== run {run['name']}\n")
+        sys.stdout.flush()
         if run.get("partial") and int(os.environ.get("RANK", "0")) == 0:
             run_dir = next(Path(a.split("=", 1)[1]) for a in run["argv"] if a.startswith("train.run_dir="))
             partial = run_dir / run["partial"]
