@@ -140,7 +140,7 @@ def main() -> None:
         per_device_train_batch_size=a.micro * a.generations, gradient_accumulation_steps=1, max_steps=a.steps,
         num_generations=a.generations, max_completion_length=a.max_completion, learning_rate=tk.lr,
         lr_scheduler_type="cosine", warmup_steps=tk.warmup_steps, weight_decay=tk.weight_decay,
-        adam_beta1=tk.betas[0], adam_beta2=tk.betas[1], adam_epsilon=tk.eps, max_grad_norm=tk.grad_clip, seed=a.seed,
+        adam_beta1=tk.betas[0], adam_beta2=tk.betas[1], adam_epsilon=tk.eps, max_grad_norm=1.0 if tk.grad_clip is None else tk.grad_clip, seed=a.seed,
         gradient_checkpointing=a.grad_ckpt == "on", logging_steps=1, save_strategy="no", report_to="none",
         disable_tqdm=True, **extra)
     rank, world = dist.get_rank(), dist.get_world_size()

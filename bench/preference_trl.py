@@ -291,7 +291,7 @@ def main() -> None:
         output_dir=str(out_dir / f".{a.out.stem}_trainer"), deepspeed=a.ds, bf16=True, use_cpu=not cuda,
         per_device_train_batch_size=a.micro, gradient_accumulation_steps=a.grad_accum, max_steps=a.steps,
         learning_rate=tk.lr, lr_scheduler_type="cosine", warmup_steps=tk.warmup_steps, weight_decay=tk.weight_decay,
-        adam_beta1=tk.betas[0], adam_beta2=tk.betas[1], adam_epsilon=tk.eps, max_grad_norm=tk.grad_clip,
+        adam_beta1=tk.betas[0], adam_beta2=tk.betas[1], adam_epsilon=tk.eps, max_grad_norm=1.0 if tk.grad_clip is None else tk.grad_clip,
         seed=a.seed, max_length=a.max_length or None, gradient_checkpointing=grad_ckpt,
         precompute_ref_log_probs=a.precompute,
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, dataloader_drop_last=True,

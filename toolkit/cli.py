@@ -31,7 +31,8 @@ def _gen_options(args: argparse.Namespace) -> dict[str, object]:
     """What gen-config's flags set besides stage and offload; --all applies them to every preset."""
     return {"nvme_path": args.nvme_path, "precision": args.precision, "micro_batch": args.micro_batch,
             "grad_accum": args.grad_accum, "world_size": args.world_size, "lr": args.lr,
-            "targets": tuple(args.consumer or DEFAULT_TARGETS)}
+            "targets": tuple(args.consumer or DEFAULT_TARGETS), "optimizer": args.optimizer,
+            "optimizer_states": args.optimizer_states}
 
 
 def _cmd_gen_config(args: argparse.Namespace) -> int:
@@ -125,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--grad-accum", type=_positive_int, help="fix gradient_accumulation_steps")
     g.add_argument("--world-size", type=_positive_int, help="with both above, fixes train_batch_size")
     g.add_argument("--lr", type=float, default=None, help="fix optimizer.params.lr (needed for --consumer deepspeed)")
+    g.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="muon: DeepSpeed's Muon for the 2-D hidden matrices, Adam for the rest (docs/optimizers.md)")
+    g.add_argument("--optimizer-states", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: master weights, gradients and optimizer states in bf16 (ZeRO 1-3; 6 bytes a parameter "
+                        "less than fp32's 12 with AdamW)")
     g.add_argument("--consumer", action="append", choices=CONSUMERS, metavar="CONSUMER",
                    help=f"who will read the file (repeat for several; default: {' '.join(DEFAULT_TARGETS)}); "
                         f"one of {', '.join(CONSUMERS)}. See `toolkit check --help`")

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from toolkit.config import optimizers as opt
+
 Offload = Literal["none", "cpu", "nvme"]
 Precision = Literal["bf16", "fp16", "fp32", "auto"]
 AUTO = "auto"
@@ -73,11 +75,29 @@ def gen_config(
     world_size: int | None = None,
     lr: float | None = None,
     targets: Iterable[str] = ("trainer", "raw", "hf-trainer"),
+    optimizer: str = "adamw",
+    optimizer_states: str = "fp32",
 ) -> dict[str, Any]:
     """Build a DeepSpeed config dict for the consumers in `targets` (CONSUMERS): "auto" where all of
-    them fill the key, a number elsewhere (`for_targets`). Batch numbers stay "auto" unless given."""
+    them fill the key, a number elsewhere (`for_targets`). Batch numbers stay "auto" unless given.
+    optimizer: adamw or muon; optimizer_states: fp32, or bf16 master weights, gradients and moments
+    (toolkit/config/optimizers.py says what DeepSpeed does with each)."""
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"stage must be 0, 1, 2 or 3, got {stage}")
+    if optimizer not in opt.OPTIMIZERS:
+        raise ConfigError(f"optimizer must be {' or '.join(opt.OPTIMIZERS)}, got {optimizer!r}")
+    if optimizer_states not in opt.STATES:
+        raise ConfigError(f"optimizer states must be {' or '.join(opt.STATES)}, got {optimizer_states!r}")
+    if optimizer_states == "bf16":
+        if stage == 0:
+            raise ConfigError("bf16 optimizer states need ZeRO stage 1, 2 or 3 (DeepSpeed keeps them in its ZeRO "
+                              "optimizer only)")
+        if precision in ("fp16", "fp32"):
+            raise ConfigError(f"bf16 optimizer states train in bf16; --precision {precision} contradicts them")
+        if optimizer == "muon" and offload_optimizer != "none":
+            raise ConfigError("bf16 optimizer states with optimizer offload need DeepSpeedCPUAdam, which Muon is not "
+                              "(DeepSpeed's _configure_master_weights refuses it): drop the offload or keep fp32 states")
+        precision = "bf16"
     if offload_param != "none" and stage != 3:
         raise ConfigError("parameter offload needs stage 3 (DeepSpeed ignores offload_param below it)")
     if offload_optimizer != "none" and stage == 0:
@@ -107,9 +127,20 @@ def gen_config(
     elif precision != "fp32":
         raise ConfigError(f"precision must be bf16, fp16, fp32 or auto, got {precision!r}")
 
+    if optimizer_states == "bf16":  # DeepSpeed's keys (precision_config.py); both, or it needs a CPU Adam
+        cfg["bf16"] |= {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+
     # A config optimizer (not a client torch one) so that offload gets DeepSpeedCPUAdam.
     cfg["optimizer"] = {"type": "AdamW",
                         "params": {"lr": AUTO if lr is None else lr, "betas": AUTO, "eps": AUTO, "weight_decay": AUTO}}
+    if optimizer == "muon":
+        # lr (and betas, eps) go to Muon's Adam half; muon_lr and momentum to its matrices
+        cfg["optimizer"] = {"type": "Muon", "params": {**cfg["optimizer"]["params"], "muon_lr": AUTO,
+                                                      "momentum": opt.MUON_MOMENTUM}}
+        if stage >= 1:
+            # ZeRO 1-3 clip Muon's orthogonalized update, not the gradient (optimizers.clips_muon_update): off,
+            # and a plain HF Trainer must then be given max_grad_norm=0 (it raises on the mismatch otherwise)
+            cfg["gradient_clipping"] = 0.0
 
     zero: dict[str, Any] = {"stage": stage}
     if stage >= 1:
@@ -126,6 +157,8 @@ def gen_config(
             # Without this, save_model under ZeRO-3 writes empty tensors.
             "stage3_gather_16bit_weights_on_model_save": True,
         }
+        if optimizer == "muon":  # stage3.py: "Muon and reduce scatter cannot be used together"
+            zero["reduce_scatter"] = False
     if offload_optimizer != "none":
         zero["offload_optimizer"] = _offload_block(offload_optimizer, nvme_path, param=False)
     if offload_param != "none":
@@ -224,6 +257,8 @@ class AutoValues:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    muon_lr: float = opt.MUON_LR
+    """Muon's matrices (optimizer.params.muon_lr); its Adam half takes lr."""
     hidden_size: int | None = None
     warmup_steps: int = 0
     total_steps: int | None = None
@@ -268,6 +303,7 @@ def _auto_table(v: AutoValues) -> dict[str, Any]:
         "optimizer.params.betas": list(v.betas),
         "optimizer.params.eps": v.eps,
         "optimizer.params.weight_decay": v.weight_decay,
+        "optimizer.params.muon_lr": v.muon_lr,
         "scheduler.params.warmup_min_lr": 0.0,
         "scheduler.params.warmup_max_lr": v.lr,
         "scheduler.params.warmup_num_steps": v.warmup_steps,
@@ -353,6 +389,7 @@ NUMBERS: dict[str, Any] = {
     "optimizer.params.betas": [0.9, 0.999],
     "optimizer.params.eps": 1e-8,
     "optimizer.params.weight_decay": 0.0,
+    "optimizer.params.muon_lr": opt.MUON_LR,
     "scheduler.params.warmup_min_lr": 0.0,
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": True,
     **SPEED_SIZES,

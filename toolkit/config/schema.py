@@ -153,7 +153,12 @@ class TrainConfig:
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
-    grad_clip: float = 1.0
+    muon_lr: float = 0.02
+    """With the DeepSpeed config's Muon optimizer: the learning rate of its 2-D hidden matrices (DeepSpeed's
+    muon_lr; its default, Keller Jordan's). train.lr is its Adam half's (embeddings, head, norms, biases)."""
+    grad_clip: float | None = None
+    """Clip the gradients' global norm to this (0: off). Unset: 1.0, or off with Muon at ZeRO 1-3, where DeepSpeed
+    clips Muon's orthogonalized update instead of the gradient (toolkit/config/optimizers.py)."""
     warmup_steps: int = 2
     max_steps: int = 20
     """Optimizer steps; 0 means one epoch."""
@@ -527,6 +532,8 @@ class Config:
             (not t.profile_steps or (len(t.profile_steps) == 2 and 1 <= t.profile_steps[0] <= t.profile_steps[1]),
              f"train.profile_steps must be [first, last] with 1 <= first <= last, got {list(t.profile_steps)!r}"),
             (t.lr > 0, "train.lr must be > 0"),
+            (t.muon_lr > 0, "train.muon_lr must be > 0"),
+            (t.grad_clip is None or t.grad_clip >= 0, "train.grad_clip must be >= 0 (0: off)"),
             (len(t.betas) == 2, "train.betas must have two values"),
             (self.model.task in ("causal_lm", "seq_cls"), f"model.task must be causal_lm or seq_cls, got {self.model.task!r}"),
             (self.model.attn_implementation in ("eager", "sdpa", "varlen", "flash_attention_2"),

@@ -132,6 +132,8 @@ class Resolved:
     """train.objective; with reference the preference run's reference model (objectives/reference.py), or None."""
     reference: str | None = None
     objective_why: str = "next-token loss"
+    optimizer_why: str = "AdamW"
+    """The optimizer section, its state dtype and the gradient clipping as the run applies them."""
 
     def lines(self, kv_heads: str | None = None) -> list[str]:
         """The block a run prints at its start (and `toolkit check --explain`). kv_heads: how the varlen kernel takes
@@ -159,6 +161,7 @@ class Resolved:
         out.append(f"  {self.activation_offload.describe()}")
         if self.objective != "sft":
             out.append(f"  objective: {self.objective_why}")
+        out.append(f"  optimizer: {self.optimizer_why}")
         return out
 
     def attention_note(self, kv_heads: str | None = None) -> str:
@@ -302,7 +305,29 @@ def resolve_run(cfg: Config, ds: dict[str, Any], model_config: Any, world: int, 
                     total_steps, packed, packing_why, attn, compiled, compile_why, compile_note,
                     leaves, leaves_why, tiled, tiled_why,
                     loss_on, loss_why, tiled_loss_tile(model_config.vocab_size), liger, experts, offloading, machine,
-                    *_objective(cfg))
+                    *_objective(cfg), _optimizer(cfg, ds, stage))
+
+
+def _optimizer(cfg: Config, ds: dict[str, Any], stage: int) -> str:
+    """What steps the weights (the DeepSpeed config's optimizer section, filled), in what dtype, clipped how."""
+    from toolkit.config import optimizers as opt
+
+    params = (ds.get("optimizer") or {}).get("params") or {}
+    typ = (ds.get("optimizer") or {}).get("type", "none (a client optimizer)")
+    if opt.is_muon(ds):
+        what = (f"Muon: 2-D hidden matrices at lr {params.get('muon_lr', params.get('lr'))}, momentum "
+                f"{params.get('momentum', opt.MUON_MOMENTUM)}; embeddings, head, norms and biases to its Adam at lr "
+                f"{params.get('adam_lr', params.get('lr'))}")
+    else:
+        what = f"{typ} at lr {params.get('lr')}"
+    states = ("bf16 master weights, gradients and states" if opt.states_of(ds) == "bf16" else
+              "bf16 master weights and gradients, fp32 states" if opt.master_bf16(ds) else
+              "fp32 master weights and states")
+    clip = cfg.train.grad_clip
+    clip_why = (f"gradient clipping at {clip}" if clip else
+                f"no gradient clipping (DeepSpeed would clip Muon's update at ZeRO-{stage})"
+                if opt.clips_muon_update(ds, stage) else "no gradient clipping")
+    return f"{what}; {states}; {clip_why}"
 
 
 def _objective(cfg: Config) -> tuple[str, str | None, str]:

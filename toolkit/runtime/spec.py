@@ -24,6 +24,7 @@ from toolkit.config.ds_config import (
     resolve,
     zero_stage,
 )
+from toolkit.config import optimizers
 from toolkit.config.schema import Config
 from toolkit.launch import dist
 from toolkit.observe import trackers
@@ -131,8 +132,10 @@ def build_spec(inputs: RunInputs, machine: Machine | None = None, ranks_per_node
     if t.profile_steps and total and t.profile_steps[0] > total:
         raise ConfigError(f"train.profile_steps={list(t.profile_steps)} starts after the run's last step ({total}): "
                           "the profiler would never start; pick steps within train.max_steps")
+    t.grad_clip = _grad_clip(cfg, ds_raw)  # unset: decided here once, for both paths
     values = AutoValues(micro_batch=t.micro_batch_size, grad_accum=t.grad_accum, world_size=world,
-                        precision=precision, grad_clip=t.grad_clip, lr=t.lr, betas=(t.betas[0], t.betas[1]),
+                        precision=precision, grad_clip=t.grad_clip, lr=t.lr, muon_lr=t.muon_lr,
+                        betas=(t.betas[0], t.betas[1]),
                         eps=t.eps, weight_decay=t.weight_decay, hidden_size=hidden_size(mc),
                         warmup_steps=t.warmup_steps, total_steps=total, adapter_autocast=autocast,
                         zero_sizes=t.zero_sizes)
@@ -150,6 +153,20 @@ def build_spec(inputs: RunInputs, machine: Machine | None = None, ranks_per_node
     record = resolve_run(cfg, ds, mc, world, precision=precision_why, adapter_autocast=autocast, total_steps=total,
                      machine=machine)
     return RunSpec(cfg, ds, mc, Path(t.run_dir), world, total, warnings, record, ckpt, reshard)
+
+
+def _grad_clip(cfg: Config, ds: dict[str, Any]) -> float:
+    """train.grad_clip as the run applies it: unset, 1.0 or off under Muon at ZeRO 1-3 (optimizers.default_grad_clip);
+    a clip there is refused, since DeepSpeed would clip Muon's update instead of the gradient."""
+    stage = zero_stage(ds)
+    clip = cfg.train.grad_clip
+    if clip is None:
+        return optimizers.default_grad_clip(ds, stage)
+    if clip > 0 and optimizers.clips_muon_update(ds, stage):
+        raise ConfigError(f"train.grad_clip={clip} with Muon at ZeRO-{stage}: DeepSpeed clips Muon's orthogonalized "
+                          "update, not the gradient, which shrinks every step by the norm of all the updates; "
+                          "leave train.grad_clip unset (off here) or train at ZeRO-0")
+    return float(clip)
 
 
 def _check_objective(cfg: Config) -> None:

@@ -21,6 +21,8 @@ Where things live (imports run one way: base <- rule modules <- core <- this fil
   offload.py          rule_offload: stage x offload, partial offload, nvme_path;
                       rule_precision: fp16 and bf16 both on, torch_autocast with either;
   keys.py             rule_stage3_keys, rule_deprecated: stage-3-only and deprecated ZeRO keys;
+  muon.py             rule_muon, rule_low_precision_states: Muon and bf16 master weights/states, what
+                      DeepSpeed rejects at initialize or mis-runs silently;
   leaf.py             rule_leaf_threshold: leaf modules picked by stage3_module_granularity_threshold;
   deepspeed_parse.py  step 2: DeepSpeedConfig one error at a time, the traced reads that find
                       unknown (never read) keys, and the lazy, quiet deepspeed import.

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.config import ds_config as dc
+from toolkit.config import optimizers as opt
 from toolkit.config.checks.base import Ctx, Finding, _err, _num
 from toolkit.config.checks.batch import _batch, rule_batch
 from toolkit.config.checks.consumer import rule_consumer_auto
@@ -21,6 +22,7 @@ from toolkit.config.checks.deepspeed_parse import _ds_findings, _import_deepspee
 from toolkit.config.checks.expert_parallel import rule_expert_parallel
 from toolkit.config.checks.keys import rule_deprecated, rule_stage3_keys
 from toolkit.config.checks.leaf import rule_leaf_threshold
+from toolkit.config.checks.muon import rule_low_precision_states, rule_muon
 from toolkit.config.checks.offload import rule_offload, rule_precision
 from toolkit.config.checks.optimizer import rule_optimizer
 
@@ -29,6 +31,8 @@ RULES: tuple[Callable[[Ctx], list[Finding]], ...] = (
     rule_consumer_auto,
     rule_batch,
     rule_optimizer,
+    rule_muon,
+    rule_low_precision_states,
     rule_offload,
     rule_precision,
     rule_stage3_keys,
@@ -111,7 +115,7 @@ def check_config(
         grad_accum=b.accum,
         world_size=world_size,
         precision=precision if precision in ("bf16", "fp16") else "fp32",  # type: ignore[arg-type]
-        grad_clip=given("gradient_clipping", 1.0),
+        grad_clip=given("gradient_clipping", opt.default_grad_clip(ds, dc.zero_stage(ds))),
         lr=given("optimizer.params.lr", 1e-4),
         betas=given("optimizer.params.betas", (0.9, 0.999)),
         eps=given("optimizer.params.eps", 1e-8),

@@ -130,14 +130,17 @@ def _ds_findings(cfg: dict[str, Any]) -> tuple[list[Finding], dict[str, Any]]:
             return out, cfg
         except Exception as e:  # DeepSpeed raises AssertionError, ValueError, pydantic, its own errors
             culprit = None
+            changed = []  # keys whose removal changes the error: a required one (the batch size) changes it too
             for k in cfg:
                 try:
                     _ds_parse({kk: v for kk, v in cfg.items() if kk != k})
                 except Exception as e2:
-                    if type(e2) is type(e) and str(e2) == str(e):
-                        continue
-                culprit = k
+                    if not (type(e2) is type(e) and str(e2) == str(e)):
+                        changed.append(k)
+                    continue
+                culprit = k  # without it DeepSpeed accepts the rest: the one to blame
                 break
+            culprit = culprit or (changed[0] if changed else None)
             if culprit is None:
                 key = "train_batch_size" if "batch" in str(e).lower() else "(config)"
                 out.append(_err(key, f"DeepSpeed refuses the config: {_one_line(e)}"))

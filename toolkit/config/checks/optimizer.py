@@ -10,7 +10,9 @@ from toolkit.config.checks.base import Ctx, Finding, _err, _warn
 
 # deepspeed/runtime/engine.py _configure_basic_optimizer: with offload these config types become
 # DeepSpeedCPUAdam (adam, adamw), DeepSpeedCPUAdagrad, DeepSpeedCPULion; lamb becomes FusedLamb (GPU only).
-_CPU_CONFIG_OPTIMIZERS = {"adam", "adamw", "adagrad", "lion"}
+# Muon: its Adam half becomes DeepSpeedCPUAdam, and the ZeRO optimizer orthogonalizes the matrices' updates on the
+# accelerator before the CPU step (stage_1_and_2.py _apply_muon_updates_cpu_offload, stage3.py).
+_CPU_CONFIG_OPTIMIZERS = {"adam", "adamw", "adagrad", "lion", "muon"}
 _ONE_BIT = {"onebitadam", "zerooneadam", "onebitlamb"}
 # engine._configure_optimizer: a client optimizer under offload must be an instance of one of these
 # two, else ZeRORuntimeException unless zero_force_ds_cpu_optimizer is false. DeepSpeedCPUAdagrad is
