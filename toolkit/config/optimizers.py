@@ -70,10 +70,11 @@ def clips_muon_update(ds: dict[str, Any], stage: int) -> bool:
     return is_muon(ds) and stage >= 1
 
 
-def default_grad_clip(ds: dict[str, Any], stage: int) -> float:
-    """train.grad_clip left unset: 1.0 (the HF Trainer's max_grad_norm), or off where DeepSpeed would clip Muon's
-    update instead of the gradient (`clips_muon_update`)."""
-    return 0.0 if clips_muon_update(ds, stage) else 1.0
+def default_grad_clip(ds: dict[str, Any]) -> float:
+    """train.grad_clip left unset: 1.0 (the HF Trainer's max_grad_norm), or off with Muon at every stage: ZeRO 1-3
+    cannot clip its gradients (`clips_muon_update`), and a ZeRO-0 run then trains as they do (Muon's own recipe
+    clips nothing: its update's size is set by orthogonalization)."""
+    return 0.0 if is_muon(ds) else 1.0
 
 
 def bytes_per_param(optimizer: OptimizerName, states: States, matrix: bool) -> float:

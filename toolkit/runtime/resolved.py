@@ -326,7 +326,8 @@ def _optimizer(cfg: Config, ds: dict[str, Any], stage: int) -> str:
     clip = cfg.train.grad_clip
     clip_why = (f"gradient clipping at {clip}" if clip else
                 f"no gradient clipping (DeepSpeed would clip Muon's update at ZeRO-{stage})"
-                if opt.clips_muon_update(ds, stage) else "no gradient clipping")
+                if opt.clips_muon_update(ds, stage) else "no gradient clipping (Muon's default)" if opt.is_muon(ds)
+                else "no gradient clipping")
     return f"{what}; {states}; {clip_why}"
 
 

@@ -161,7 +161,7 @@ def _grad_clip(cfg: Config, ds: dict[str, Any]) -> float:
     stage = zero_stage(ds)
     clip = cfg.train.grad_clip
     if clip is None:
-        return optimizers.default_grad_clip(ds, stage)
+        return optimizers.default_grad_clip(ds)
     if clip > 0 and optimizers.clips_muon_update(ds, stage):
         raise ConfigError(f"train.grad_clip={clip} with Muon at ZeRO-{stage}: DeepSpeed clips Muon's orthogonalized "
                           "update, not the gradient, which shrinks every step by the norm of all the updates; "

@@ -115,7 +115,7 @@ def check_config(
         grad_accum=b.accum,
         world_size=world_size,
         precision=precision if precision in ("bf16", "fp16") else "fp32",  # type: ignore[arg-type]
-        grad_clip=given("gradient_clipping", opt.default_grad_clip(ds, dc.zero_stage(ds))),
+        grad_clip=given("gradient_clipping", opt.default_grad_clip(ds)),
         lr=given("optimizer.params.lr", 1e-4),
         betas=given("optimizer.params.betas", (0.9, 0.999)),
         eps=given("optimizer.params.eps", 1e-8),

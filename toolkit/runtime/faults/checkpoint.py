@@ -236,7 +236,8 @@ RUN_MARKERS = ("status.json", "metrics.jsonl", "memory", "checkpoints")
 RUN_ENTRIES = frozenset({*RUN_MARKERS, "config.yaml", "ds_config.json", "resolved.json", "versions.json", "export",
                          "export.tmp", "adapter", "adapter.tmp", "tb", "logs", "report.md", "report.png", "memory.png",
                          "probe.pt", "generations.jsonl", "resumes.jsonl", "plan.json", "micro_batch.json", "profile",
-                         "trackers.json", "wandb", "reference_logps.pt", "completions.jsonl"})
+                         "trackers.json", "wandb", "reference_logps.pt", "completions.jsonl",
+                         "optimizer_groups.json"})
 
 
 def holds_a_run(run_dir: Path) -> bool:

@@ -17,7 +17,7 @@ from toolkit.launch import dist
 from toolkit.observe import breakdown
 from toolkit.observe.memory import MemoryMonitor
 from toolkit.observe.metrics import MetricsLogger
-from toolkit.runtime import moe
+from toolkit.runtime import moe, optimizer_groups
 from toolkit.runtime.data.batches import (
     Collator,
     EpochOrder,
@@ -112,6 +112,7 @@ class RawLoop:
                                                        lr_scheduler=lr_schedule(p), mpu=sp.mpu if sp else None)
         leaf_check(engine.module)
         autoep_check(p, engine.module)
+        optimizer_groups.record(p.run_dir, engine.module)
         step = 0
         if p.resume_from:
             ck = p.resume_from

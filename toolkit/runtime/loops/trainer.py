@@ -11,7 +11,7 @@ from toolkit.launch import dist
 from toolkit.observe import breakdown
 from toolkit.observe.memory import MemoryCallback, MemoryMonitor
 from toolkit.observe.metrics import MetricsLogger
-from toolkit.runtime import moe
+from toolkit.runtime import moe, optimizer_groups
 from toolkit.runtime.data.batches import Collator, EpochOrder, ListDataset, ShardedBatches, steps_per_epoch
 from toolkit.runtime.faults import integrity, resume, watchdog
 from toolkit.runtime.faults.checkpoint import begin_save, end_save, mark_complete
@@ -120,6 +120,7 @@ def run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collato
         def on_train_begin(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
             leaf_check(trainer.model)  # the Trainer has built the engine by now
             autoep_check(p, trainer.model)
+            optimizer_groups.record(p.run_dir, trainer.model)
             integrity.install(trainer.model_wrapped)  # shards digested as they are written
             if pref is not None:  # a precomputed reference: its values before the first step (loaded on a resume)
                 pref.prepare(trainer.model_wrapped, dataset.rows, collator,
