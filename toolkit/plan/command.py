@@ -37,11 +37,13 @@ def candidate_json(p: pl.Prediction) -> dict[str, Any]:
 EP_PRESETS = {"qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen3_moe", "mixtral": "mixtral"}
 
 
-def ds_config_for(c: pl.Choice, expert_parallel: int = 1, model_type: str = "") -> dict[str, Any]:
+def ds_config_for(c: pl.Choice, expert_parallel: int = 1, model_type: str = "", optimizer: str = "adamw",
+                  states: str = "fp32") -> dict[str, Any]:
     """The chosen DeepSpeed JSON: a gen-config preset (training-owned values stay "auto") plus the ratio, and
     AutoEP's block where the plan has it."""
     cfg = gen_config(c.stage, offload_optimizer="cpu" if c.offload != "none" else "none",
-                     offload_param="cpu" if c.offload == "all" else "none")
+                     offload_param="cpu" if c.offload == "all" else "none", optimizer=optimizer,
+                     optimizer_states=states)
     if c.offload != "none" and c.ratio < 1.0:
         cfg["zero_optimization"]["offload_optimizer"]["ratio"] = c.ratio
     if expert_parallel > 1:
@@ -156,7 +158,8 @@ def _workload(args: Any) -> tuple[pl.Workload, pl.Hardware]:
                     args.sequence_parallel, tiled, args.activation_offload, args.tiled_loss,
                     expert_parallel=args.expert_parallel, objective=args.objective,
                     reference=pl.reference_mode(args.objective, args.reference, lora is not None),
-                    generations=args.generations, completion_len=_completion(args), zero3_leaves=args.zero3_leaves)
+                    generations=args.generations, completion_len=_completion(args), zero3_leaves=args.zero3_leaves,
+                    optimizer=args.optimizer, states=args.optimizer_states)
     hw = pl.Hardware(args.gpus, args.nodes, args.gpu_mem, args.host_mem)
     return w, hw
 
@@ -308,10 +311,28 @@ def render(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predictio
     build = (f"; {chosen.host_build_rank_gib:.2f} GiB while the model is built in fp32"
              if chosen.host_build_rank_gib > chosen.host_rank_gib else "")
     lines.append(f"  host per rank: {host_parts} = {chosen.host_rank_gib:.2f} GiB{build}")
-    hint = fp8_hint(w, hw, chosen)
-    if hint:
-        lines.append(hint)
+    for hint in (fp8_hint(w, hw, chosen), states_hint(w, hw, chosen)):
+        if hint:
+            lines.append(hint)
     return "\n".join(lines)
+
+
+def states_hint(w: pl.Workload, hw: pl.Hardware, chosen: pl.Prediction) -> str | None:
+    """Where the plan offloads with fp32 optimizer states: what bf16 master weights and states would choose instead.
+    Opt-in, like float8: they change the numerics (docs/optimizers.md has the measured cost)."""
+    if w.states != "fp32" or chosen.choice.offload == "none":
+        return None
+    from dataclasses import replace
+
+    alt_w = replace(w, states="bf16")
+    # DeepSpeed keeps bf16 states at ZeRO 1-3, and offloaded bf16 masters only with its CPU Adam (not Muon's)
+    alt = pl.best(pl.plan(alt_w, hw))
+    if alt is None:
+        return "  bf16 optimizer states: nothing would fit with them either"
+    ratio = alt.tokens_per_s_per_gpu / chosen.tokens_per_s_per_gpu
+    return (f"  bf16 optimizer states: off (bf16 master weights and states change the numerics: docs/optimizers.md); "
+            f"--optimizer-states bf16 would choose {_describe(alt.choice)}{_offload_note(alt)}: "
+            f"{alt.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, {ratio:.2f}x, at {alt.peak_allocated_gib:.1f} GiB")
 
 
 def fp8_hint(w: pl.Workload, hw: pl.Hardware, chosen: pl.Prediction) -> str | None:
@@ -343,7 +364,8 @@ def plan_json(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predic
                    "lora": None if w.lora is None else {"r": w.lora.r, "targets": list(w.lora.targets)},
                    "liger": w.liger, "fused_loss": w.fused_loss, "attn": w.attn, "compile": w.compile,
                    "zero3_leaves": w.zero3_leaves,
-                   "fp8": w.fp8, "task": w.shape.task, "doc_len": w.doc_len,
+                   "fp8": w.fp8, "task": w.shape.task, "doc_len": w.doc_len, "optimizer": w.optimizer,
+                   "optimizer_states": w.states,
                    "sequence_parallel": w.sequence_parallel, "expert_parallel": w.expert_parallel,
                    "tiled_mlp": w.tiled_mlp,
                    "activation_offload": w.activation_offload},
@@ -360,7 +382,7 @@ def plan_json(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predic
             "host_rank_gib": chosen.host_rank_gib,
             "host_breakdown_gib": chosen.host,
             "step_time_s": chosen.step_time_s,
-            "ds_config": ds_config_for(chosen.choice, w.expert_parallel, w.shape.model_type),
+            "ds_config": ds_config_for(chosen.choice, w.expert_parallel, w.shape.model_type, w.optimizer, w.states),
             "train_overrides": train_overrides(args, chosen, out_dir),
         }
     return data
@@ -389,6 +411,8 @@ def command(args: Any) -> str:
                                  ("--rope-factor", f"{args.rope_factor:g}", "1"), ("--fused-loss", args.fused_loss, "auto"), ("--attn", args.attn, "sdpa"),
                                  ("--compile", args.compile, "auto"), ("--zero3-leaves", args.zero3_leaves, "auto"),
                                  ("--precision", args.precision, "bf16"),
+                                 ("--optimizer", args.optimizer, "adamw"),
+                                 ("--optimizer-states", args.optimizer_states, "fp32"),
                                  ("--fp8-recipe", args.fp8_recipe, "tensorwise"), ("--task", args.task, "causal_lm"),
                                  ("--stage", args.stage, None), ("--offload", args.offload, None),
                                  ("--micro-batch", args.micro_batch, None), ("-o", args.output, None)):
@@ -524,6 +548,10 @@ def add_parser(sub: Any) -> None:
                    help="train.zero3_leaves (auto: ZeRO-3 decoder layers as leaf modules where the run makes them so)")
     p.add_argument("--compile", choices=("auto", "off", "torch"), default="auto",
                    help="train.compile (auto: compiled for a run of 200+ steps; eager at ZeRO-3 under LoRA)")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="the DeepSpeed config's optimizer: muon keeps one momentum buffer for the hidden matrices")
+    p.add_argument("--optimizer-states", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: bf16 master weights, gradients and states (ZeRO 1-3; changes the numerics)")
     p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
                    help="fp8: torchao float8 matmuls in the decoder layers (train.precision=fp8; compile on)")
     p.add_argument("--fp8-recipe", choices=("tensorwise", "rowwise"), default="tensorwise")

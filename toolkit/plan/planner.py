@@ -150,6 +150,10 @@ FP8_GAIN = ((896, 1.077), (2048, 1.287), (4096, 1.417))
 # all states on the CPU at micro 1 (270 tokens/s) and half at micro 8 (3,180), leave 0.98e9 and
 # 1.13e9 parameters/s once the GPU's share of the step is taken out.
 CPU_ADAM_PARAMS_PER_S = 1.0e9
+# Muon's Newton-Schulz FLOPs (muon_step_s) per second of step time it adds, one H200, llama-1b, seq 2048, 16
+# sequences a step (bench/results/optimizers/speed_llama1b): 4.58e13 FLOPs a step added 0.084 s at ZeRO-2 (0.561 ->
+# 0.645 s) and 0.15 s at ZeRO-3 (gathering each matrix's partitions and its momentum first).
+MUON_NS_FLOPS_PER_S = {2: 5.4e14, 3: 3.0e14}
 # Host<->GPU copies for offload: not measured here; PCIe Gen5 x16 moves about 25 GB/s one way in practice.
 PCIE_BYTES_PER_S = 25e9
 # A Mixture-of-Experts block's backward (grouped_mm experts, transformers 5.x) holds, per routed token, the gate/up/
@@ -254,6 +258,11 @@ class Workload:
     many sequences of seq_len (prompt + completion) tokens, packed; global_batch counts prompts."""
     completion_len: int = 0
     """objective grpo: rl.max_completion_length (seq_len - completion_len is the prompt's length)."""
+    optimizer: str = "adamw"
+    """The DeepSpeed config's optimizer (toolkit/config/optimizers.py): adamw, or muon (one momentum buffer for the
+    2-D hidden matrices, Adam's two for the rest; Newton-Schulz on each matrix every step)."""
+    states: str = "fp32"
+    """Master weights and optimizer states: fp32, or bf16 (bf16_master_weights_and_grads + bf16_optimizer_states)."""
 
     @property
     def sequences(self) -> int:
@@ -682,11 +691,14 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     largest = max(s.param_numels())
 
     # ---- what each rank holds between steps ------------------------------------------------------
+    # bytes of master copy and moments a trained parameter keeps (toolkit/config/optimizers.py bytes_per_param)
+    state_bytes = optimizer_bytes(w, s, stage)
+    low = w.states == "bf16"
     if stage < 3:
         params = 2.0 * frozen + (4.0 if autocast else 2.0) * t_all
         # ZeRO-0 in bf16 is DeepSpeed's FP16_Optimizer (fp32 master + Adam m, v for every parameter);
         # fp32 adapters under autocast need no master copy at ZeRO-0 (no wrapper), ZeRO-1/2 keep one.
-        opt_per = 8.0 if (autocast and stage == 0) else 12.0
+        opt_per = state_bytes - 4.0 if (autocast and stage == 0) else state_bytes
         optimizer = opt_per * t_all / (1 if stage == 0 else n) if not offload_opt else 0.0
         grads = 0.0
         buffers = 2.0 * largest if offload_opt else 0.0  # stage_1_and_2.py temp_grad_buffer_for_gpu_offload
@@ -703,8 +715,8 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
         gpu_numel = sum(gpu_groups)
         # GPU sub-groups keep fp32 master + Adam m, v (FusedAdam, or torch AdamW for the GPU share of a
         # partial offload) and, under offload, their fp32 gradient buffer (initialize_optimizer_states).
-        optimizer = 12.0 * gpu_numel
-        grads = 2.0 * t_all / n if not offload_opt else 4.0 * gpu_numel
+        optimizer = state_bytes * gpu_numel
+        grads = 2.0 * t_all / n if not offload_opt else (2.0 if low else 4.0) * gpu_numel
         buffers = 2.0 * sizes.reduce_bucket  # stage3.py: one ipg bucket, allocated at init
     if w.reference == "engine":  # the frozen ZeRO-3 copy's partitions and its small parameters kept whole
         small = sum(x for x in s.param_numels() if x <= sizes.persistence_threshold)
@@ -795,10 +807,12 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     if stage == 0:
         step = (4.0 if autocast else 10.0) * t_all  # FP16_Optimizer.step: grads + fp32 copies + flat
     elif stage < 3:
-        step = 0.0 if offload_opt else 8.0 * t_all / n  # grads partition + flat + fp32 (18P/N with states)
+        # grads partition + flat + fp32 (18P/N with states); bf16 masters take the bf16 partition as it is
+        step = 0.0 if offload_opt else (4.0 if low else 8.0) * t_all / n
     else:
         big = max(gpu_groups) if gpu_groups else 0
-        step = (6.0 * big) if not offload_opt else 4.0 * big  # flat + fp32 grad / torch AdamW's sqrt temp
+        # flat + fp32 grad / torch AdamW's sqrt temp; bf16 masters: the flat bf16 gradient only
+        step = ((2.0 if low else 6.0) * big) if not offload_opt else 4.0 * big
 
     # the top layer's backward: its recomputed activations with its MLP's gradients (all layers' saved
     # activations without checkpointing), the loss's kept tensors, the reduce buckets
@@ -842,7 +856,8 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
             pinned_bytes(one) if offloaded == "pinned" else one)
     host, build_bytes = _host_bytes(s, c, hw, stage=stage, t_all=t_all, autocast=autocast,
                                     offload_opt=offload_opt, offload_param=offload_param, groups=groups,
-                                    n_gpu_groups=len(gpu_groups), sizes=sizes, steps=inputs_host)
+                                    n_gpu_groups=len(gpu_groups), sizes=sizes, steps=inputs_host,
+                                    state_bytes=state_bytes)
     host_rank = sum(host.values()) / GIB
     host_build = build_bytes / GIB
     host_node = max(host_rank, host_build) * hw.gpus_per_node
@@ -927,7 +942,8 @@ def _activation_offload(w: Workload, c: Choice, hw: Hardware, tokens: int) -> st
 
 def _host_bytes(s: ModelShape, c: Choice, hw: Hardware, *, stage: int, t_all: int, autocast: bool,
                 offload_opt: bool, offload_param: bool, groups: list[int], n_gpu_groups: int,
-                sizes: ZeroSizes, steps: dict[str, float] | None = None) -> tuple[dict[str, float], float]:
+                sizes: ZeroSizes, steps: dict[str, float] | None = None,
+                state_bytes: float = 12.0) -> tuple[dict[str, float], float]:
     """Host RSS of one rank by category at its largest phase boundary, and the RSS while the model is
     built (bytes). steps: host memory that exists from the first step on (offloaded layer inputs)."""
     steps = steps or {}
@@ -949,8 +965,9 @@ def _host_bytes(s: ModelShape, c: Choice, hw: Hardware, *, stage: int, t_all: in
         states = 0.0
         if offload_opt:
             part = t_all / n
-            states = (pinned_bytes(4 * part) + pinned_bytes(2 * part) + pinned_bytes(4 * part)  # stage_1_and_2.py: pinned fp32
-                      + 8.0 * part + pinned_bytes(2 * max(s.param_numels())))       # master, bf16 temp, fp32 grad;
+            w_ = 4 if state_bytes == 12.0 else 2  # bf16 masters: master and gradient in bf16, CPU Adam moments too
+            states = (pinned_bytes(w_ * part) + pinned_bytes(2 * part) + pinned_bytes(w_ * part)  # stage_1_and_2.py: pinned fp32
+                      + (state_bytes - w_) * part + pinned_bytes(2 * max(s.param_numels())))  # master, bf16 temp, fp32 grad;
             if c.grad_accum > 1:                                            # Adam m, v; grad staging
                 states += _accumulated_grads_in_cpu(s, n)
         model = {"process": early, "model (bf16 base, fp32 adapters)" if autocast else "model build (fp32)": loaded}
@@ -964,14 +981,49 @@ def _host_bytes(s: ModelShape, c: Choice, hw: Hardware, *, stage: int, t_all: in
     if offload_opt:
         cpu = groups[n_gpu_groups:]
         out["grad partitions (bf16, pinned)"] = pinned_bytes(2.0 * t_all / n)  # grad_partitions_flat_buffer
-        out["optimizer (fp32 master, m, v)"] = 12.0 * sum(cpu)
-        out["fp32 grads (pinned)"] = sum(pinned_bytes(4.0 * g) for g in cpu)
+        low = state_bytes != 12.0
+        out["optimizer (master, moments)" if low else "optimizer (fp32 master, m, v)"] = state_bytes * sum(cpu)
+        out["bf16 grads (pinned)" if low else "fp32 grads (pinned)"] = sum(pinned_bytes((2.0 if low else 4.0) * g)
+                                                                           for g in cpu)
     if offload_param:
         # zero.Init pins each parameter's partition, then _create_fp16_partitions_with_defragmentation
         # copies them into one pinned flat buffer; the freed blocks stay in the pinned cache
         out["params (bf16, pinned)"] = pinned_bytes(2.0 * s.total_params / n) + sum(
             pinned_bytes(2.0 * math.ceil(x / n)) for x in s.param_numels())
     return out | steps, 0.0
+
+
+def optimizer_bytes(w: Workload, s: ModelShape, stage: int = 2) -> float:
+    """Bytes of optimizer state per trained parameter, averaged over the trained parameters: AdamW's master + m + v,
+    Muon's master + momentum on the 2-D hidden matrices (DeepSpeed's use_muon: not embeddings or the head) and
+    Adam's on the rest (toolkit/config/optimizers.py bytes_per_param)."""
+    from toolkit.config.optimizers import bytes_per_param
+
+    adam = bytes_per_param("adamw", w.states, matrix=False)  # type: ignore[arg-type]
+    if w.optimizer != "muon":
+        return adam
+    muon = bytes_per_param("muon", w.states, matrix=True, stage=stage)  # type: ignore[arg-type]
+    if w.lora is not None:  # the adapters' A and B are all matrices
+        return muon
+    return (muon * matrix_numel(s) + adam * (s.total_params - matrix_numel(s))) / s.total_params
+
+
+def muon_step_s(s: ModelShape, stage: int, world: int) -> float:
+    """Muon's Newton-Schulz on every hidden matrix, each step: 5 iterations of 4 m^2 n + 2 m^3 FLOPs for an m x n
+    matrix (m <= n), the matrices shared among the ranks at ZeRO 1-3 (each orthogonalizes its partition's), all on
+    every rank at ZeRO-0, at the rate measured per stage (MUON_NS_FLOPS_PER_S)."""
+    flops = 0.0
+    for _, fan_in, fan_out in s.linears:
+        m, n = sorted((fan_in, fan_out))
+        flops += 5 * (4.0 * m * m * n + 2.0 * m ** 3)
+    share = 1 if stage == 0 else world
+    return s.num_layers * flops / share / MUON_NS_FLOPS_PER_S[3 if stage == 3 else 2]
+
+
+def matrix_numel(s: ModelShape) -> int:
+    """Parameters of the decoder layers' 2-D weights (norms are 1-D, biases too): what Muon steps."""
+    per_layer = sum(n for name, n in s.layer_params if name.endswith("weight") and "norm" not in name)
+    return s.num_layers * per_layer
 
 
 def _accumulated_grads_in_cpu(s: ModelShape, n: int) -> float:
@@ -1054,6 +1106,8 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     if split_by_hooks(w, c.stage):  # measured against eager with the same hooks
         micro /= ZERO3_COMPILED_SPEED
     step = c.grad_accum * micro
+    if w.optimizer == "muon" and w.lora is None:  # LoRA's adapters are r-wide: their Newton-Schulz is negligible
+        step += muon_step_s(s, c.stage, hw.world)
     if offload_opt:
         # every rank of a node shares the host's cores for DeepSpeedCPUAdam; the measured rate includes
         # the gradient and parameter copies
@@ -1109,9 +1163,13 @@ def choices(w: Workload, hw: Hardware, *, stages: Iterable[int] = (0, 1, 2, 3),
             continue  # refused: DeepSpeed's Ulysses crashes at ZeRO-0
         if stage != 3 and w.expert_parallel > 1:
             continue  # AutoEP is modelled at ZeRO-3 only
+        if stage == 0 and w.states == "bf16":
+            continue  # DeepSpeed keeps bf16 master weights and states in its ZeRO optimizer only
         for off in offloads:
             if (off == "optimizer" and stage == 0) or (off == "all" and stage != 3):
                 continue
+            if off != "none" and w.states == "bf16" and w.optimizer == "muon":
+                continue  # offloaded bf16 masters need DeepSpeedCPUAdam, which Muon is not (checks/muon.py)
             for ratio in (RATIOS if (off == "optimizer" and stage == 3) else (1.0,)):
                 for m in micros:
                     for ck in grad_ckpt:
