@@ -1,6 +1,6 @@
 """Training on 2 CPU ranks through the real `deepspeed` launcher: both paths x ZeRO 0-3 x offload,
 parity, gradient accumulation, first loss, resume, export and LoRA adapters, TensorBoard files and
-what the console shows.
+what the console shows; Muon and bf16 optimizer states (their configs from gen-config).
 
 All runs share one launch (tests/dist/_multi_train.py) to stay inside CI's time; each run is a
 complete `toolkit/train.py` job with its own run directory, read back here.
@@ -17,9 +17,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from _launch import launch, reload_logits, write_chat
+from _launch import launch, reload_logits, run_logs, write_chat
 from conftest import write_tokenizer
 
+from tests.dist._jsonl import lines
 from toolkit.config import ds_config as dc
 
 pytestmark = pytest.mark.dist
@@ -125,7 +126,35 @@ def _runs(tmp: Path) -> list[dict]:
         "train.export=false")
     add("raw-zero3-gc", "zero3", "train.path=raw", "model.gradient_checkpointing=true",
         "model.attn_implementation=eager", "train.export=false")
-    return runs
+    return runs + _optimizer_runs(tmp)
+
+
+# Muon and bf16 optimizer states (docs/optimizers.md), configs from gen-config: name -> (stage, optimizer, states,
+# path, extra)
+OPTIMIZER_COMMON = ["train.precision=fp32", "memory.every=0", "metrics.tensorboard=false", "train.micro_batch_size=2",
+                    "train.max_steps=4", "train.export=false"]
+OPTIMIZER_RUNS = {
+    "muon-z0": (0, "muon", "fp32", "raw", []),
+    "muon-z2": (2, "muon", "fp32", "raw", []),
+    "muon-z3": (3, "muon", "fp32", "raw", []),
+    "muon-z3-trainer": (3, "muon", "fp32", "trainer", []),
+    "muon-z2-lora": (2, "muon", "fp32", "raw", ["lora.enabled=true"]),
+    "muon-z2-dpo": (2, "muon", "fp32", "raw", ["train.objective=dpo", "lora.enabled=true", "data.seq_len=24"]),
+    "bf16-states-z2": (2, "adamw", "bf16", "raw", ["train.precision=bf16"]),
+    "bf16-states-z3-trainer": (3, "adamw", "bf16", "trainer", ["train.precision=bf16"]),
+    "muon-z2-clipped": (2, "muon", "fp32", "raw", ["train.grad_clip=1.0"]),
+}
+
+
+def _optimizer_runs(tmp: Path) -> list[dict]:
+    out = []
+    for name, (stage, optimizer, states, path, extra) in OPTIMIZER_RUNS.items():
+        ds = tmp / f"{name}.json"
+        dc.write_config(dc.gen_config(stage, optimizer=optimizer, optimizer_states=states, targets=("trainer", "raw")),
+                        ds)
+        argv = ["--ds", str(ds), *OPTIMIZER_COMMON, f"train.path={path}", f"train.run_dir={tmp / name}", *extra]
+        out.append({"name": name, "argv": argv, "expect_rc": 1 if name == "muon-z2-clipped" else 0})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -499,3 +528,56 @@ def test_console_of_a_cpu_run(runs: Path) -> None:
     # torch's all_gather_into_tensor deprecation, raised inside DeepSpeed: in the rank logs, not the console
     assert "FutureWarning" not in log
     assert any("FutureWarning" in p.read_text() for p in runs.glob("*/logs/rank*.log"))
+
+
+# ---------------------------------------------------------------- Muon and bf16 optimizer states
+
+def _opt_losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in lines(run_dir / "metrics.jsonl") if "loss" in r]
+
+
+@pytest.mark.timeout(60)
+def test_muon_trains_alike_at_every_stage_and_path_and_its_loss_falls(runs: Path) -> None:
+    tmp, logs = runs, run_logs(runs / "launch.log")
+    want = _opt_losses(tmp / "muon-z0")
+    assert len(want) == 4 and want[-1] < want[0], want
+    for name in ("muon-z2", "muon-z3", "muon-z3-trainer"):
+        # fp32, no clipping (Muon's default): ZeRO's partitioned Muon is the whole-matrix one
+        assert _opt_losses(tmp / name) == pytest.approx(want, abs=1e-4), (name, _opt_losses(tmp / name), want)
+        assert "optimizer: Muon: 2-D hidden matrices at lr 0.02" in logs[name], logs[name][-3000:]
+    assert "no gradient clipping (DeepSpeed would clip Muon's update at ZeRO-3)" in logs["muon-z3"]
+    # DeepSpeed's split, as recorded: the tiny llama's 2 layers x 7 projections to Muon, the rest to Adam
+    split = json.loads((tmp / "muon-z3" / "optimizer_groups.json").read_text())
+    assert split["muon"]["tensors"] == 14 and split["adam"]["tensors"] > 0, split
+    assert not any("embed" in n or "lm_head" in n for n in split["muon"]["examples"]), split
+    assert json.loads((tmp / "muon-z2" / "optimizer_groups.json").read_text()) == split
+
+
+@pytest.mark.timeout(60)
+def test_lora_and_dpo_run_under_muon(runs: Path) -> None:
+    tmp = runs
+    lora = json.loads((tmp / "muon-z2-lora" / "optimizer_groups.json").read_text())
+    # only the adapters train: their 2-D A and B matrices are Muon's (2 layers x q, v x A, B), nothing is Adam's
+    assert lora["muon"]["tensors"] == 8 and lora["adam"]["tensors"] == 0, lora
+    assert all("lora_" in n for n in lora["muon"]["examples"] if "more" not in n), lora
+    assert all(math.isfinite(x) for x in _opt_losses(tmp / "muon-z2-lora"))
+    dpo = _opt_losses(tmp / "muon-z2-dpo")
+    assert dpo[0] == pytest.approx(math.log(2), abs=1e-4) and all(math.isfinite(x) for x in dpo), dpo
+
+
+@pytest.mark.timeout(60)
+def test_bf16_master_weights_and_states_train_on_both_paths(runs: Path) -> None:
+    tmp, logs = runs, run_logs(runs / "launch.log")
+    for name in ("bf16-states-z2", "bf16-states-z3-trainer"):
+        got = _opt_losses(tmp / name)
+        assert len(got) == 4 and all(math.isfinite(x) for x in got) and got[-1] < got[0], (name, got)
+        assert "AdamW at lr 0.001; bf16 master weights, gradients and states" in logs[name], logs[name][-3000:]
+
+
+@pytest.mark.timeout(60)
+def test_a_clip_under_muon_at_zero2_is_refused_in_one_line(runs: Path) -> None:
+    tmp, logs = runs, run_logs(runs / "launch.log")
+    log = logs["muon-z2-clipped"]
+    errors = [x for x in log.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and "train.grad_clip=1.0 with Muon at ZeRO-2" in errors[0], log[-3000:]
+    assert not (tmp / "muon-z2-clipped" / "metrics.jsonl").exists()

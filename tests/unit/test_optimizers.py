@@ -1,7 +1,7 @@
 """Muon and bf16 optimizer states without a process group: what gen-config writes per stage and consumer, one
 line for each combination DeepSpeed 0.19 rejects or mis-runs (toolkit check), the clip a run resolves, the bytes
 the planner counts, its bf16-states line, and its peaks against the committed GPU rows
-(bench/results/optimizers/). The training runs are tests/dist/test_optimizers.py."""
+(bench/results/optimizers/). The training runs are in tests/dist/test_train.py's shared launch."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_bf16_states_set_both_keys_and_bf16_and_refuse_what_deepspeed_refuses() 
         assert "\n" not in str(e.value)
 
 
-def _bad(base: dict, change) -> dict:  # noqa: ANN001
+def _bad(base: dict, change) -> dict:
     d = copy.deepcopy(base)
     change(d)
     return d

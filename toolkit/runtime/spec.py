@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from toolkit.config import optimizers
 from toolkit.config.ds_config import (
     AutoValues,
     ConfigError,
@@ -24,7 +25,6 @@ from toolkit.config.ds_config import (
     resolve,
     zero_stage,
 )
-from toolkit.config import optimizers
 from toolkit.config.schema import Config
 from toolkit.launch import dist
 from toolkit.observe import trackers
