@@ -2,7 +2,7 @@
 verifiable task from a reward file; ZeRO-3 trains as ZeRO-0 from the same seeds; completions that stop at different
 lengths on different ranks (a stop token, ZeRO-3 layer by layer) do not hang; a resume continues the same curve; the
 KL to the reference starts at 0 (engine and adapter references); two updates a rollout train the second on the
-rollout policy's log-probs (and a resume between them rolls out again); text prompts reach the built-in rewards (with two
+rollout policy's log-probs (and a resume between them rolls out again); Muon trains it alike at ZeRO-0 and 3; text prompts reach the built-in rewards (with two
 micro-batches a step); a reward
 function that raises on one rank's row stops every rank with one line naming it and the row."""
 
@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from _launch import ROOT, launch
 from conftest import write_tokenizer
+
+from toolkit.config import ds_config as dc
 
 pytestmark = pytest.mark.dist
 
@@ -81,6 +83,13 @@ def _runs(tmp: Path) -> list[dict]:
              "eval.generate_gather=false", "train.max_steps=4", "rl.num_generations=4"]
     for stage in ("zero0", "zero3"):
         add(f"same-{stage}", stage, *stops)
+    # Muon (docs/optimizers.md): the same rollouts and losses at ZeRO-0 and ZeRO-3
+    for stage in (0, 3):
+        ds = tmp / f"muon-zero{stage}.json"
+        dc.write_config(dc.gen_config(stage, optimizer="muon", targets=("raw",)), ds)
+        runs.append({"name": f"muon-zero{stage}", "expect_rc": 0,
+                     "argv": ["--ds", str(ds), *COMMON, f"data.source={prompts}", f"train.run_dir={tmp / f'muon-zero{stage}'}",
+                              *stops]})
     add("resume", "zero3", *stops, "train.stop_after=2", "train.save_every=2")
     add("resume", "zero3", *stops, "train.resume=latest")
     # two updates a rollout: steps 2 and 4 train on the rollouts of steps 1 and 3; a resume at step 3 rolls out again
@@ -131,6 +140,15 @@ def test_a_tiny_model_learns_a_toy_task_from_a_reward_file(runs: Path) -> None:
                 "completions/clipped_ratio", "clip_ratio", "entropy", "time/generate_s", "time/reward_s", "time/train_s"):
         assert key in lines[-1], key
     assert json.loads((runs / "learn" / "status.json").read_text())["status"] == "completed"
+
+
+@pytest.mark.timeout(1000)
+def test_muon_trains_grpo_alike_at_zero0_and_zero3(runs: Path) -> None:
+    a, b = _lines(runs / "muon-zero0"), _lines(runs / "muon-zero3")
+    assert len(a) == len(b) == 4
+    for key in ("reward", "completions/mean_length", "loss"):
+        assert [r[key] for r in b] == pytest.approx([r[key] for r in a], abs=1e-4), key
+    assert (runs / "muon-zero3" / "optimizer_groups.json").exists()
 
 
 @pytest.mark.timeout(60)
