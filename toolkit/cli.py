@@ -69,9 +69,19 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if args.explain:
         from toolkit.runtime.spec import explain
 
-        return explain(args.config, args.file, args.overrides, args.world_size, args.json)
-    if args.overrides or args.config:
-        print("error: --config and section.key=value overrides go with --explain", file=sys.stderr)
+        target = None
+        if args.gpu_mem is not None:
+            from toolkit.runtime.resolved import Machine
+
+            target = Machine.target(args.gpu_mem, args.gpus or min(args.world_size, 8), args.host_mem)
+        elif args.gpus is not None or args.host_mem is not None:
+            print("error: --gpus and --host-mem describe the target GPU nodes: give --gpu-mem with them",
+                  file=sys.stderr)
+            return 1
+        return explain(args.config, args.file, args.overrides, args.world_size, args.json, target)
+    if args.overrides or args.config or args.gpu_mem is not None or args.host_mem is not None:
+        print("error: --config, --gpu-mem, --host-mem and section.key=value overrides go with --explain",
+              file=sys.stderr)
         return 2
 
     if args.model and args.sequence_parallel > 1:  # the model's heads, for the sequence-parallel rules
@@ -168,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "overrides and --world-size, on this machine, and print every setting with its reason "
                         "(the block a run prints first; --json: its resolved.json); nothing is launched")
     c.add_argument("--config", default=None, help="with --explain: the training YAML")
+    c.add_argument("--gpu-mem", type=float, default=None, metavar="GIB",
+                   help="with --explain: resolve for GPU nodes with this much memory per GPU, not this machine "
+                        "(as toolkit plan takes it: a login node sees what the GPU nodes will decide)")
+    c.add_argument("--gpus", type=_positive_int, default=None, help="with --gpu-mem: GPUs per node (default: "
+                                                                    "the world size, at most 8)")
+    c.add_argument("--host-mem", type=float, default=None, metavar="GIB", help="with --gpu-mem: host RAM per node")
     c.add_argument("overrides", nargs="*", help="with --explain: section.key=value, as toolkit/train.py takes them")
     c.set_defaults(func=_cmd_check)
 

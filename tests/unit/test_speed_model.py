@@ -111,8 +111,8 @@ def test_leaves_rule() -> None:
 
 def test_leaf_layers_kept_gathered_with_checkpointing_are_planned_and_warned_of() -> None:
     """With checkpointing DeepSpeed keeps every leaf layer gathered where parameters are partitioned (validation rows
-    on 2 and 4 GPUs and the 262K offload row): the plan counts them, and a run whose whole model would take more than
-    half the GPU says so at start (resolved.leaves_choice); one rank without offload gathers nothing."""
+    on 2 and 4 GPUs and the 262K offload row): the plan counts them; where the whole model would take more than half
+    the GPU, auto turns leaves off and true warns (resolved.leaves_choice); one rank without offload gathers nothing."""
     from transformers import LlamaConfig
 
     from toolkit.config.schema import load_config
@@ -132,10 +132,17 @@ def test_leaf_layers_kept_gathered_with_checkpointing_are_planned_and_warned_of(
     big = LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                       num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False)
     cfg = load_config(None, ["model.gradient_checkpointing=true"])
+    # auto: a default never takes what its plan says cannot fit (issue 60), so hooks on every submodule
     on, why = leaves_choice(cfg, ds, False, big, 32, 80 * 2**30)
+    assert not on and re.search(r"auto: with checkpointing every leaf layer would stay gathered, 131\.\d GiB on a "
+                                r"80 GiB GPU \(more than half\): a hook on each submodule instead", why), why
+    # true: kept, with the warning
+    on, why = leaves_choice(load_config(None, ["model.gradient_checkpointing=true", "train.zero3_leaves=true"]), ds,
+                            False, big, 32, 80 * 2**30)
     assert on and re.search(r"warning: with checkpointing every leaf layer stays gathered, 131\.\d GiB on a 80 GiB "
                             r"GPU: set train\.zero3_leaves=false", why), why
-    assert "warning" not in leaves_choice(cfg, ds, False, big, 32, 0)[1]  # CPU ranks: the GPU is not known
+    on, why = leaves_choice(cfg, ds, False, big, 32, 0)  # CPU ranks: the GPU is not known
+    assert on and "warning" not in why
     small = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2)
     assert "warning" not in leaves_choice(cfg, ds, False, small, 32, 80 * 2**30)[1]

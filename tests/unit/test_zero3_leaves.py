@@ -1,6 +1,7 @@
 """ZeRO-3 leaf modules: the training run refuses a leaf that holds the input embeddings (its backward
 hook never fires, so its parameters would train on no gradient); `toolkit check` warns about the
-granularity threshold that picks such leaves. The 2-rank run that is refused: tests/dist/test_train.py."""
+granularity threshold that picks such leaves. The 2-rank run that is refused: tests/dist/test_train.py. auto resolves
+leaves as the plan counts them, in the record `toolkit check --explain --gpu-mem` prints for the GPU nodes."""
 
 from __future__ import annotations
 
@@ -46,3 +47,41 @@ def test_check_warns_about_the_granularity_threshold_at_stage_3_only() -> None:
     z2 = dc.preset("zero2")
     z2["zero_optimization"]["stage3_module_granularity_threshold"] = 6_000_000
     assert [f.message for f in check_config(z2) if f.key == key] == ["stage-3-only setting, ignored at stage 2"]
+
+
+@pytest.mark.parametrize("model,leaves", [("llama-3-70b", False), ("llama-1b", True)])
+def test_a_default_run_takes_leaves_only_where_its_plan_does(model: str, leaves: bool,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 60: on 4 nodes of 8 x 80 GiB with checkpointing, train.zero3_leaves=auto resolves, in the record a login
+    node prints for the GPU nodes (`toolkit check --explain --gpu-mem 80`), as `toolkit plan` counts it: a 70B's
+    leaves would keep 131 GiB gathered, so hooks (and it plans), a 1B's 2.3 GiB, so leaves."""
+    import json
+
+    from toolkit.cli import main
+    from toolkit.plan import planner as pl
+    from toolkit.plan.shapes import preset_shape
+
+    assert main(["plan", "--model", model, "--gpus", "8", "--nodes", "4", "--seq", "4096", "--global-batch", "256",
+                 "--gpu-mem", "80", "--host-mem", "1800", "--grad-ckpt", "--stage", "3", "--json"]) == 0
+    chosen = json.loads(capsys.readouterr().out)["chosen"]
+    c = pl.Choice(3, micro_batch=chosen["micro_batch"], grad_accum=chosen["grad_accum"], grad_ckpt=True)
+    w = pl.Workload(preset_shape(model), 4096, 256)
+    hw = pl.Hardware(8, 4, 80, 1800)
+    # the plan's prediction is the hooks' (or the leaves') one
+    same = pl.predict(pl.Workload(preset_shape(model), 4096, 256, zero3_leaves="true" if leaves else "false"), c, hw)
+    assert pl.predict(w, c, hw).peak_allocated_gib == pytest.approx(same.peak_allocated_gib)
+    assert main(["check", "ds_configs/zero3.json", "--explain", "--world-size", "32", "--gpus", "8", "--gpu-mem", "80",
+                 f"model.name={model}", "model.gradient_checkpointing=true", "data.seq_len=4096",
+                 f"train.micro_batch_size={chosen['micro_batch']}", f"train.grad_accum={chosen['grad_accum']}"]) == 0
+    out = capsys.readouterr().out
+    assert "resolved for 32 ranks on GPU nodes of 8 x a 80 GiB GPU (--gpu-mem)" in out and "ZeRO-3, 32 ranks, bf16" in out
+    line = next(x for x in out.splitlines() if "ZeRO-3 leaf modules" in x)
+    assert line.split(": ", 1)[1].startswith("on" if leaves else "off (train.zero3_leaves=auto: with checkpointing"), line
+
+
+def test_target_hardware_flags_go_with_explain_and_gpu_mem(capsys: pytest.CaptureFixture[str]) -> None:
+    from toolkit.cli import main
+
+    assert main(["check", "ds_configs/zero3.json", "--explain", "--gpus", "8"]) == 1
+    assert "give --gpu-mem" in capsys.readouterr().err
+    assert main(["check", "ds_configs/zero3.json", "--gpu-mem", "80"]) == 2

@@ -664,6 +664,12 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
         if moe_fused_loss("auto", moe=True, tokens=tokens, logits_fit=plain.fits_gpu)[0] == "false":
             return plain
     n = hw.world
+    if c.stage == 3 and c.grad_ckpt and w.zero3_leaves == "auto" and not w.lora:
+        from toolkit.plan.speedups import LEAVES_GATHERED_SHARE, leaves_gathered_gib
+
+        held = leaves_gathered_gib(s.total_params, stage=3, grad_ckpt=True, world=n, offload_param=c.offload == "all")
+        if held > LEAVES_GATHERED_SHARE * hw.gpu_mem_gib:  # as the run resolves auto (speedups.leaves_on)
+            w = replace(w, zero3_leaves="false")
     stage, lora = c.stage, w.lora
     ep = w.expert_parallel
     if ep > 1:

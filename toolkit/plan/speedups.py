@@ -68,10 +68,15 @@ def leaves_gathered_gib(total_params: int, *, stage: int, grad_ckpt: bool, world
 def leaves_on(setting: str, *, stage: int, compiled: bool, blocked: str | None, model_type: str = "",
               objective: str = "sft", gathered_gib: float = 0.0, gpu_gib: float = 0.0) -> tuple[bool, str]:
     """`_leaves_on`, and where leaf layers would keep more than LEAVES_GATHERED_SHARE of the GPU gathered
-    (gathered_gib: `leaves_gathered_gib`; gpu_gib 0: not known, as on CPU ranks), the warning in its reason."""
+    (gathered_gib: `leaves_gathered_gib`; gpu_gib 0: not known, as on CPU ranks): off under auto, a warning in
+    the reason under true."""
     on, why = _leaves_on(setting, stage=stage, compiled=compiled, blocked=blocked, model_type=model_type,
                          objective=objective)
     if on and gpu_gib and gathered_gib > LEAVES_GATHERED_SHARE * gpu_gib:
+        if setting == "auto":  # a default never takes what cannot fit: toolkit plan decides the same (planner.predict)
+            return False, (f"train.zero3_leaves=auto: with checkpointing every leaf layer would stay gathered, "
+                           f"{gathered_gib:.1f} GiB on a {gpu_gib:.0f} GiB GPU (more than half): a hook on each "
+                           "submodule instead")
         why += (f"; warning: with checkpointing every leaf layer stays gathered, {gathered_gib:.1f} GiB on a "
                 f"{gpu_gib:.0f} GiB GPU: set train.zero3_leaves=false if it runs out of memory")
     return on, why

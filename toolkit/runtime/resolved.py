@@ -25,7 +25,6 @@ from toolkit.launch import dist
 from toolkit.plan.experts import ExpertsChoice
 from toolkit.plan.liger import LigerChoice
 from toolkit.plan.speedups import (
-    EAGER_LEAVES_TYPES,
     compile_on,
     leaves_blocked,
     leaves_gathered_gib,
@@ -60,6 +59,17 @@ class Machine:
     capability: tuple[int, int] | None = None
     """The GPU's (SM major, minor); None without CUDA. float8 needs 8.9+ (speedups.fp8_support_error)."""
     gpu_name: str = ""
+
+    @classmethod
+    def target(cls, gpu_mem_gib: float, gpus_per_node: int, host_mem_gib: float | None = None) -> Machine:
+        """A GPU node described as `toolkit plan` takes it (--gpu-mem, --gpus, --host-mem), for `toolkit check
+        --explain` on a machine without those GPUs (a login node): CUDA, bf16, torch's variable-length attention,
+        Liger for the types the planner counts it on, an SM 9.0 card (H100/H200)."""
+        from toolkit.plan.planner import LIGER_MODEL_TYPES
+
+        return cls(True, True, tuple(sorted(LIGER_MODEL_TYPES)), int(gpu_mem_gib * 2**30),
+                   None if host_mem_gib is None else host_mem_gib * 2**30, gpus_per_node, True, (9, 0),
+                   f"a {gpu_mem_gib:g} GiB GPU (--gpu-mem)")
 
     @classmethod
     def here(cls, cfg: Config, ranks_per_node: int = 1) -> Machine:
@@ -242,8 +252,8 @@ def leaves_choice(cfg: Config, ds: dict[str, Any], compiled: bool, model_config:
     stage = zero_stage(ds)
     model_type = str(getattr(model_config, "model_type", ""))
     held = 0.0
-    # what leaf layers would keep gathered with checkpointing (a warning where large; CPU ranks: not checked)
-    if stage == 3 and gpu_bytes and cfg.train.zero3_leaves != "false" and model_type in EAGER_LEAVES_TYPES:
+    # what leaf layers would keep gathered with checkpointing (auto: off where large; CPU ranks: not checked)
+    if stage == 3 and gpu_bytes and cfg.train.zero3_leaves != "false" and bool(cfg.model.gradient_checkpointing):
         off = (ds.get("zero_optimization") or {}).get("offload_param") or {}
         held = leaves_gathered_gib(shape_of_config(model_config).total_params, stage=stage,
                                    grad_ckpt=bool(cfg.model.gradient_checkpointing), world=world,

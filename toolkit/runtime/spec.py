@@ -337,19 +337,25 @@ def _run_checks(ds: dict[str, Any], cfg: Config, world: int) -> list[str]:
     return [f"warning: {f.key}: {f.message}" for f in findings if f.level == "warning"]
 
 
-def explain(config: str | None, ds: str, overrides: list[str], world_size: int, as_json: bool = False) -> int:
+def explain(config: str | None, ds: str, overrides: list[str], world_size: int, as_json: bool = False,
+            target: Machine | None = None) -> int:
     """`toolkit check DS --explain`: the run's resolved record for a training config and world size, on this
-    machine, without launching (the block a run prints first; --json: what it writes to resolved.json)."""
+    machine or on `target` (the GPU nodes, `Machine.target`), without launching (the block a run prints first;
+    --json: what it writes to resolved.json)."""
     from toolkit.config.schema import load_config
 
     notes = dist.prepare_env()  # the accelerator the run would pick (CPU ranks where no GPU is)
+    if target is not None:
+        notes = [f"resolved for {world_size} ranks on GPU nodes of {target.ranks_per_node} x {target.gpu_name}, "
+                 "not for this machine"]
     try:
         cfg = load_config(config, overrides)
         cfg.train.ds_config = ds
         if cfg.train.micro_batch_size == "auto":
             raise ConfigError("train.micro_batch_size=auto is found by probes at launch; give a number here (toolkit "
                               "plan predicts which fit) to see the rest of the run's settings")
-        spec = build_spec(read_inputs(cfg, world_size), ranks_per_node=world_size)  # one node, as a launch here
+        spec = build_spec(read_inputs(cfg, world_size), machine=target,
+                          ranks_per_node=world_size)  # one node, as a launch here
     except ConfigError as e:
         print(f"error: {e}")
         return 1
