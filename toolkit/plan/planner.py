@@ -665,10 +665,10 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
             return plain
     n = hw.world
     if c.stage == 3 and c.grad_ckpt and w.zero3_leaves == "auto" and not w.lora:
-        from toolkit.plan.speedups import LEAVES_GATHERED_SHARE, leaves_gathered_gib
+        from toolkit.plan.speedups import leaves_gathered_gib, too_gathered
 
         held = leaves_gathered_gib(s.total_params, stage=3, grad_ckpt=True, world=n, offload_param=c.offload == "all")
-        if held > LEAVES_GATHERED_SHARE * hw.gpu_mem_gib:  # as the run resolves auto (speedups.leaves_on)
+        if too_gathered(held, hw.gpu_mem_gib):  # as the run resolves auto (speedups.leaves_on)
             w = replace(w, zero3_leaves="false")
     stage, lora = c.stage, w.lora
     ep = w.expert_parallel

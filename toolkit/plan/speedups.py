@@ -65,6 +65,12 @@ def leaves_gathered_gib(total_params: int, *, stage: int, grad_ckpt: bool, world
     return 2.0 * total_params / 2**30 if stage == 3 and grad_ckpt and (world > 1 or offload_param) else 0.0
 
 
+def too_gathered(gathered_gib: float, gpu_gib: float) -> bool:
+    """Leaf layers kept gathered (`leaves_gathered_gib`) would hold more than LEAVES_GATHERED_SHARE of a GPU of
+    gpu_gib (0: not known, as on CPU ranks): auto takes hooks there, in the run (`leaves_on`) and the plan."""
+    return bool(gpu_gib) and gathered_gib > LEAVES_GATHERED_SHARE * gpu_gib
+
+
 def leaves_on(setting: str, *, stage: int, compiled: bool, blocked: str | None, model_type: str = "",
               objective: str = "sft", gathered_gib: float = 0.0, gpu_gib: float = 0.0) -> tuple[bool, str]:
     """`_leaves_on`, and where leaf layers would keep more than LEAVES_GATHERED_SHARE of the GPU gathered
@@ -72,7 +78,7 @@ def leaves_on(setting: str, *, stage: int, compiled: bool, blocked: str | None, 
     the reason under true."""
     on, why = _leaves_on(setting, stage=stage, compiled=compiled, blocked=blocked, model_type=model_type,
                          objective=objective)
-    if on and gpu_gib and gathered_gib > LEAVES_GATHERED_SHARE * gpu_gib:
+    if on and too_gathered(gathered_gib, gpu_gib):
         if setting == "auto":  # a default never takes what cannot fit: toolkit plan decides the same (planner.predict)
             return False, (f"train.zero3_leaves=auto: with checkpointing every leaf layer would stay gathered, "
                            f"{gathered_gib:.1f} GiB on a {gpu_gib:.0f} GiB GPU (more than half): a hook on each "

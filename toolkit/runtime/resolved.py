@@ -251,20 +251,25 @@ def leaves_choice(cfg: Config, ds: dict[str, Any], compiled: bool, model_config:
 
     stage = zero_stage(ds)
     model_type = str(getattr(model_config, "model_type", ""))
-    held = 0.0
-    # what leaf layers would keep gathered with checkpointing (auto: off where large; CPU ranks: not checked)
-    if stage == 3 and gpu_bytes and cfg.train.zero3_leaves != "false" and bool(cfg.model.gradient_checkpointing):
+
+    def decide(held: float) -> tuple[bool, str]:
+        try:
+            return leaves_on(cfg.train.zero3_leaves, stage=stage, compiled=compiled,
+                             blocked=leaves_blocked(lora=bool(cfg.lora.enabled), ds=ds),
+                             model_type=model_type, objective=cfg.train.objective, gathered_gib=held,
+                             gpu_gib=gpu_bytes / 2**30)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    on, why = decide(0.0)
+    # what leaf layers would keep gathered with checkpointing (auto: off where large; CPU ranks: not checked); the
+    # model's shape is read (on the meta device) only where leaves would otherwise be taken
+    if on and gpu_bytes and cfg.model.gradient_checkpointing:
         off = (ds.get("zero_optimization") or {}).get("offload_param") or {}
-        held = leaves_gathered_gib(shape_of_config(model_config).total_params, stage=stage,
-                                   grad_ckpt=bool(cfg.model.gradient_checkpointing), world=world,
-                                   offload_param=isinstance(off, dict) and off.get("device") in ("cpu", "nvme"))
-    try:
-        return leaves_on(cfg.train.zero3_leaves, stage=stage, compiled=compiled,
-                         blocked=leaves_blocked(lora=bool(cfg.lora.enabled), ds=ds),
-                         model_type=model_type, objective=cfg.train.objective, gathered_gib=held,
-                         gpu_gib=gpu_bytes / 2**30)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+        held = leaves_gathered_gib(shape_of_config(model_config).total_params, stage=stage, grad_ckpt=True,
+                                   world=world, offload_param=isinstance(off, dict) and off.get("device") in ("cpu", "nvme"))
+        return decide(held)
+    return on, why
 
 
 def tiled_mlp_choice(cfg: Config) -> tuple[bool, str]:

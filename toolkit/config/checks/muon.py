@@ -40,7 +40,7 @@ def rule_muon(c: Ctx) -> list[Finding]:
         elif clip == "auto" and c.consumer in ("hf-trainer", "accelerate"):
             out.append(_warn("gradient_clipping", f"\"auto\" takes the HF Trainer's max_grad_norm (1.0 unless set): "
                                                   f"{why}; run with max_grad_norm=0"))
-        elif not isinstance(clip, str) and isinstance(clip, (int, float)) and clip > 0:
+        elif isinstance(clip, (int, float)) and clip > 0:
             out.append(_err("gradient_clipping", f"{clip}: {why}; set it to 0"))
         elif clip == 0 and c.consumer in ("hf-trainer", "accelerate"):
             out.append(_warn("gradient_clipping", "0 (off, as Muon at ZeRO 1-3 needs): a plain HF Trainer raises on "
