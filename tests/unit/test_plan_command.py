@@ -109,7 +109,7 @@ def test_an_autoep_plan_writes_the_expert_parallel_block(tmp_path: Path, capsys:
     (["--model", "llama-1b", "--gpus", "0"], "--gpus must be at least 1"),
     (["--model", "llama-3-70b", "--gpus", "1", "--gpu-mem", "24", "--host-mem", "64"], "nothing fits"),
     (["--model", "llama-3-70b", "--gpus", "1", "--gpu-mem", "4"], "nothing fits in 4 GiB per GPU"),
-    (["--model", "gpt2-124m", "--gpus", "1", "--lora", "--lora-targets", "c_attn"], "toolkit plan models LoRA on llama"),
+    (["--model", "gpt2-124m", "--gpus", "1", "--lora", "--lora-targets", "c_attn"], "toolkit plan models LoRA on causal LM decoder layers"),
     (["--model", "gpt2-124m", "--gpus", "1", "--precision", "fp8"], "has none to convert (GPT-2: Conv1D)"),
     (["--model", "llama-1b", "--gpus", "3"], "does not split evenly over 3 ranks"),
 ])

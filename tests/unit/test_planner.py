@@ -240,9 +240,10 @@ def test_checkpointing_and_the_fused_loss_lower_the_peak() -> None:
 
 
 def test_one_layers_activations_match_the_anatomy_count() -> None:
-    """anatomy.md: 3.35 GiB saved for backward by 16 layers x 2048 tokens of llama-1b (sdpa, no Liger)."""
+    """anatomy.md: 3.35 GiB saved for backward by 16 layers x 2048 tokens of llama-1b (sdpa, no Liger), 108.7 kB a token
+    a layer; the trace of the model's own code gives 108,680 (the hand count was 108,672, less two fp32 rstd)."""
     per = pl.layer_activation_bytes(load_shape("llama-1b"), seq_len=512, attn="sdpa", liger=False, lora=None)
-    assert per == 108_672
+    assert per == 108_680
     assert abs(16 * 2048 * per / pl.GIB - 3.32) < 0.05
 
 

@@ -116,18 +116,14 @@ def _workload(args: Any) -> tuple[pl.Workload, pl.Hardware]:
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
-    kind = _model_type(args.model)
     if args.expert_parallel > 1 and args.stage is not None and args.stage != 3:
         raise ConfigError(f"--expert-parallel: toolkit plan models AutoEP at ZeRO-3 (where it was measured), "
                           f"not with --stage {args.stage}")
-    if args.expert_parallel > 1 and kind is not None and kind in pl.MOE_TYPES and kind not in EP_PRESETS:
-        raise ConfigError(f"--expert-parallel: DeepSpeed's AutoEP has no preset for {kind!r} (it has "
+    shape = load_shape(args.model)
+    if args.expert_parallel > 1 and shape.num_experts and shape.model_type not in EP_PRESETS:
+        raise ConfigError(f"--expert-parallel: DeepSpeed's AutoEP has no preset for {shape.model_type!r} (it has "
                           f"{', '.join(sorted(set(EP_PRESETS.values())))}); its layers need expert_parallel's own "
                           "layer pattern, which the plan does not write")
-    if kind is not None and kind not in pl.ACTIVATION_MODELS:  # before any meta-device read
-        raise ConfigError(f"toolkit plan has no activation model for model type {kind!r} "
-                          f"(it knows {', '.join(sorted(pl.ACTIVATION_MODELS))})")
-    shape = load_shape(args.model)
     if args.layers:  # every decoder layer has the same parameters: fewer layers, the same list
         if args.layers < 0:
             raise ConfigError(f"--layers must be at least 1, got {args.layers}")
@@ -337,7 +333,7 @@ def states_hint(w: pl.Workload, hw: pl.Hardware, chosen: pl.Prediction) -> str |
 
 def fp8_hint(w: pl.Workload, hw: pl.Hardware, chosen: pl.Prediction) -> str | None:
     """For a bf16 plan: what float8 would give on the same choice (it stays opt-in: it changes numerics)."""
-    if w.fp8 or w.lora is not None or w.shape.model_type not in pl.LLAMA_LIKE or w.objective != "sft":
+    if w.fp8 or w.lora is not None or w.shape.trace is None or w.shape.num_experts or w.objective != "sft":
         return None
     from dataclasses import replace
 

@@ -27,6 +27,19 @@ class LigerChoice:
         return line + (f" ({', '.join(off)} off: {self.reason})" if off else "")
 
 
+# The model types Liger patches (liger_kernel 0.8.5 monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN): what the planner and
+# `toolkit check --explain --gpu-mem` assume a CUDA run gets; a run reads the installed Liger's own table
+# (runtime/speed/kernels.supported_model_types).
+LIGER_MODEL_TYPES = frozenset({
+    "deepseek_v2", "deepseek_v3", "deepseek_v4", "exaone4", "falcon_h1", "gemma", "gemma2", "gemma3", "gemma3_text",
+    "gemma4", "gemma4_text", "glm4", "glm4v", "glm4v_moe", "gpt_oss", "granite", "hunyuan_v1_dense", "hunyuan_v1_moe",
+    "internvl", "llama", "llama4", "llama4_text", "llava", "ministral", "mistral", "mixtral", "mllama",
+    "mllama_text_model", "muse_glimmer", "nemotron", "olmo2", "olmo3", "paligemma", "phi3", "pixtral", "qwen2",
+    "qwen2_5_vl", "qwen2_5_vl_text", "qwen2_vl", "qwen2_vl_text", "qwen3", "qwen3_5", "qwen3_5_moe",
+    "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "qwen3_vl", "qwen3_vl_moe", "qwen3_vl_moe_text",
+    "qwen3_vl_text", "smollm3", "smolvlm",
+})
+
 # model.liger_fused_loss=auto on a Mixture-of-Experts model: off at up to this many tokens per micro-batch where the
 # logits fit without it. The fused loss costs about the same per micro-batch whatever its size (it walks the head's
 # gradient once per chunk, and the chunk count is vocabulary / hidden), so a small micro-batch pays it most. Measured

@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from toolkit.config.ds_config import SPEED_SIZES, ConfigError
-from toolkit.plan.liger import moe_fused_loss
-from toolkit.plan.shapes import ModelShape
+from toolkit.plan.liger import LIGER_MODEL_TYPES, moe_fused_loss
+from toolkit.plan.shapes import FORMULA_TYPES, ModelShape
 from toolkit.plan.speedups import (
     activation_offload_on,
     offload_pinned,
@@ -49,16 +49,9 @@ OFFLOADS: tuple[Offload, ...] = ("none", "optimizer", "all")
 # on the CPU; the planner looks for such splits itself.
 RATIOS = (1.0, 0.75, 0.5, 0.25)
 
-# Model families with an activation model here: RMSNorm + SwiGLU + rotary decoders (Liger patches all three),
-# GPT-2 (LayerNorm, Conv1D, tanh-GELU, dropout) and BERT (post-LayerNorm encoder, GELU, dropout; trained as a
-# sequence classifier). Others are refused with one line rather than guessed.
-LLAMA_LIKE = frozenset({"llama", "mistral", "qwen2"})
-# Mixture-of-Experts decoders: Llama-like attention and norms, experts in place of the MLP (transformers 5.x
-# grouped_mm). Their terms are ../shared/notes/moe.md section 5's, not yet compared with GPU runs.
-MOE_TYPES = frozenset({"qwen3_moe", "qwen2_moe", "mixtral", "olmoe"})
-DECODERS = LLAMA_LIKE | MOE_TYPES
-ACTIVATION_MODELS = DECODERS | {"gpt2", "bert"}
-LIGER_MODEL_TYPES = DECODERS  # Liger has kernels for each (liger_kernel MODEL_TYPE_TO_APPLY_LIGER_FN)
+# Activations: every causal LM's decoder layer is traced from its own code (toolkit/plan/trace.py; the shape carries
+# the trace); GPT-2 and BERT keep their counted formulas (shapes.FORMULA_TYPES). What cannot be traced is refused with
+# one line saying why.
 
 # -- constants from measurements ----------------------------------------------------------------
 # Memory the CUDA driver, NCCL and DeepSpeed's kernels hold outside PyTorch's allocator: NVML used
@@ -161,8 +154,11 @@ PCIE_BYTES_PER_S = 25e9
 # gradients, the gradient of the permuted input). Fitted to one measured peak, the reduced-layer Qwen3-30B-A3B shape
 # at micro 8 x seq 4096 on one H100, ZeRO-2 (58.5 GiB, run s39; the intermediate term alone predicted 53.9); with it
 # 58.9 there and the ZeRO-3 rows 57.9 against 55.9 (one H100, s39) and 42.3 against 42.0 (two H200s, s41):
-# bench/results/moe.md. Not checked on a model of another shape (Mixtral's experts are wider than its hidden size).
-MOE_BWD_HIDDENS = 5
+# bench/results/moe.md. Refitted to 3 (from 5) when the layer's saved bytes became the trace's (toolkit/plan/trace.py):
+# the trace counts Qwen3's q/k norms, 22 kB a token a layer that the earlier formula missed and this term had absorbed;
+# every row then as close as before (tests/unit/test_moe_model.py). Not checked on a model of another shape (Mixtral's
+# experts are wider than its hidden size).
+MOE_BWD_HIDDENS = 3
 # Offloaded checkpointed inputs (model.activation_offload): the layer inputs left on the GPU at once, the newest (kept
 # for the first backward) and the one before (its copy out in flight; no forward stash, toolkit/runtime/sequence/
 # offload.py). Pinned buffers: the copies out overlap compute, each copy back is waited for (PCIE_BYTES_PER_S; not
@@ -406,66 +402,47 @@ def layer_activation_bytes(shape: ModelShape, *, seq_len: int, attn: str, liger:
                            tiled_mlp: bool = False) -> float:
     """Bytes one decoder layer saves for backward, per token (bf16 activations).
 
-    GPT-2 and BERT: `_layernorm_layer_bytes`. The rest of this docstring is the Llama/Qwen2 layer.
-
-    Counted tensor by tensor from what autograd keeps in transformers' Llama/Qwen2 layer, and checked
-    against the live tensors at the peak of llama-1b (bench/results/anatomy.md: 3.35 GiB for 16 layers
-    x 2048 tokens = 108.7 kB per token per layer; this function gives 108.67 kB):
-      RMSNorm (HF): the fp32 copy of its input (4h), the bf16 normalized input the weight's gradient
-        needs (2h, only when the norm trains), and its output when a following linear saves its input;
-      RMSNorm (Liger): its input (2h) and the output where used;
-      attention (sdpa/flash): q, k, v (k and v at the kv heads' width), output, fp32 log-sum-exp;
-      attention (eager): q, k and v repeated to all heads, the fp32 softmax and its bf16 copy (6 bytes
-        per score), and its output only when o_proj saves its input;
-      MLP (HF): gate output, SiLU output, up output, and their product when down_proj saves its input;
-      MLP (Liger): gate and up outputs (the SiLU-mul kernel recomputes the rest), and the product.
-      MLP (tiled, DeepSpeed's TiledMLP): its input only; the rest exists for one tile at a time (predict()).
-    A linear saves its input only when its weight trains (full fine-tune) or it carries a LoRA adapter.
-    autocast (LoRA in adapter autocast mode: fp32 adapters, bf16 activations): PEFT's lora.Linear casts
-    its input to the adapter's dtype (`x = self._cast_input_dtype(x, lora_A.weight.dtype)`, fp32) and
-    autocast casts that back to bf16 for lora_A's matmul, a new tensor per adapter, which lora_A saves.
-    So each targeted linear keeps its own bf16 copy of its input, and the input the targeted linears
-    share (the norm's output) is not kept by anyone: 2 x in_features per targeted linear, q_proj and
-    v_proj together 4h where DeepSpeed's bf16 mode keeps one 2h. Counted with saved_tensors_hooks on a
-    Qwen2-0.5B layer under CPU autocast (peft 0.21): two (tokens, 896) bf16 tensors, one with the cast
-    disabled (cast_input_dtype_enabled=False).
+    GPT-2 and BERT: `_layernorm_layer_bytes`. Every other causal LM: its trace (toolkit/plan/trace.py), the storages
+    its own code keeps on fake tensors, with the kernels the run swaps in substituted there (flash attention, Liger's
+    RMSNorm and gated MLP). The trace of llama-1b gives 108,680 bytes a token; the live tensors at the peak of a real
+    run measured 108.7 kB (bench/results/anatomy.md: 3.35 GiB for 16 layers x 2048 tokens). On top of the trace:
+      LoRA: the base is traced frozen; a targeted linear keeps its input, once per distinct input tensor (q, k and v
+        share theirs) unless something else keeps it already, and lora_A's output (r values), which lora_B saves;
+      autocast (LoRA in adapter autocast mode: fp32 adapters, bf16 activations): PEFT's lora.Linear casts its input
+        to the adapter's dtype (`x = self._cast_input_dtype(x, lora_A.weight.dtype)`, fp32) and autocast casts that
+        back to bf16 for lora_A's matmul, a new tensor per adapter, which lora_A saves: 2 x in_features per targeted
+        linear, and the shared input is kept by no one. Counted with saved_tensors_hooks on a Qwen2-0.5B layer under
+        CPU autocast (peft 0.21): two (tokens, 896) bf16 tensors, one with the cast disabled;
+      eager attention: the trace at two lengths gives its per-token bytes as a + b x seq_len (the S x S softmax);
+      tiled MLP (DeepSpeed's TiledMLP): the MLP keeps its input only; the rest exists for one tile at a time.
+    compiled: inductor fuses what Liger's kernels fuse, and keeps about what they keep (the caller passes liger).
     """
-    if shape.model_type not in DECODERS:
-        return _layernorm_layer_bytes(shape, seq_len=seq_len, attn=attn, compiled=compiled)
-    h, inter = shape.hidden_size, shape.intermediate_size
-    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    full = lora is None
-
-    def saves_input(*names: str) -> bool:
-        return full or any(n in lora.targets for n in names)
-
-    def inputs_saved(*names: str) -> int:
-        """Copies kept of the input these linears share: one, or one per adapter under autocast."""
-        if autocast and lora is not None:
-            return sum(n in lora.targets for n in names)
-        return 1 if saves_input(*names) else 0
-
-    norm = 2 * h if liger else 4 * h + (2 * h if full else 0)
-    total = 2 * norm
-    total += 2 * h * inputs_saved("q_proj", "k_proj", "v_proj")
-    total += 2 * h if tiled_mlp else 2 * h * inputs_saved("gate_proj", "up_proj")
+    if shape.trace is None:
+        if shape.model_type in FORMULA_TYPES:
+            return _layernorm_layer_bytes(shape, seq_len=seq_len, attn=attn, compiled=compiled)
+        raise ConfigError(no_activation_model(shape))
+    t, h = shape.trace, shape.hidden_size
+    variant = f"{'liger' if liger else 'plain'}-{'full' if lora is None else 'frozen'}"
+    total = t["layer"][variant]
+    if tiled_mlp:
+        total += 2 * h - t["parts"][variant].get("mlp", 0.0)
     if attn == "eager":
-        total += 3 * 2 * q + 6 * shape.num_heads * seq_len + 2 * q * inputs_saved("o_proj")
-    else:
-        # sdpa/flash keep their output themselves; an o_proj adapter under autocast keeps its own copy
-        total += 2 * q + 2 * 2 * kv + 2 * q + 4 * shape.num_heads
-        total += 2 * q if (autocast and lora is not None and "o_proj" in lora.targets) else 0
-    if shape.num_experts:
-        # grouped_mm experts (transformers.integrations.moe): per token and routed expert, the sorted input and
-        # output (2h) and the gate/up/activation tensors (3 x intermediate), bf16; and the router's fp32
-        # probabilities over every expert, kept for the load-balancing loss (on by default: moe.aux_loss_coef)
-        total += 2 * shape.experts_per_token * (2 * h + 3 * shape.expert_intermediate) + 4 * shape.num_experts
-    elif not tiled_mlp:
-        total += (2 if liger else 3) * 2 * inter + (2 * inter if saves_input("down_proj") else 0)
-    if lora is not None:  # lora_A's output, saved by lora_B: r values per targeted linear
-        total += sum(2 * lora.r for name, _, _ in shape.linears if name.rsplit(".", 1)[-1] in lora.targets
-                     and not (tiled_mlp and name.rsplit(".", 1)[-1] in ("gate_proj", "up_proj", "down_proj")))
+        total += t["eager"][0] + t["eager"][1] * seq_len
+    if lora is not None:
+        targets = [x for x in t["linears"] if x[0].rsplit(".", 1)[-1] in lora.targets
+                   and not (tiled_mlp and x[0].startswith("mlp."))]
+        if autocast:
+            total += sum(2 * fin for _, fin, _, _ in targets)
+        else:
+            total += sum(2 * fin for fin, kept in {g: (fin, kept) for _, fin, g, kept in targets}.values() if not kept)
+        total += 2 * lora.r * len(targets)
     return float(total)
+
+
+def no_activation_model(shape: ModelShape) -> str:
+    why = shape.trace_error or ("toolkit plan models causal LMs and BERT" if shape.task == "causal_lm"
+                                else f"it is not a causal LM (task {shape.task})")
+    return f"toolkit plan has no activation model for model type {shape.model_type!r}: {why}"
 
 
 def attention_backward_bytes(shape: ModelShape, *, lora: Lora | None, autocast: bool) -> float:
@@ -523,12 +500,12 @@ def _layernorm_layer_bytes(shape: ModelShape, *, seq_len: int, attn: str, compil
 
 def _final_norm_bytes(shape: ModelShape, *, liger: bool, full: bool, head_saves_input: bool) -> float:
     h = shape.hidden_size
-    if shape.model_type not in LLAMA_LIKE:
-        # GPT-2: ln_f keeps its input, the embedding dropout its mask; BERT: the embeddings' LayerNorm and dropout
-        # (its classifier reads one token)
-        return float(2 * h + 8 + h + (2 * h if head_saves_input else 0))
-    norm = 2 * h if liger else 4 * h + (2 * h if full else 0)
-    return float(norm + (2 * h if head_saves_input else 0))
+    if shape.trace is not None:  # the final norm's saved tensors, traced; the head's input where the head trains
+        return float(shape.trace["final"][f"{'liger' if liger else 'plain'}-{'full' if full else 'frozen'}"]
+                     + (2 * h if head_saves_input else 0))
+    # GPT-2: ln_f keeps its input, the embedding dropout its mask; BERT: the embeddings' LayerNorm and dropout
+    # (its classifier reads one token)
+    return float(2 * h + 8 + h + (2 * h if head_saves_input else 0))
 
 
 def fp8_saved_bytes(shape: ModelShape, recipe: str) -> float:
@@ -583,6 +560,11 @@ def leaves(w: Workload, stage: int) -> bool:
         return False
 
 
+def tiles_mlp(w: Workload) -> bool:
+    """model.tiled_mlp applies: a traced decoder's dense MLP (MoE blocks are not tiled: sequence/tiling.py)."""
+    return w.tiled_mlp and w.shape.trace is not None and not w.shape.num_experts
+
+
 def split_by_hooks(w: Workload, stage: int) -> bool:
     """Compiled layers that ZeRO-3's hooks on every submodule split into a graph per module: at ZeRO-3 where the
     layers are not leaf modules."""
@@ -599,7 +581,7 @@ def _liger(w: Workload, stage: int) -> tuple[bool, bool]:
                objective=w.objective)
     # compiled, inductor fuses RMSNorm, SwiGLU and RoPE where Liger's kernels would (the same peak within 1.4%:
     # llama-1b micro 16, 59.4 GiB compiled against 58.6 with Liger, run s20): the activations Liger's keep
-    layers = bool(c.kwargs.get("rms_norm")) or (compiled(w, stage) and w.shape.model_type in DECODERS)
+    layers = bool(c.kwargs.get("rms_norm")) or (compiled(w, stage) and w.shape.trace is not None)
     return layers, bool(c.kwargs.get("fused_linear_cross_entropy"))
 
 
@@ -641,11 +623,10 @@ def _gathered_bytes(shape: ModelShape, n: int, sizes: ZeroSizes, offload_param: 
 def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     """Per-rank GPU peak (allocated), GPU need and host RSS for one choice."""
     s = w.shape
-    if s.model_type not in ACTIVATION_MODELS:
-        raise ConfigError(f"toolkit plan has no activation model for model type {s.model_type!r} "
-                          f"(it knows {', '.join(sorted(ACTIVATION_MODELS))})")
-    if s.model_type not in DECODERS and w.lora is not None:
-        raise ConfigError(f"toolkit plan models LoRA on {', '.join(sorted(DECODERS))} layers, not {s.model_type!r}")
+    if s.trace is None and s.model_type not in FORMULA_TYPES:
+        raise ConfigError(no_activation_model(s))
+    if s.trace is None and w.lora is not None:
+        raise ConfigError(f"toolkit plan models LoRA on causal LM decoder layers, not {s.model_type!r}")
     if w.objective != "sft" and (s.task != "causal_lm" or w.sequence_parallel > 1 or w.fp8 or s.num_experts):
         raise ConfigError("toolkit plan models preference and RL objectives on dense causal LMs in bf16 without "
                           "sequence parallelism (as the runs support them)")
@@ -655,7 +636,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     if w.fp8 and s.num_experts:
         raise ConfigError("toolkit plan models float8 (train.precision=fp8) on dense models: it converts nn.Linear, "
                           "and a Mixture-of-Experts model's experts are not")
-    if w.fp8 and s.model_type not in LLAMA_LIKE:
+    if w.fp8 and s.trace is None:
         raise ConfigError(f"float8 (train.precision=fp8) converts nn.Linear in causal LMs; {s.model_type!r} has "
                           "none to convert (GPT-2: Conv1D) or is not a causal LM (BERT)")
     if s.num_experts and w.fused_loss == "auto":  # the run's rule (toolkit/plan/liger.py moe_fused_loss)
@@ -735,10 +716,10 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
         held = (4.0 if autocast else 2.0) * t_all / (1 if stage == 0 else n)
 
     # ---- activations ---------------------------------------------------------------------------------
-    tiled = w.tiled_mlp and s.model_type in LLAMA_LIKE  # MoE blocks are not tiled (sequence/tiling.py)
+    tiled = tiles_mlp(w)
     per_layer = layer_activation_bytes(s, seq_len=w.seq_len, attn=w.attn, liger=fused, lora=lora, autocast=autocast,
                                        compiled=comp, tiled_mlp=tiled)
-    if split_by_hooks(w, stage) and s.model_type in DECODERS:
+    if split_by_hooks(w, stage) and s.trace is not None:
         # Under LoRA the layers are not ZeRO-3 leaves, DeepSpeed's hooks split a compiled layer into a graph per
         # module, and less fuses: llama-1b micro 16 peaked at 66.5 GiB compiled against 57.6 eager with Liger (run
         # s23, no leaves), between Liger's per-layer bytes and eager transformers' (the mean gives 67.0). As leaves
@@ -823,7 +804,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     # the top layer's backward: its recomputed activations with its MLP's gradients (all layers' saved
     # activations without checkpointing), the loss's kept tensors, the reduce buckets
     top_act, top_loss, top_buckets = saved + recompute + mlp_bwd, kept_loss, buckets
-    if c.grad_ckpt and s.model_type in LLAMA_LIKE:
+    if c.grad_ckpt and s.trace is not None and not s.num_experts:
         top_act, top_loss, top_buckets = _checkpointed_top(
             s, lora, w.attn, tokens=tokens, kept=kept, offloaded=bool(offloaded), autocast=autocast, fused=fused,
             mlp=recompute + mlp_bwd, kept_head=kept_head, buckets=buckets)
@@ -1068,7 +1049,7 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
         forwards += 1
     if tiled_loss:  # each tile's logits computed again in backward
         flops += 2.0 * s.hidden_size * s.vocab_size
-    if w.tiled_mlp and s.model_type in LLAMA_LIKE:
+    if tiles_mlp(w):
         flops += 6.0 * s.hidden_size * s.intermediate_size * s.num_layers  # each MLP forward once more
     if pref:  # the chunked head's logits once more in backward; the reference's forward where it runs one
         flops += 2.0 * s.hidden_size * s.vocab_size
@@ -1138,7 +1119,7 @@ def _hook_time_s(w: Workload, c: Choice, hw: Hardware, offload_param: bool) -> f
     partition to the GPU (DeepSpeed releases it after each call)."""
     s = w.shape
     owners, mlp_owners, mlp_numel = _modules(s, w.lora)
-    if w.tiled_mlp and s.model_type in LLAMA_LIKE:  # each tile: ceil(row tokens / hidden) of them
+    if tiles_mlp(w):  # each tile: ceil(row tokens / hidden) of them
         mlp_calls = math.ceil(w.seq_len / w.sequence_parallel / s.hidden_size) * (2 + c.grad_ckpt)
     else:
         mlp_calls = 2

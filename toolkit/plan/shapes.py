@@ -28,7 +28,7 @@ from typing import Any
 from toolkit.config.ds_config import ConfigError
 
 SHAPES_FILE = Path(__file__).with_name("model_shapes.json")
-SHAPE_VERSION = 3  # bump when ModelShape changes: cached and committed shapes are then read again
+SHAPE_VERSION = 4  # bump when ModelShape changes: cached and committed shapes are then read again
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,10 @@ class ModelShape:
     experts_per_token: int = 0
     expert_intermediate: int = 0
     """One expert's intermediate size (Qwen-MoE's moe_intermediate_size; Mixtral's and OLMoE's intermediate_size)."""
+    trace: dict[str, Any] | None = None
+    """What a decoder layer saves for backward, traced from the model's own code (toolkit/plan/trace.py); None for
+    the families with a counted formula (FORMULA_TYPES) and where the trace failed (trace_error says why)."""
+    trace_error: str = ""
 
     @property
     def active_params(self) -> int:
@@ -110,6 +114,9 @@ def task_of(model_type: str) -> str:
 
 
 ENCODERS = frozenset({"bert"})
+# Families whose activations stay a counted formula (planner._layernorm_layer_bytes): GPT-2 and BERT, LayerNorm blocks
+# with dropout, each checked against GPU peaks; the trace would also run their dropout on the CPU's math attention.
+FORMULA_TYPES = frozenset({"gpt2", "bert"})
 
 
 def read_shape(mc: Any) -> ModelShape:
@@ -146,6 +153,7 @@ def read_shape(mc: Any) -> ModelShape:
                     if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")
     hidden = int(_cfg(mc, "hidden_size", "n_embd"))
     heads = int(_cfg(mc, "num_attention_heads", "n_head"))
+    trace, trace_error = _traced(mc, task)
     top_k = int(getattr(mc, "num_experts_per_tok", None) or 0)
     experts = int(getattr(mc, "num_experts", None) or getattr(mc, "num_local_experts", None) or 0) if top_k else 0
     return ModelShape(
@@ -168,7 +176,21 @@ def read_shape(mc: Any) -> ModelShape:
         experts_per_token=top_k,
         expert_intermediate=int(getattr(mc, "moe_intermediate_size", None) or getattr(mc, "intermediate_size", 0))
         if experts else 0,
+        trace=trace,
+        trace_error=trace_error,
     )
+
+
+def _traced(mc: Any, task: str) -> tuple[dict[str, Any] | None, str]:
+    """The activation trace of a causal LM outside FORMULA_TYPES, or why there is none."""
+    if task != "causal_lm" or str(mc.model_type) in FORMULA_TYPES:
+        return None, ""
+    from toolkit.plan.trace import TraceError, trace_layers
+
+    try:
+        return trace_layers(mc), ""
+    except TraceError as e:
+        return None, f"its layers could not be traced on fake tensors ({e})"
 
 
 def _cfg(mc: Any, *names: str, default: Any = ...) -> Any:

@@ -65,7 +65,7 @@ class Machine:
         """A GPU node described as `toolkit plan` takes it (--gpu-mem, --gpus, --host-mem), for `toolkit check
         --explain` on a machine without those GPUs (a login node): CUDA, bf16, torch's variable-length attention,
         Liger for the types the planner counts it on, an SM 9.0 card (H100/H200)."""
-        from toolkit.plan.planner import LIGER_MODEL_TYPES
+        from toolkit.plan.liger import LIGER_MODEL_TYPES
 
         return cls(True, True, tuple(sorted(LIGER_MODEL_TYPES)), int(gpu_mem_gib * 2**30),
                    None if host_mem_gib is None else host_mem_gib * 2**30, gpus_per_node, True, (9, 0),

@@ -1,0 +1,305 @@
+"""What a decoder layer saves for backward, read from the model's own code: one forward of a few layers on fake
+tensors (no memory, no GPU, about a second), counting the storages autograd keeps (`saved_tensors_hooks`).
+
+Why a trace and not a formula per family: a formula is right only for the family it was counted on. Qwen3's q/k norms
+keep 26% more than the Llama formula says, Phi-3 copies its attention output, Gemma has four norms a layer
+(../shared/notes/generic_planner.md). The trace reproduces the Llama layer that was checked on a GPU (108,680 bytes a
+token against 108.7 kB measured, bench/results/anatomy.md) and reads any other family the same way.
+
+What the trace cannot see on a CPU it substitutes (each a small autograd.Function that saves what the real kernel
+saves, so the count stays the count of storages):
+- attention: `scaled_dot_product_attention` saves q, k, v, its output and an fp32 log-sum-exp per query and head, as
+  CUDA's flash and memory-efficient kernels do (on the CPU a masked call falls back to the math kernel, S x S);
+- Liger's kernels (Triton, not runnable on fake tensors): its RMSNorm keeps its input and an fp32 rstd per row
+  (LigerRMSNormFunction), its SwiGLU/GeGLU MLP keeps gate and up outputs (LigerSiLUMulFunction).
+Kept whole per variant: {plain, liger} x {full fine-tune, frozen base} in bytes per token, split by the layer's
+children (attention, MLP, norms) so tiled MLPs can swap the MLP's share, plus every Linear's input (which storage it
+is, whether anything else keeps it) so LoRA on any set of targets is counted without tracing PEFT (which cannot run
+on fake tensors), and eager attention's bytes per token at two lengths (its S x S term).
+
+Pitfalls handled (the note's): transformers treats fake tensors as tracing and builds a 4-D mask for an unpacked batch
+(`find_packed_sequence_indices` is answered None while tracing); the meta device is never used (no fused attention).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+TRACE_VERSION = 1
+TRACE_SEQ = 256  # bytes per token do not depend on the length with fused attention (the note: 256 to 2,048 equal)
+EAGER_SEQS = (256, 512)  # eager attention's S x S term: two lengths give its slope
+MIDDLE = 3  # layers traced between the first and the last (which carry the stack's own tensors: rotary, the output)
+
+
+class TraceError(RuntimeError):
+    """The model's code could not run on fake tensors (a data-dependent shape, a custom kernel)."""
+
+
+def trace_layers(mc: Any) -> dict[str, Any]:
+    """Trace a causal LM described by the HF config `mc` (a copy with a few layers is built on fake tensors).
+
+    Returns {"version", "layer": {variant: bytes/token}, "parts": {variant: {child: bytes/token}},
+    "final": {variant: bytes/token}, "linears": [[name, in_features, group, kept_by_frozen]], "eager": [a, b]}
+    where variant is "<plain|liger>-<full|frozen>" and eager attention adds a + b x seq_len bytes a token.
+    """
+    import torch
+
+    out: dict[str, Any] = {"version": TRACE_VERSION, "layer": {}, "parts": {}, "final": {}}
+    try:
+        for liger in (False, True):
+            for full in (True, False):
+                key = f"{'liger' if liger else 'plain'}-{'full' if full else 'frozen'}"
+                r = _trace(mc, seq=TRACE_SEQ, liger=liger, full=full, attn="sdpa", linears=not liger and not full)
+                out["layer"][key], out["parts"][key], out["final"][key] = r["layer"], r["parts"], r["final"]
+                if "linears" in r:
+                    out["linears"] = r["linears"]
+        eager = [_trace(mc, seq=s, liger=False, full=True, attn="eager")["layer"] for s in EAGER_SEQS]
+    except TraceError:
+        raise
+    except Exception as e:  # the model's own code failed on fake tensors
+        raise TraceError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    slope = (eager[1] - eager[0]) / (EAGER_SEQS[1] - EAGER_SEQS[0])
+    base = eager[0] - slope * EAGER_SEQS[0]
+    out["eager"] = [base - out["layer"]["plain-full"], slope]
+    del torch
+    return out
+
+
+def _layer_count(mc: Any) -> int:
+    """Layers to build: the first, MIDDLE, the last; at least two of every layer type in the middle."""
+    types = getattr(mc, "layer_types", None)
+    cycle = len(dict.fromkeys(types)) if types else 1
+    return 2 + max(MIDDLE, 2 * cycle)
+
+
+def _small_config(mc: Any, layers: int) -> Any:
+    cfg = copy.deepcopy(mc)
+    cfg.num_hidden_layers = layers
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        pattern = list(types)
+        # keep the model's own interleaving (e.g. five sliding layers, one full)
+        cfg.layer_types = [pattern[i % len(pattern)] for i in range(layers)]
+    for name in ("mlp_only_layers",):
+        if getattr(cfg, name, None):
+            setattr(cfg, name, [i for i in getattr(cfg, name) if i < layers])
+    return cfg
+
+
+def _trace(mc: Any, *, seq: int, liger: bool, full: bool, attn: str, linears: bool = False) -> dict[str, Any]:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    n = _layer_count(mc)
+    cfg = _small_config(mc, n)
+    with FakeTensorMode(), _quiet_transformers(), _no_packed_mask():
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation=attn)
+        base = getattr(model, model.base_model_prefix, model)
+        layers = _decoder_layers(base, n)
+        for p in model.parameters():
+            p.requires_grad_(full)
+        if liger:
+            _liger_like(base)  # the layers' norms and MLPs and the final norm, as Liger patches the instance
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        params |= {b.untyped_storage()._cdata for b in model.buffers()}
+        where: list[tuple[int, str] | None] = [None]
+        owner: dict[int, tuple[tuple[int, str] | str, int]] = {}
+        keep: list[Any] = []
+        done = [False]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            st = t.untyped_storage()
+            key = st._cdata
+            if key not in params and key not in owner:
+                tag = where[0] if where[0] is not None else ("final" if done[0] else "stack")
+                owner[key] = (tag, st.nbytes())
+                keep.append(t)
+            return t
+
+        hooks = []
+        for i, layer in enumerate(layers):
+            hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: where.__setitem__(0, (i, "other"))))
+            hooks.append(layer.register_forward_hook(_after_layer(where, done, i, n)))
+            for child_name, child in layer.named_children():
+                hooks.append(child.register_forward_pre_hook(
+                    lambda m, a, i=i, c=child_name: where.__setitem__(0, (i, c))))
+                hooks.append(child.register_forward_hook(
+                    lambda m, a, o, i=i: where.__setitem__(0, (i, "other"))))
+        seen_linears: list[tuple[str, int, int]] = []
+        if linears:
+            mid = layers[n // 2]
+            for name, mod in mid.named_modules():
+                if isinstance(mod, torch.nn.Linear):
+                    hooks.append(mod.register_forward_pre_hook(
+                        lambda m, a, name=name: _note_input(seen_linears, keep, name, m, a[0])))
+        embeds = torch.empty(1, seq, _hidden(cfg), dtype=torch.bfloat16, requires_grad=True)
+        keep.append(embeds)
+        params.add(embeds.untyped_storage()._cdata)  # the input of the stack, not an activation of it
+        with _flash_like_sdpa(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            base(inputs_embeds=embeds, use_cache=False)
+        for h in hooks:
+            h.remove()
+    middle = range(1, n - 1)
+    per_layer = [0 for _ in range(n)]
+    parts: dict[str, int] = {}
+    final = 0
+    for tag, nbytes in owner.values():
+        if isinstance(tag, tuple):
+            per_layer[tag[0]] += nbytes
+            if tag[0] in middle:
+                parts[tag[1]] = parts.get(tag[1], 0) + nbytes
+        elif tag == "final":
+            final += nbytes
+    r: dict[str, Any] = {"layer": sum(per_layer[i] for i in middle) / len(middle) / seq,
+                         "parts": {k: v / len(middle) / seq for k, v in parts.items()},
+                         "final": final / seq}
+    if linears:
+        groups: dict[int, int] = {}
+        r["linears"] = [[name, fin, groups.setdefault(key, len(groups)), key in owner]
+                        for name, fin, key in seen_linears]
+    return r
+
+
+def _note_input(seen: list, keep: list, name: str, mod: Any, x: Any) -> None:
+    keep.append(x)  # alive to the end, so no later storage takes its address (the key)
+    seen.append((name, mod.in_features, x.untyped_storage()._cdata))
+
+
+def _after_layer(where: list, done: list, i: int, n: int):
+    def hook(m: Any, a: Any, o: Any) -> None:
+        where[0] = None
+        if i == n - 1:
+            done[0] = True
+    return hook
+
+
+def _hidden(cfg: Any) -> int:
+    for name in ("hidden_size", "n_embd", "d_model"):
+        if getattr(cfg, name, None):
+            return int(getattr(cfg, name))
+    raise TraceError("the config has no hidden size")
+
+
+def _decoder_layers(base: Any, n: int) -> list[Any]:
+    import torch
+
+    for _, mod in base.named_children():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) == n:
+            return list(mod)
+    for _, mod in base.named_modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) == n:
+            return list(mod)
+    raise TraceError(f"no list of {n} decoder layers in {type(base).__name__}")
+
+
+@contextlib.contextmanager
+def _no_packed_mask() -> Iterator[None]:
+    """transformers' `is_tracing` is true for fake tensors, so it looks for packed sequences and builds a 4-D mask:
+    an unpacked batch on a GPU has none (the note's pitfall 1: +9.4% on llama-1b)."""
+    import transformers.masking_utils as mu
+
+    old = getattr(mu, "find_packed_sequence_indices", None)
+    if old is None:
+        yield
+        return
+    mu.find_packed_sequence_indices = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        mu.find_packed_sequence_indices = old
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
+
+@contextlib.contextmanager
+def _flash_like_sdpa() -> Iterator[None]:
+    """`scaled_dot_product_attention` saving what CUDA's fused kernels save, whatever path the CPU would take."""
+    import torch
+    import torch.nn.functional as F
+
+    orig = F.scaled_dot_product_attention
+
+    class FlashLike(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, q: Any, k: Any, v: Any, kwargs: dict) -> Any:
+            out = orig(q, k, v, **kwargs)
+            lse = q.new_empty(out.shape[:-1], dtype=torch.float32)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:  # never run: the trace is forward only
+            raise NotImplementedError
+
+    def sdpa(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> Any:
+        names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        kwargs.update(zip(names, args, strict=False))
+        kwargs["dropout_p"] = 0.0  # CUDA's kernels keep dropout inside (an rng state, not a mask)
+        return FlashLike.apply(q, k, v, kwargs)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = orig
+
+
+def _liger_like(base: Any) -> None:
+    """Swap the RMSNorms and gated MLPs for modules that save what Liger's kernels save."""
+    import torch
+
+    class RMSNormLike(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Any, like: Any) -> Any:
+            rstd = x.new_empty(x.shape[:-1], dtype=torch.float32)
+            ctx.save_for_backward(x, rstd)
+            return like(x)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            raise NotImplementedError
+
+    class GatedLike(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, a: Any, b: Any) -> Any:
+            ctx.save_for_backward(a, b)
+            return a * b  # the value's exact form does not matter to what is saved
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            raise NotImplementedError
+
+    def norm_forward(mod: Any) -> Any:
+        def forward(x: Any) -> Any:
+            return RMSNormLike.apply(x, lambda y: torch.empty_like(y))
+        return forward
+
+    def mlp_forward(mod: Any) -> Any:
+        def forward(x: Any) -> Any:
+            if hasattr(mod, "gate_up_proj"):
+                a, b = mod.gate_up_proj(x).chunk(2, dim=-1)
+            else:
+                a, b = mod.gate_proj(x), mod.up_proj(x)
+            return mod.down_proj(GatedLike.apply(a, b))
+        return forward
+
+    for _, mod in base.named_modules():
+        if "RMSNorm" in type(mod).__name__:
+            mod.forward = norm_forward(mod)
+        elif isinstance(getattr(mod, "down_proj", None), torch.nn.Linear) and (
+                hasattr(mod, "gate_up_proj") or hasattr(mod, "gate_proj")):
+            mod.forward = mlp_forward(mod)
