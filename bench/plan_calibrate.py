@@ -177,6 +177,14 @@ LEAVES: tuple[Config, ...] = (
       for g in (1, 2, 4) for m, ck in ((2, False), (8, True)) for lv in ("false", "true")),
     Config("lv-q15-z3-s4096-m4-1gpu-true", Q15, 4096, 4, 1, 3, extra=("train.zero3_leaves=true", "train.compile=off")),
 )
+# Families the planner knows only from their own code (issue 60, toolkit/plan/trace.py), run with --only: Qwen3-4B and
+# Phi-3-mini at full width in 12 of their layers, Gemma-3-1B whole; seq 4,096, ZeRO-2 and ZeRO-3, with and without
+# checkpointing, one GPU.
+Q3_4, P3, GM3 = "qwen3-4b", "phi3-mini", "gemma3-1b"
+FAMILIES: tuple[Config, ...] = tuple(
+    Config(f"f-{tag}-z{stage}-s4096-m{m}{'-ckpt' * ck}", model, 4096, m, 1, stage, ckpt=ck, layers=layers)
+    for tag, model, layers in (("q3-4b-l12", Q3_4, 12), ("p3-l12", P3, 12), ("g3-1b", GM3, 0))
+    for stage in (2, 3) for m, ck in ((4, False), (16, True)))
 SMOKE: tuple[Config, ...] = (
     Config("tiny-z2", "tiny", 64, 2, 2, 2, gpus=2),
     Config("tiny-z3all", "tiny", 64, 2, 1, 3, "all", gpus=2),
@@ -332,7 +340,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     configs = SMOKE if smoke else CONFIGS
     if a.only:
         wanted = a.only.split(",")
-        configs = tuple(c for c in (SMOKE if smoke else CONFIGS + LONG + VALIDATE + LEAVES) if c.name in wanted)
+        configs = tuple(c for c in (SMOKE if smoke else CONFIGS + LONG + VALIDATE + LEAVES + FAMILIES) if c.name in wanted)
         configs = tuple(sorted(configs, key=lambda c: wanted.index(c.name)))  # in the order asked
     if a.set:  # e.g. train.stop_after=1, then train.resume=latest: a run longer than one device command
         configs = tuple(dataclasses.replace(c, extra=(*c.extra, *a.set)) for c in configs)

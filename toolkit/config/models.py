@@ -56,6 +56,21 @@ PRESETS: dict[str, dict[str, Any]] = {
                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                        max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-5,
                        sliding_window=None, tie_word_embeddings=False),
+    # Families the planner knows only from their own code (issue 60: traced, toolkit/plan/trace.py), as their published
+    # configs give them: Qwen3 (q/k norms, head dim 128 over a 2,560 hidden), Phi-3 (fused qkv and gate/up projections),
+    # Gemma 3 (four norms a layer, five sliding-window layers to one global, a 262K vocabulary).
+    "qwen3-4b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                     tie_word_embeddings=True),
+    "phi3-mini": dict(model_type="phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                      max_position_embeddings=4096, rope_theta=10_000.0, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False),
+    "gemma3-1b": dict(model_type="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                      num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                      max_position_embeddings=32768, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                      sliding_window=512, query_pre_attn_scalar=256, rms_norm_eps=1e-6, tie_word_embeddings=True),
     # Mixture-of-Experts shapes (issue 32), random init as the dense presets; tiny ones for CPU tests, with every
     # MoE field set (the families' defaults are the full models': Qwen3-MoE's moe_intermediate_size is 768).
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,

@@ -40,6 +40,7 @@ from toolkit.plan.speedups import (
     tiled_loss_on,
     tiled_loss_tile,
 )
+from toolkit.plan.trace import TRACE_SEQ
 
 GIB = float(1 << 30)
 Offload = Literal["none", "optimizer", "all"]
@@ -426,7 +427,9 @@ def layer_activation_bytes(shape: ModelShape, *, seq_len: int, attn: str, liger:
     total = t["layer"][variant]
     if tiled_mlp:
         total += 2 * h - t["parts"][variant].get("mlp", 0.0)
-    if attn == "eager":
+    if t.get("attention") == "eager":  # no fused path: traced eager at TRACE_SEQ tokens
+        total += t["eager"][1] * (seq_len - TRACE_SEQ)
+    elif attn == "eager":
         total += t["eager"][0] + t["eager"][1] * seq_len
     if lora is not None:
         targets = [x for x in t["linears"] if x[0].rsplit(".", 1)[-1] in lora.targets

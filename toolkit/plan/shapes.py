@@ -67,10 +67,13 @@ class ModelShape:
 
     @property
     def active_params(self) -> int:
-        """Parameters one token runs through: all but the experts it is not routed to (3 x hidden x intermediate
-        per expert: gate, up, down)."""
-        idle = self.num_experts - self.experts_per_token
-        return self.total_params - self.num_layers * idle * 3 * self.hidden_size * self.expert_intermediate
+        """Parameters one token runs through: all but the experts it is not routed to (the layer's `experts`
+        parameters, an equal share each)."""
+        if not self.num_experts:
+            return self.total_params
+        experts = sum(n for name, n in self.layer_params if ".experts." in f".{name}")
+        idle = experts * (self.num_experts - self.experts_per_token) // self.num_experts
+        return self.total_params - self.num_layers * idle
 
     @property
     def layer_numel(self) -> int:
@@ -127,12 +130,23 @@ def read_shape(mc: Any) -> ModelShape:
     from transformers.initialization import no_init_weights
 
     task = task_of(str(mc.model_type))
+    if getattr(mc, "text_config", None) is not None and not hasattr(mc, "num_hidden_layers"):
+        text = getattr(mc.text_config, "model_type", "its text model")
+        raise ConfigError(f"{mc.model_type!r} is multimodal: toolkit plan models its language model alone; plan a "
+                          f"config of model_type {text!r}")
     auto = AutoModelForSequenceClassification if task == "seq_cls" else AutoModelForCausalLM
+    if getattr(mc, "is_encoder_decoder", False):
+        raise ConfigError(f"{mc.model_type!r} is an encoder-decoder: toolkit plan models decoder-only causal LMs (and "
+                          "BERT)")
     try:
         with torch.device("meta"), no_init_weights():
             model = auto.from_config(mc)
     except ValueError as e:  # neither (T5, ...)
         raise ConfigError(f"toolkit plan needs a causal language model or BERT; {mc.model_type!r} is neither ({e})") from None
+    except Exception as e:  # the family's own code refuses this config (a field it needs is unset)
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ConfigError(f"transformers could not build {mc.model_type!r} from this config ({type(e).__name__}: "
+                          f"{first})") from None
     model.tie_weights()  # no_init_weights skips the tying that a real build does (toolkit/runtime/model.py ties too)
     seen: set[int] = set()
     params: list[tuple[str, int]] = []
@@ -214,7 +228,8 @@ def _split_layers(params: list[tuple[str, int]], layers: int) -> tuple[str, tupl
         if sorted(by_index) == list(range(layers)):
             first = tuple(by_index[0])
             if any(tuple(v) != first for v in by_index.values()):
-                raise ConfigError("toolkit plan needs decoder layers that all have the same parameters")
+                raise ConfigError("its decoder layers differ (dense and Mixture-of-Experts layers, or attention and "
+                                  "recurrent/linear-attention layers); toolkit plan models one layer repeated")
             return stack, first
     raise ConfigError(f"cannot find the {layers} decoder layers in the model's parameter names")
 

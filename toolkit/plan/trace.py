@@ -43,7 +43,8 @@ def trace_layers(mc: Any) -> dict[str, Any]:
 
     Returns {"version", "layer": {variant: bytes/token}, "parts": {variant: {child: bytes/token}},
     "final": {variant: bytes/token}, "linears": [[name, in_features, group, kept_by_frozen]], "eager": [a, b]}
-    where variant is "<plain|liger>-<full|frozen>" and eager attention adds a + b x seq_len bytes a token.
+    where variant is "<plain|liger>-<full|frozen>" and eager attention adds a + b x seq_len bytes a token; "attention":
+    "eager" where the family has no fused path (its bytes were traced at TRACE_SEQ and grow by b a token per token).
     """
     import torch
 
@@ -64,6 +65,8 @@ def trace_layers(mc: Any) -> dict[str, Any]:
     slope = (eager[1] - eager[0]) / (EAGER_SEQS[1] - EAGER_SEQS[0])
     base = eager[0] - slope * EAGER_SEQS[0]
     out["eager"] = [base - out["layer"]["plain-full"], slope]
+    # a family whose layers compute attention themselves (eager only): its bytes grow with the length whatever is asked
+    out["attention"] = "eager" if abs(eager[0] - out["layer"]["plain-full"]) < 1 and slope > 0 else "fused"
     del torch
     return out
 
@@ -82,22 +85,40 @@ def _small_config(mc: Any, layers: int) -> Any:
     if types:
         pattern = list(types)
         # keep the model's own interleaving (e.g. five sliding layers, one full)
-        cfg.layer_types = [pattern[i % len(pattern)] for i in range(layers)]
+        with contextlib.suppress(AttributeError):  # derived from other fields in some configs
+            cfg.layer_types = [pattern[i % len(pattern)] for i in range(layers)]
     for name in ("mlp_only_layers",):
         if getattr(cfg, name, None):
             setattr(cfg, name, [i for i in getattr(cfg, name) if i < layers])
     return cfg
 
 
+def _build(cfg: Any, attn: str) -> Any:
+    """The model on fake tensors with `attn`; a family without sdpa (Gemma 2's softcapping, gpt-oss's sinks) gets the
+    flash-like function through transformers' AttentionInterface, which its layers call the same way."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation=attn)
+    except ValueError as e:
+        if attn != "sdpa" or "scaled_dot_product_attention" not in str(e):
+            raise
+    _register_flash_like()
+    try:
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation=FLASH_LIKE)
+    except (KeyError, ValueError):  # older code with its own attention classes: eager, which the trace then measures
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="eager")
+
+
 def _trace(mc: Any, *, seq: int, liger: bool, full: bool, attn: str, linears: bool = False) -> dict[str, Any]:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import AutoModelForCausalLM
 
     n = _layer_count(mc)
     cfg = _small_config(mc, n)
     with FakeTensorMode(), _quiet_transformers(), _no_packed_mask():
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation=attn)
+        model = _build(cfg, attn)
         base = getattr(model, model.base_model_prefix, model)
         layers = _decoder_layers(base, n)
         for p in model.parameters():
@@ -215,14 +236,59 @@ def _no_packed_mask() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _quiet_transformers() -> Iterator[None]:
+    """transformers' warnings about the config, and fake-tensor's traceback of an op that fails (the trace says why
+    in one line)."""
+    import logging as std
+
     from transformers.utils import logging
 
     level = logging.get_verbosity()
     logging.set_verbosity_error()
+    fake = std.getLogger("torch._subclasses.fake_tensor")
+    fake_level = fake.level
+    fake.setLevel(std.CRITICAL)
     try:
         yield
     finally:
         logging.set_verbosity(level)
+        fake.setLevel(fake_level)
+
+
+FLASH_LIKE = "toolkit_trace_fused"  # a name with "flash" in it would send transformers to its flash checks
+
+
+def _flash_like_fn() -> Any:
+    """An autograd.Function saving what CUDA's fused attention kernels save: q, k, v, the output and an fp32
+    log-sum-exp per query and head (dropout stays inside those kernels: an rng state, not a mask)."""
+    import torch
+
+    class FlashLike(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, q: Any, k: Any, v: Any, out: Any) -> Any:
+            lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:  # never run: the trace is forward only
+            raise NotImplementedError
+
+    return FlashLike
+
+
+def _register_flash_like() -> None:
+    import torch
+    from transformers import AttentionInterface
+
+    fn = _flash_like_fn()
+
+    def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
+        # (batch, heads, seq, head dim) in; (batch, seq, heads, value dim) out, as transformers' sdpa returns it
+        b, h, s, _ = query.shape
+        out = torch.empty(b, s, h, value.shape[-1], dtype=query.dtype, device=query.device)
+        return fn.apply(query, key, value, out), None
+
+    AttentionInterface.register(FLASH_LIKE, attention)
 
 
 @contextlib.contextmanager
@@ -232,24 +298,15 @@ def _flash_like_sdpa() -> Iterator[None]:
     import torch.nn.functional as F
 
     orig = F.scaled_dot_product_attention
-
-    class FlashLike(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, q: Any, k: Any, v: Any, kwargs: dict) -> Any:
-            out = orig(q, k, v, **kwargs)
-            lse = q.new_empty(out.shape[:-1], dtype=torch.float32)
-            ctx.save_for_backward(q, k, v, out, lse)
-            return out
-
-        @staticmethod
-        def backward(ctx: Any, grad: Any) -> Any:  # never run: the trace is forward only
-            raise NotImplementedError
+    fn = _flash_like_fn()
 
     def sdpa(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> Any:
         names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         kwargs.update(zip(names, args, strict=False))
-        kwargs["dropout_p"] = 0.0  # CUDA's kernels keep dropout inside (an rng state, not a mask)
-        return FlashLike.apply(q, k, v, kwargs)
+        kwargs["dropout_p"] = 0.0
+        with torch.no_grad():
+            out = orig(q, k, v, **kwargs)
+        return fn.apply(q, k, v, out)
 
     F.scaled_dot_product_attention = sdpa
     try:
@@ -284,7 +341,11 @@ def _liger_like(base: Any) -> None:
             raise NotImplementedError
 
     def norm_forward(mod: Any) -> Any:
-        def forward(x: Any) -> Any:
+        plain = mod.forward
+
+        def forward(x: Any, *rest: Any, **kw: Any) -> Any:
+            if rest or kw:  # a gated norm (Mamba-style): not one of Liger's
+                return plain(x, *rest, **kw)
             return RMSNormLike.apply(x, lambda y: torch.empty_like(y))
         return forward
 
