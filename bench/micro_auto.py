@@ -48,7 +48,8 @@ def launch(out: Path, name: str, a: argparse.Namespace, micro: str, accum: int |
         rc = call_group(cmd, ROOT, env, f, a.timeout)
     wall = time.perf_counter() - t0
     text = log.read_text(errors="replace")
-    lines = [ln.strip() for ln in text.splitlines() if "micro_batch_size=auto" in ln or re.match(r"\s+micro \d+ x", ln)]
+    lines = [ln.strip() for ln in text.splitlines()
+             if ln.startswith("micro_batch_size=auto") or re.match(r"\s+micro \d+ x", ln)]
     picked = re.search(r"micro_batch_size=auto: (\d+) x accum (\d+)", text)
     row = {"argv": " ".join(cmd), "rc": rc, "wall_s": round(wall, 1), "auto_lines": lines,
            "picked": [int(picked[1]), int(picked[2])] if picked else None}

@@ -206,3 +206,27 @@ def test_buckets_at_the_top_layers_attention_backward_only_with_gradients_before
     # the o_proj adapter adds its input copy (2q) and two rank-r outputs; the q/v run holds one 2h input fewer
     extra = (2 * 2048 + 2 * 8) * seq / pl.GIB
     assert qvo.gpu["activations"] - qv.gpu["activations"] == pytest.approx(extra + 2 * h * seq / pl.GIB, rel=1e-3)
+
+
+def test_auto_micro_batch_confirms_the_plans_choice_with_one_probe(monkeypatch) -> None:
+    """Issue 60 item 6: where the planner predicts, the probes start at its largest fitting micro-batch and stop at the
+    first that fits (no probe above it, none below for speed); where it cannot say, every divisor is probed for speed."""
+    from types import SimpleNamespace
+
+    from toolkit.plan import planner
+    from toolkit.runtime.speed import autotune
+
+    inputs = SimpleNamespace(cfg=SimpleNamespace(data=SimpleNamespace(seq_len=4096)), model_config=None, ds_raw={},
+                             world_size=1)
+    monkeypatch.setattr(autotune, "run_compiles", lambda i: False)
+    monkeypatch.setattr("toolkit.runtime.resolved.tiled_mlp_choice", lambda cfg: (False, ""))
+    monkeypatch.setattr(planner, "run_settings", lambda cfg, compiled, tiled: {})
+    monkeypatch.setattr(planner, "fitting_micro_batches", lambda *a, **k: [8, 4, 2, 1])
+    assert autotune.candidates(inputs, 32, 80.0) == ([8, 4, 2, 1], True)
+
+    def refuse(*a, **k):
+        raise ConfigError("no activation model")
+
+    monkeypatch.setattr(planner, "fitting_micro_batches", refuse)
+    assert autotune.candidates(inputs, 32, 80.0) == ([32, 16, 8, 4, 2, 1], False)
+    assert autotune.candidates(inputs, 32, None) == ([32, 16, 8, 4, 2, 1], False)

@@ -130,7 +130,7 @@ def read_shape(mc: Any) -> ModelShape:
     from transformers.initialization import no_init_weights
 
     task = task_of(str(mc.model_type))
-    if getattr(mc, "text_config", None) is not None and not hasattr(mc, "num_hidden_layers"):
+    if "text_config" in (getattr(mc, "sub_configs", None) or {}):
         text = getattr(mc.text_config, "model_type", "its text model")
         raise ConfigError(f"{mc.model_type!r} is multimodal: toolkit plan models its language model alone; plan a "
                           f"config of model_type {text!r}")

@@ -102,11 +102,12 @@ def gpu_name_and_gib() -> tuple[str, float | None]:
         return "cuda", None
 
 
-def candidates(inputs: RunInputs, per_rank: int, gpu_gib: float | None) -> list[int]:
-    """Largest first: the planner's predicted-fitting divisors, or every divisor when it cannot say."""
+def candidates(inputs: RunInputs, per_rank: int, gpu_gib: float | None) -> tuple[list[int], bool]:
+    """Largest first: the planner's predicted-fitting divisors (True: the first that fits is the answer, the probe only
+    confirms it), or every divisor when it cannot say (False: probed for speed until a smaller one is slower)."""
     every = divisors(per_rank)
     if gpu_gib is None:
-        return every
+        return every, False
     from toolkit.plan.planner import fitting_micro_batches, run_settings
     from toolkit.runtime.resolved import tiled_mlp_choice
 
@@ -117,10 +118,11 @@ def candidates(inputs: RunInputs, per_rank: int, gpu_gib: float | None) -> list[
                                                                       tiled_mlp_choice(cfg)[0]))
     except Exception as e:  # a shape the planner refuses: the probes still find the answer
         print(f"micro_batch_size=auto: no prediction ({type(e).__name__}: {e}); probing every divisor", flush=True)
-        return every
-    # one size above the prediction too: the planner keeps a margin, the probe is the judge
-    above = [d for d in every if fit and d > fit[0]][-1:]
-    return above + fit if fit else every[-1:]
+        return every, False
+    # The planner's largest fitting micro-batch is also its fastest (tokens per micro-step only raise MFU), and its
+    # peaks are within 10% of measured ones (bench/results/speed_model/): one probe confirms it, a smaller one follows
+    # only if it does not fit. Probing one size above and every size below for speed cost a launch each (issue 60).
+    return (fit, True) if fit else (every[-1:], True)
 
 
 def run_compiles(inputs: RunInputs) -> bool:
@@ -156,18 +158,19 @@ def resolve(inputs: RunInputs, argv: list[str]) -> dict[str, Any]:
     smallest = _all_min(gib, group)
     key = key_of(inputs, gpu)
     record, order, error = None, None, None
+    confirm = False
     if dist.rank() == 0:
         try:
             record = _reuse(Path(t.run_dir), key, per_rank)
-            order = None if record else candidates(inputs, per_rank, smallest)
+            order, confirm = (None, False) if record else candidates(inputs, per_rank, smallest)
         except Exception as e:  # raised on rank 0 alone, the others would wait in the broadcast below
             error = f"micro_batch_size=auto: {type(e).__name__}: {e}"
-    record, order, error = dist.broadcast_object([record, order, error])
+    record, order, confirm, error = dist.broadcast_object([record, order, confirm, error])
     if error:
         raise RuntimeError(error)
     if record is None:
         record = _search(cfg, [*argv, f"train.compile={'torch' if run_compiles(inputs) else 'off'}"], key, per_rank,
-                         order, group)
+                         order, group, confirm)
     t.micro_batch_size = int(record["micro_batch"])
     t.grad_accum = per_rank // t.micro_batch_size
     return record
@@ -216,12 +219,14 @@ def _reuse(run_dir: Path, key: dict[str, Any], per_rank: int) -> dict[str, Any] 
 
 
 def _search(cfg: Config, argv: list[str], key: dict[str, Any], per_rank: int, order: list[int],
-            group: Any) -> dict[str, Any]:
+            group: Any, confirm: bool = False) -> dict[str, Any]:
     root = dist.broadcast_object([tempfile.mkdtemp(prefix="toolkit-autotune-") if dist.rank() == 0 else None])[0]
     Path(root).mkdir(parents=True, exist_ok=True)  # other nodes: the same path in their own temp directory
     if dist.rank() == 0:
-        print(f"micro_batch_size=auto: probing {', '.join(map(str, order))} ({PROBE_STEPS} steps each, "
-              f"global batch {cfg.train.global_batch_size}) in {root}", flush=True)
+        what = (f"the plan predicts {order[0]}: one probe confirms it" if confirm
+                else f"probing {', '.join(map(str, order))}")
+        print(f"micro_batch_size=auto: {what} ({PROBE_STEPS} steps each, global batch "
+              f"{cfg.train.global_batch_size}) in {root}", flush=True)
     probes: list[dict[str, Any]] = []
     best: dict[str, Any] | None = None
     for micro in order:
@@ -237,6 +242,8 @@ def _search(cfg: Config, argv: list[str], key: dict[str, Any], per_rank: int, or
         if best and probe["tokens_per_s"] <= best["tokens_per_s"]:
             break  # smaller micro-batches only get slower from here
         best = probe
+        if confirm:
+            break
     if best is None:
         shutil.rmtree(root, ignore_errors=True)
         raise ConfigError(f"train.micro_batch_size=auto: no micro-batch of {order} fits (per-rank batch {per_rank}); "
