@@ -502,3 +502,30 @@ def test_the_choice_takes_no_offload_where_one_fits_unless_offload_is_clearly_fa
     zero3 = pred(3, "none", 3150, 40.0)
     assert pl.best([plain, zero3, offloaded]) is zero3
     assert pl.moving_parts(offloaded) == 2 and pl.moving_parts(zero3) == 0
+
+
+def test_a_4bit_base_is_planned_as_packed_weights_with_scales_kept_whole() -> None:
+    """QLoRA (--load-in-4bit): the decoder layers' Linears at 4 bits plus their scales; ZeRO-3 partitions the packed
+    weights, not the scales; the head and the rest stay bf16; LoRA only. Llama-3-70B on 2 GPUs at ZeRO-3: about 18
+    GiB of parameters a rank (the issue's arithmetic), where its bf16 LoRA holds 66."""
+    s = load_shape("llama-3-70b")
+    lora = pl.Lora(8, ("q_proj", "v_proj"))
+    c = pl.Choice(3, "none", 1.0, 1, 8, True, "speed")
+    hw = pl.Hardware(2, 1, 80.0)
+    q4 = pl.predict(pl.Workload(s, 2048, 16, lora, load_in_4bit=True), c, hw)
+    bf16 = pl.predict(pl.Workload(s, 2048, 16, lora), c, hw)
+    linears = pl.quantized_numel(s)
+    rest = s.total_params - linears
+    small = sum(x for x in s.param_numels() if x <= pl.ZeroSizes.named("speed", s.hidden_size).persistence_threshold)
+    want = (2.0 * rest / 2 + pl.BNB4_BYTES * linears / 2 + pl.BNB4_SCALE_BYTES * linears + 2.0 * small) / pl.GIB
+    assert q4.persistent["params"] == pytest.approx(want, rel=1e-6)
+    assert 17 < q4.persistent["params"] < 20 and bf16.persistent["params"] > 60
+    assert q4.host_build_rank_gib > 4 * s.total_params / pl.GIB  # each rank builds the fp32 model first
+    at_zero2 = pl.predict(pl.Workload(load_shape("llama-1b"), 2048, 8, lora, load_in_4bit=True),
+                          pl.Choice(2, "none", 1.0, 4, 1, False, "speed"), pl.Hardware(2, 1, 80.0))
+    plain = pl.predict(pl.Workload(load_shape("llama-1b"), 2048, 8, lora),
+                       pl.Choice(2, "none", 1.0, 4, 1, False, "speed"), pl.Hardware(2, 1, 80.0))
+    saved = (2.0 - pl.BNB4_BYTES - pl.BNB4_SCALE_BYTES) * pl.quantized_numel(load_shape("llama-1b")) / pl.GIB
+    assert plain.persistent["params"] - at_zero2.persistent["params"] == pytest.approx(saved, rel=1e-6)
+    with pytest.raises(ConfigError, match="trains LoRA adapters"):
+        pl.predict(pl.Workload(s, 2048, 16, None, load_in_4bit=True), c, hw)

@@ -68,6 +68,12 @@ class ModelConfig:
     num_layers: int = 0
     """Presets only: build the preset with this many decoder layers (full width, random init), to measure a large
     shape's speed and memory on fewer GPUs; `toolkit plan --layers` plans the same. 0: the preset's own."""
+    load_in_4bit: bool = False
+    """QLoRA: a frozen 4-bit base (bitsandbytes NF4/FP4, double quantization, stored and computed in the run's float
+    dtype so ZeRO-3 shards it like bf16 weights) under the LoRA adapters (lora.enabled=true); the head stays in the
+    float dtype (toolkit/runtime/quant, docs/qlora.md)."""
+    bnb_4bit_quant_type: str = "nf4"
+    """model.load_in_4bit: nf4 (NormalFloat, QLoRA's) or fp4."""
     experts: str = "auto"
     """Mixture-of-Experts models: how a layer's experts run. grouped_mm, batched_mm or eager (transformers' experts
     implementations), liger (Liger's fused MoE kernel, CUDA, the families Liger patches: Qwen3-MoE, Mixtral: 5.7%
@@ -505,6 +511,16 @@ class Config:
              f"model.activation_offload={self.model.activation_offload} offloads the layer inputs gradient "
              "checkpointing keeps: set model.gradient_checkpointing=true"),
             (self.model.num_layers >= 0, f"model.num_layers must be >= 0 (0: the preset's own), got {self.model.num_layers}"),
+            (not self.model.load_in_4bit or self.lora.enabled,
+             "model.load_in_4bit=true trains LoRA adapters on a frozen 4-bit base (QLoRA): set lora.enabled=true"),
+            (self.model.bnb_4bit_quant_type in ("nf4", "fp4"),
+             f"model.bnb_4bit_quant_type must be nf4 or fp4, got {self.model.bnb_4bit_quant_type!r}"),
+            (not (self.model.load_in_4bit and t.precision in ("fp16", "fp8")),
+             f"model.load_in_4bit with train.precision={t.precision}: the 4-bit weights are stored in the run's float "
+             "dtype and DeepSpeed's fp16 mode would cast them (float8 converts Linears the base no longer has); use bf16"),
+            (not (self.model.load_in_4bit and t.objective == "grpo"),
+             "model.load_in_4bit with train.objective=grpo: rollouts through the 4-bit model are not tested yet; "
+             "train GRPO on a bf16 base (lora.enabled=true)"),
             (self.model.experts in EXPERTS_PATHS,
              f"model.experts must be one of {', '.join(EXPERTS_PATHS)}, got {self.model.experts!r}"),
             (self.model.rope_factor >= 1, f"model.rope_factor must be >= 1, got {self.model.rope_factor}"),

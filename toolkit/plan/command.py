@@ -88,6 +88,8 @@ def train_overrides(args: Any, p: pl.Prediction, out_dir: Path | None) -> dict[s
     if args.lora:
         o["lora.r"] = args.lora_r
         o["lora.target_modules"] = list(_targets(args))
+    if args.load_in_4bit:
+        o["model.load_in_4bit"] = True
     if args.objective == "grpo":
         o |= {"train.objective": "grpo", "data.seq_len": args.seq + args.completion, "rl.max_prompt_length": args.seq,
               "rl.max_completion_length": args.completion, "rl.num_generations": args.generations}
@@ -155,7 +157,7 @@ def _workload(args: Any) -> tuple[pl.Workload, pl.Hardware]:
                     expert_parallel=args.expert_parallel, objective=args.objective,
                     reference=pl.reference_mode(args.objective, args.reference, lora is not None),
                     generations=args.generations, completion_len=_completion(args), zero3_leaves=args.zero3_leaves,
-                    optimizer=args.optimizer, states=args.optimizer_states)
+                    optimizer=args.optimizer, states=args.optimizer_states, load_in_4bit=args.load_in_4bit)
     hw = pl.Hardware(args.gpus, args.nodes, args.gpu_mem, args.host_mem)
     return w, hw
 
@@ -358,6 +360,7 @@ def plan_json(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predic
                    "global_batch": w.global_batch, "gpus_per_node": hw.gpus_per_node, "nodes": hw.nodes,
                    "world_size": hw.world, "gpu_mem_gib": hw.gpu_mem_gib, "host_mem_gib": hw.host_mem_gib,
                    "lora": None if w.lora is None else {"r": w.lora.r, "targets": list(w.lora.targets)},
+                   "load_in_4bit": w.load_in_4bit,
                    "liger": w.liger, "fused_loss": w.fused_loss, "attn": w.attn, "compile": w.compile,
                    "zero3_leaves": w.zero3_leaves,
                    "fp8": w.fp8, "task": w.shape.task, "doc_len": w.doc_len, "optimizer": w.optimizer,
@@ -397,7 +400,7 @@ def command(args: Any) -> str:
         parts += ["--host-mem", f"{args.host_mem:g}"]
     if args.lora:
         parts += ["--lora", "--lora-r", str(args.lora_r), "--lora-targets", args.lora_targets]
-    flags = (("--grad-ckpt", args.grad_ckpt), ("--no-liger", args.no_liger))
+    flags = (("--grad-ckpt", args.grad_ckpt), ("--no-liger", args.no_liger), ("--load-in-4bit", args.load_in_4bit))
     parts += [f for f, on in flags if on]
     for flag, value, default in (("--sequence-parallel", args.sequence_parallel, 1),
                                  ("--expert-parallel", getattr(args, "expert_parallel", 1), 1),
@@ -517,6 +520,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--lora", action="store_true", help="train LoRA adapters instead of every weight")
     p.add_argument("--lora-r", type=int, default=8)
     p.add_argument("--lora-targets", default="q_proj,v_proj", help="comma-separated module names")
+    p.add_argument("--load-in-4bit", action="store_true",
+                   help="QLoRA: the decoder layers' Linears frozen in 4-bit (model.load_in_4bit; needs --lora)")
     p.add_argument("--grad-ckpt", action="store_true", help="only choices with gradient checkpointing")
     p.add_argument("--no-liger", action="store_true", help="plan without Liger's kernels (model.liger=false)")
     p.add_argument("--fused-loss", choices=("auto", "true", "false"), default="auto",

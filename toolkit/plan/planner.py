@@ -88,6 +88,12 @@ PREF_CHUNK_TOKENS = 2048
 # less where this gives 2.6; the A/B model (hidden 2048, 8 layers) 0.81 where it gives 0.91.
 FP8_INPUT_SAVING = 0.54
 
+# QLoRA's 4-bit weights (bitsandbytes NF4/FP4 with double quantization, its defaults): 4 bits a weight, an 8-bit scale per
+# block of 64 and an fp32 scale per 256 blocks. ZeRO-3 partitions the packed weights (stored in the float dtype, a
+# parameter) but not the scales (the quant_state on the parameter, not a tensor DeepSpeed sees): every rank keeps those.
+BNB4_BYTES = 0.5
+BNB4_SCALE_BYTES = 1.0 / 64 + 4.0 / (64 * 256)
+
 # -- speed model constants (the order of candidates; absolute figures are rough) -------------------
 GPU_PEAK_FLOPS = 989.4e12  # H100/H200 dense bf16 (toolkit/observe/metrics.py GPU_PEAK_TFLOPS)
 # Achieved MFU of everything but attention vs tokens per micro-step t: MFU_MAX * t / (t + MFU_HALF_TOKENS), fitted to
@@ -260,6 +266,9 @@ class Workload:
     2-D hidden matrices, Adam's two for the rest; Newton-Schulz on each matrix every step)."""
     states: str = "fp32"
     """Master weights and optimizer states: fp32, or bf16 (bf16_master_weights_and_grads + bf16_optimizer_states)."""
+    load_in_4bit: bool = False
+    """model.load_in_4bit (QLoRA, toolkit/runtime/quant): the decoder layers' Linears frozen in 4-bit (BNB4_BYTES a
+    weight), the head and the rest in bf16; LoRA only."""
 
     @property
     def sequences(self) -> int:
@@ -630,6 +639,9 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
         raise ConfigError(no_activation_model(s))
     if s.trace is None and w.lora is not None:
         raise ConfigError(f"toolkit plan models LoRA on causal LM decoder layers, not {s.model_type!r}")
+    if w.load_in_4bit and (w.lora is None or w.fp8 or w.objective == "grpo"):
+        raise ConfigError("a 4-bit base (--load-in-4bit) trains LoRA adapters (--lora) in bf16; GRPO and float8 "
+                          "are not planned with it")
     if w.objective != "sft" and (s.task != "causal_lm" or w.sequence_parallel > 1 or w.fp8 or s.num_experts):
         raise ConfigError("toolkit plan models preference and RL objectives on dense causal LMs in bf16 without "
                           "sequence parallelism (as the runs support them)")
@@ -708,6 +720,10 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
         optimizer = state_bytes * gpu_numel
         grads = 2.0 * t_all / n if not offload_opt else (2.0 if low else 4.0) * gpu_numel
         buffers = 2.0 * sizes.reduce_bucket  # stage3.py: one ipg bucket, allocated at init
+    quantized = quantized_numel(s) if w.load_in_4bit else 0
+    if quantized:  # the base's Linears in 4 bits (with their scales) where the float model held 2 bytes each
+        share = 1 if stage < 3 else n
+        params -= 2.0 * quantized / share - (BNB4_BYTES * quantized / share + BNB4_SCALE_BYTES * quantized)
     if w.reference == "engine":  # the frozen ZeRO-3 copy's partitions and its small parameters kept whole
         small = sum(x for x in s.param_numels() if x <= sizes.persistence_threshold)
         params += 2.0 * p_all / n + 2.0 * small
@@ -788,6 +804,8 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     local = replace(s, layer_params=tuple(x for x in s.layer_params if ".experts." not in x[0])) if ep > 1 else s
     gathered = _gathered_bytes(local, n, sizes, offload_param,
                                every_layer=leaves(w, stage) and c.grad_ckpt) if stage == 3 else 0.0
+    if quantized:  # gathered layers hold the packed weights: a quarter of their bf16 bytes
+        gathered *= 1 - (1 - BNB4_BYTES / 2) * quantized / p_all
     if stage == 3 and n > 1 and s.num_experts and lora is None and ep == 1:
         # a Mixture-of-Experts block is one ZeRO-3 leaf: its whole bf16 gradient exists before its reduce-scatter
         # (3 x hidden x expert intermediate per expert; Qwen3-30B-A3B: 1.13 GiB a layer)
@@ -807,6 +825,8 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     # the top layer's backward: its recomputed activations with its MLP's gradients (all layers' saved
     # activations without checkpointing), the loss's kept tensors, the reduce buckets
     top_act, top_loss, top_buckets = saved + recompute + mlp_bwd, kept_loss, buckets
+    # QLoRA: a Linear's weight dequantized to bf16 for its matmul, in forward and again for backward's input gradient
+    dequant = 2.0 * 2.0 * max(i * o for _, i, o in s.linears) if quantized else 0.0
     if c.grad_ckpt and s.trace is not None and not s.num_experts:
         top_act, top_loss, top_buckets = _checkpointed_top(
             s, lora, w.attn, tokens=tokens, kept=kept, offloaded=bool(offloaded), autocast=autocast, fused=fused,
@@ -814,7 +834,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     phases = {
         "backward start": persistent + held + saved + loss_bwd + gathered,
         **({"rollout": persistent + _rollout_bytes(w, c, stage, p_all)} if w.objective == "grpo" else {}),
-        "top layer backward": persistent + held + top_act + top_loss + top_buckets + head_grad + gathered,
+        "top layer backward": persistent + held + top_act + top_loss + top_buckets + head_grad + gathered + dequant,
         "optimizer step": persistent + step,  # step includes the gradients it consumes
     }
     if flce:
@@ -848,6 +868,8 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
                                     offload_opt=offload_opt, offload_param=offload_param, groups=groups,
                                     n_gpu_groups=len(gpu_groups), sizes=sizes, steps=inputs_host,
                                     state_bytes=state_bytes)
+    if quantized and stage == 3:  # built outside zero.Init: each rank holds the fp32 model before quantizing it
+        build_bytes = max(build_bytes, HOST_EARLY_GIB * GIB + 4.0 * p_all)
     host_rank = sum(host.values()) / GIB
     host_build = build_bytes / GIB
     host_node = max(host_rank, host_build) * hw.gpus_per_node
@@ -981,6 +1003,12 @@ def _host_bytes(s: ModelShape, c: Choice, hw: Hardware, *, stage: int, t_all: in
         out["params (bf16, pinned)"] = pinned_bytes(2.0 * s.total_params / n) + sum(
             pinned_bytes(2.0 * math.ceil(x / n)) for x in s.param_numels())
     return out | steps, 0.0
+
+
+def quantized_numel(s: ModelShape) -> int:
+    """Weights model.load_in_4bit quantizes: every nn.Linear of the decoder layers (the head stays bf16; fused experts
+    are not nn.Linear)."""
+    return s.num_layers * sum(i * o for _, i, o in s.linears)
 
 
 def optimizer_bytes(w: Workload, s: ModelShape, stage: int = 2) -> float:
@@ -1261,6 +1289,9 @@ def speed_caveat(w: Workload, hw: Hardware) -> str | None:
                    "24-33% slower than predicted at ZeRO-0/2: host-bound)")
     if hw.nodes > 1 or hw.world not in ZERO3_LEAF_S:
         why.append(f"{hw.world} GPUs on {hw.nodes} node(s) were not measured (1, 2 and 4 GPUs of one node were)")
+    if w.load_in_4bit:
+        why.append("a 4-bit base's dequantization is not in the speed model (QLoRA's rows are bf16 LoRA's; its peaks "
+                   "are not measured on a GPU yet either)")
     return ("tokens/s not validated here: " + "; ".join(why) + " (bench/results/speed_model/)") if why else None
 
 

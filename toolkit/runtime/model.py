@@ -78,7 +78,8 @@ def build_tokenizer(cfg: Config) -> Any | None:
     return tok
 
 
-def build_model(cfg: Config, mc: Any, frozen_bf16: bool = False, attn: str | None = None) -> Any:
+def build_model(cfg: Config, mc: Any, frozen_bf16: bool = False, attn: str | None = None,
+                quant_dtype: Any = None) -> Any:
     """Build (random init from a preset, or from_pretrained from a directory), then LoRA/checkpointing.
 
     attn: the attention implementation to build with (the resolved record's attention plan, toolkit/runtime/resolved.py); default
@@ -86,16 +87,28 @@ def build_model(cfg: Config, mc: Any, frozen_bf16: bool = False, attn: str | Non
 
     frozen_bf16 (LoRA under adapter autocast, see ds_config.adapter_autocast): every parameter that
     does not train becomes bf16, the adapters stay fp32. Buffers keep their dtype (rotary inv_freq).
+
+    quant_dtype (model.load_in_4bit): the run's float dtype, in which the 4-bit weights are stored and computed
+    (toolkit/runtime/quant). The base is built outside zero.Init, as transformers builds quantized models: ZeRO-3
+    shards the packed weights at deepspeed.initialize.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    from toolkit.runtime import quant
+
     auto = AutoModelForSequenceClassification if cfg.model.task == "seq_cls" else AutoModelForCausalLM
     kwargs = dict(attn_implementation=attn or cfg.model.attn_implementation, dtype=torch.float32)
-    if is_preset(cfg.model.name):
-        model = _random_init(auto, mc, cfg.train.seed, kwargs)
-    else:
-        model = auto.from_pretrained(cfg.model.name, config=mc, local_files_only=True, **kwargs)
+    with quant.without_zero_init(cfg.model.load_in_4bit):
+        if is_preset(cfg.model.name):
+            model = _random_init(auto, mc, cfg.train.seed, kwargs)
+        else:
+            model = auto.from_pretrained(cfg.model.name, config=mc, local_files_only=True, **kwargs)
+    if cfg.model.load_in_4bit:
+        from toolkit.launch import dist
+
+        quant.quantize_4bit(model, dtype=quant_dtype or torch.float32, quant_type=cfg.model.bnb_4bit_quant_type,
+                            device=dist.device())
     if cfg.model.gradient_checkpointing:
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -118,7 +118,7 @@ def build_spec(inputs: RunInputs, machine: Machine | None = None, ranks_per_node
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} but micro_batch_size {t.micro_batch_size} x "
                           f"grad_accum {t.grad_accum} x {ranks}{' ranks' * isinstance(ranks, int)} = {batch}; "
                           "fix one, or set train.micro_batch_size=auto")
-    warnings = notes + _run_checks(ds_raw, cfg, world) + _single_gpu_zero3(ds_raw, world)
+    warnings = notes + _run_checks(ds_raw, cfg, world) + _single_gpu_zero3(ds_raw, world) + _check_4bit(cfg, ds_raw)
     if t.objective == "sft":
         check_data_file(cfg)
     else:
@@ -237,6 +237,23 @@ def _check_generation(cfg: Config) -> None:
         from toolkit.runtime.generation.prompts import check_file
 
         check_file(Path(e.generate_source), "eval.generate_source")
+
+
+def _check_4bit(cfg: Config, ds: dict[str, Any]) -> list[str]:
+    """model.load_in_4bit: bitsandbytes is there (one line if not); the warning for parameter offload."""
+    if not cfg.model.load_in_4bit:
+        return []
+    from toolkit.runtime import quant
+
+    why = quant.available()
+    if why:
+        raise ConfigError(why)
+    z = ds.get("zero_optimization") or {}
+    if (z.get("offload_param") or {}).get("device", "none") not in ("none", None):
+        return ["model.load_in_4bit with ZeRO-3 parameter offload: the 4-bit base is already small, and with QLoRA "
+                "CPU offload has been seen to use more GPU memory, not less (PEFT's DeepSpeed caveats); drop "
+                "offload_param first"]
+    return []
 
 
 def _check_sequence_parallel(cfg: Config, mc: Any, ds: dict[str, Any], world: int) -> None:
