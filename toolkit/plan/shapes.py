@@ -122,7 +122,7 @@ ENCODERS = frozenset({"bert"})
 FORMULA_TYPES = frozenset({"gpt2", "bert"})
 
 
-def read_shape(mc: Any) -> ModelShape:
+def read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
     """Build the model described by the HF config `mc` on the meta device and read its parameters: a causal LM,
     or for an encoder (BERT) the sequence classifier the toolkit trains (model.task=seq_cls)."""
     import torch
@@ -167,7 +167,7 @@ def read_shape(mc: Any) -> ModelShape:
                     if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")
     hidden = int(_cfg(mc, "hidden_size", "n_embd"))
     heads = int(_cfg(mc, "num_attention_heads", "n_head"))
-    trace, trace_error = _traced(mc, task)
+    traced, trace_error = _traced(mc, task) if trace else (None, "not traced (parameters only)")
     top_k = int(getattr(mc, "num_experts_per_tok", None) or 0)
     experts = int(getattr(mc, "num_experts", None) or getattr(mc, "num_local_experts", None) or 0) if top_k else 0
     return ModelShape(
@@ -190,7 +190,7 @@ def read_shape(mc: Any) -> ModelShape:
         experts_per_token=top_k,
         expert_intermediate=int(getattr(mc, "moe_intermediate_size", None) or getattr(mc, "intermediate_size", 0))
         if experts else 0,
-        trace=trace,
+        trace=traced,
         trace_error=trace_error,
     )
 
@@ -311,15 +311,18 @@ def load_shape(model: str) -> ModelShape:
     raise ConfigError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a local model directory")
 
 
-_CONFIG_SHAPES: dict[str, ModelShape] = {}
+_CONFIG_SHAPES: dict[tuple[str, bool], ModelShape] = {}
 
 
-def shape_of_config(mc: Any) -> ModelShape:
-    """The shape of an HF config object already in memory (train.py's), read once per process."""
+def shape_of_config(mc: Any, *, trace: bool = True) -> ModelShape:
+    """The shape of an HF config object already in memory (train.py's), read once per process. trace=False: the
+    parameters only (no activation trace: a second or more the caller does not need)."""
     key = mc.to_json_string(use_diff=False) if hasattr(mc, "to_json_string") else repr(mc)
-    if key not in _CONFIG_SHAPES:
-        _CONFIG_SHAPES[key] = read_shape(mc)
-    return _CONFIG_SHAPES[key]
+    if (key, True) in _CONFIG_SHAPES:
+        return _CONFIG_SHAPES[(key, True)]
+    if (key, trace) not in _CONFIG_SHAPES:
+        _CONFIG_SHAPES[(key, trace)] = read_shape(mc, trace=trace)
+    return _CONFIG_SHAPES[(key, trace)]
 
 
 def write_committed_shapes(names: list[str] | None = None) -> dict[str, Any]:

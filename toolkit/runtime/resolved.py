@@ -266,7 +266,7 @@ def leaves_choice(cfg: Config, ds: dict[str, Any], compiled: bool, model_config:
     # model's shape is read (on the meta device) only where leaves would otherwise be taken
     if on and gpu_bytes and cfg.model.gradient_checkpointing:
         off = (ds.get("zero_optimization") or {}).get("offload_param") or {}
-        held = leaves_gathered_gib(shape_of_config(model_config).total_params, stage=stage, grad_ckpt=True,
+        held = leaves_gathered_gib(shape_of_config(model_config, trace=False).total_params, stage=stage, grad_ckpt=True,
                                    world=world, offload_param=isinstance(off, dict) and off.get("device") in ("cpu", "nvme"))
         return decide(held)
     return on, why
