@@ -46,8 +46,6 @@ def trace_layers(mc: Any) -> dict[str, Any]:
     where variant is "<plain|liger>-<full|frozen>" and eager attention adds a + b x seq_len bytes a token; "attention":
     "eager" where the family has no fused path (its bytes were traced at TRACE_SEQ and grow by b a token per token).
     """
-    import torch
-
     out: dict[str, Any] = {"version": TRACE_VERSION, "layer": {}, "parts": {}, "final": {}}
     try:
         for liger in (False, True):
@@ -58,8 +56,6 @@ def trace_layers(mc: Any) -> dict[str, Any]:
                 if "linears" in r:
                     out["linears"] = r["linears"]
         eager = [_trace(mc, seq=s, liger=False, full=True, attn="eager")["layer"] for s in EAGER_SEQS]
-    except TraceError:
-        raise
     except Exception as e:  # the model's own code failed on fake tensors
         raise TraceError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     slope = (eager[1] - eager[0]) / (EAGER_SEQS[1] - EAGER_SEQS[0])
@@ -67,7 +63,6 @@ def trace_layers(mc: Any) -> dict[str, Any]:
     out["eager"] = [base - out["layer"]["plain-full"], slope]
     # a family whose layers compute attention themselves (eager only): its bytes grow with the length whatever is asked
     out["attention"] = "eager" if abs(eager[0] - out["layer"]["plain-full"]) < 1 and slope > 0 else "fused"
-    del torch
     return out
 
 

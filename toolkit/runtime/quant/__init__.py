@@ -22,8 +22,6 @@ from typing import Any
 
 from toolkit.config.ds_config import ConfigError
 
-QUANT_TYPES = ("nf4", "fp4")
-
 
 def available() -> str | None:
     """None, or why bitsandbytes cannot be used here (one line)."""
@@ -84,9 +82,3 @@ def without_zero_init(on: bool) -> Iterator[None]:
         if ref is not None and ref() is not None:
             hf_ds.set_hf_deepspeed_config(ref())
 
-
-def bytes_per_param(quant_type: str = "nf4") -> float:
-    """Bytes one quantized weight takes: 4 bits, its block's scale (one per 64 weights, 8-bit under double
-    quantization) and the scales' own fp32 scale (one per 256 blocks): bitsandbytes' defaults."""
-    del quant_type  # NF4 and FP4 pack alike
-    return 0.5 + 1.0 / 64 + 4.0 / (64 * 256)
