@@ -126,7 +126,9 @@ def _runs(tmp: Path) -> list[dict]:
         "train.export=false")
     add("raw-zero3-gc", "zero3", "train.path=raw", "model.gradient_checkpointing=true",
         "model.attn_implementation=eager", "train.export=false")
-    return runs + _optimizer_runs(tmp) + _qlora_runs(tmp)
+    # muon-z2-clipped (refused before any collective) stays last: its rank 0 prints the refusal while rank 1 may
+    # already print the next run's marker, so a run after it could take its line in run_logs' split
+    return runs + _qlora_runs(tmp) + _optimizer_runs(tmp)
 
 
 # Muon and bf16 optimizer states (docs/optimizers.md), configs from gen-config: name -> (stage, optimizer, states,
