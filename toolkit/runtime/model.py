@@ -79,7 +79,7 @@ def build_tokenizer(cfg: Config) -> Any | None:
 
 
 def build_model(cfg: Config, mc: Any, frozen_bf16: bool = False, attn: str | None = None,
-                quant_dtype: Any = None) -> Any:
+                precision: str | None = None) -> Any:
     """Build (random init from a preset, or from_pretrained from a directory), then LoRA/checkpointing.
 
     attn: the attention implementation to build with (the resolved record's attention plan, toolkit/runtime/resolved.py); default
@@ -88,9 +88,9 @@ def build_model(cfg: Config, mc: Any, frozen_bf16: bool = False, attn: str | Non
     frozen_bf16 (LoRA under adapter autocast, see ds_config.adapter_autocast): every parameter that
     does not train becomes bf16, the adapters stay fp32. Buffers keep their dtype (rotary inv_freq).
 
-    quant_dtype (model.load_in_4bit): the run's float dtype, in which the 4-bit weights are stored and computed
-    (toolkit/runtime/quant). The base is built outside zero.Init, as transformers builds quantized models: ZeRO-3
-    shards the packed weights at deepspeed.initialize.
+    precision (needed with model.load_in_4bit): the run's, whose float dtype the 4-bit weights are stored and
+    computed in (toolkit/runtime/quant). The base is built outside zero.Init, as transformers builds quantized models:
+    ZeRO-3 shards the packed weights at deepspeed.initialize.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -107,8 +107,14 @@ def build_model(cfg: Config, mc: Any, frozen_bf16: bool = False, attn: str | Non
     if cfg.model.load_in_4bit:
         from toolkit.launch import dist
 
-        quant.quantize_4bit(model, dtype=quant_dtype or torch.float32, quant_type=cfg.model.bnb_4bit_quant_type,
-                            device=dist.device())
+        if precision is None:
+            raise ValueError("build_model: model.load_in_4bit needs the run's precision (the storage dtype)")
+        dtype = quant.storage_dtype(precision)
+        n = quant.quantize_4bit(model, dtype=dtype, quant_type=cfg.model.bnb_4bit_quant_type, device=dist.device())
+        if dist.rank() == 0:
+            name = str(dtype).removeprefix("torch.")
+            print(f"model.load_in_4bit: {n} Linear layers in 4-bit {cfg.model.bnb_4bit_quant_type} (double "
+                  f"quantization), stored and computed in {name}; the head stays {name}", flush=True)
     if cfg.model.gradient_checkpointing:
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

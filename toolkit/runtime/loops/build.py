@@ -39,20 +39,8 @@ def build(p: RunSpec) -> Built:
     r, cfg, rank = p.resolved, p.cfg, dist.rank()
     if r.experts is not None and r.experts.implementation:  # read by the experts modules at every forward
         p.model_config._experts_implementation = r.experts.implementation
-    quant_dtype = None
-    if cfg.model.load_in_4bit:
-        import torch
-
-        quant_dtype = torch.bfloat16 if p.precision == "bf16" else torch.float32
     model = build_model(cfg, p.model_config, frozen_bf16=r.adapter_autocast, attn=r.attention.implementation,
-                        quant_dtype=quant_dtype)
-    if quant_dtype is not None and rank == 0:
-        import bitsandbytes as bnb
-
-        n = sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
-        print(f"model.load_in_4bit: {n} Linear layers in 4-bit {cfg.model.bnb_4bit_quant_type} (double quantization), "
-              f"stored and computed in {str(quant_dtype).removeprefix('torch.')}; the head stays "
-              f"{str(quant_dtype).removeprefix('torch.')}", flush=True)
+                        precision=p.precision)
     kernels.apply(model, r.liger)
     _tile_loss(p, model)
     if r.stage == 3:

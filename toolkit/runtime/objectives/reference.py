@@ -124,7 +124,8 @@ def build_reference(cfg: Any, model_config: Any, policy_ds: dict[str, Any], poli
     ds = reference_config(policy_ds, cfg.pref.reference_offload)
     plain = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, enabled=False))
     alive = HfDeepSpeedConfig(ds)  # noqa: F841 (zero.Init while the model is built: its weights load into partitions)
-    model = build_model(plain, model_config, attn=resolved.attention.implementation)
+    # a 4-bit policy's reference is its 4-bit base, stored in the run's dtype like the policy's
+    model = build_model(plain, model_config, attn=resolved.attention.implementation, precision=resolved.precision)
     kernels.apply(model, resolved.liger)
     disable_dropout(model)
     _leaves(cfg, model, model_config)

@@ -33,6 +33,14 @@ def available() -> str | None:
     return None
 
 
+def storage_dtype(precision: str) -> Any:
+    """The dtype the packed weights are stored and computed in: the one DeepSpeed gives the module (bf16 in its bf16
+    mode, else fp32); any other would be cast into other numbers."""
+    import torch
+
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
 def quantize_4bit(model: Any, *, dtype: Any, quant_type: str, device: Any) -> int:
     """Swap every nn.Linear but the head for a 4-bit Linear4bit holding the same weights; returns how many."""
     import bitsandbytes as bnb
