@@ -208,9 +208,10 @@ def test_buckets_at_the_top_layers_attention_backward_only_with_gradients_before
     assert qvo.gpu["activations"] - qv.gpu["activations"] == pytest.approx(extra + 2 * h * seq / pl.GIB, rel=1e-3)
 
 
-def test_auto_micro_batch_confirms_the_plans_choice_with_one_probe(monkeypatch) -> None:
-    """Issue 60 item 6: where the planner predicts, the probes start at its largest fitting micro-batch and stop at the
-    first that fits (no probe above it, none below for speed); where it cannot say, every divisor is probed for speed."""
+def test_auto_micro_batch_trusts_the_plan_with_room_and_probes_near_the_edge(monkeypatch) -> None:
+    """Issue 60 item 6: where the planner predicts with its error to spare the run takes its largest fitting
+    micro-batch without a probe; nearer the card's edge the probes start there and stop at the first that fits (no
+    probe above it, none below for speed); where it cannot say, every divisor is probed for speed."""
     from types import SimpleNamespace
 
     from toolkit.plan import planner
@@ -221,12 +222,16 @@ def test_auto_micro_batch_confirms_the_plans_choice_with_one_probe(monkeypatch) 
     monkeypatch.setattr(autotune, "run_compiles", lambda i: False)
     monkeypatch.setattr("toolkit.runtime.resolved.tiled_mlp_choice", lambda cfg: (False, ""))
     monkeypatch.setattr(planner, "run_settings", lambda cfg, compiled, tiled: {})
-    monkeypatch.setattr(planner, "fitting_micro_batches", lambda *a, **k: [8, 4, 2, 1])
-    assert autotune.candidates(inputs, 32, 80.0) == ([8, 4, 2, 1], True)
+    monkeypatch.setattr(planner, "micro_batch_needs", lambda *a, **k: [(8, 75.0), (4, 40.0), (2, 25.0), (1, 18.0)])
+    assert autotune.candidates(inputs, 32, 80.0) == ([8, 4, 2, 1], "confirm")  # 75 GiB + 10% > 80
+    assert autotune.candidates(inputs, 32, 82.4) == ([8, 4, 2, 1], "confirm")
+    assert autotune.candidates(inputs, 32, 82.5) == ([8], "predicted")
+    monkeypatch.setattr(planner, "micro_batch_needs", lambda *a, **k: [])
+    assert autotune.candidates(inputs, 32, 80.0) == ([1], "confirm")  # nothing predicted to fit: the smallest, probed
 
     def refuse(*a, **k):
         raise ConfigError("no activation model")
 
-    monkeypatch.setattr(planner, "fitting_micro_batches", refuse)
-    assert autotune.candidates(inputs, 32, 80.0) == ([32, 16, 8, 4, 2, 1], False)
-    assert autotune.candidates(inputs, 32, None) == ([32, 16, 8, 4, 2, 1], False)
+    monkeypatch.setattr(planner, "micro_batch_needs", refuse)
+    assert autotune.candidates(inputs, 32, 80.0) == ([32, 16, 8, 4, 2, 1], "search")
+    assert autotune.candidates(inputs, 32, None) == ([32, 16, 8, 4, 2, 1], "search")

@@ -6,8 +6,10 @@ optimizer steps, because an out-of-memory error inside the real job is not recov
 fails leaves its peers waiting in a collective. Every rank polls its own child, and the ranks agree once a
 second over a CPU (gloo) group, so one child's failure stops the other children at once.
 
-The largest predicted-fitting micro-batch is probed first, then smaller ones while they are faster; the
-fastest that ran wins.
+Where the planner predicts with room to spare (its need plus its own 10% error under the card), its largest
+fitting micro-batch is taken without a probe. Nearer the edge that one is probed to confirm it, smaller ones
+only if it does not fit. Where the planner cannot say, every divisor is probed, largest first, while they get
+faster; the fastest that ran wins.
 
 Compile and float8 (`train.compile`, `train.precision=fp8`) change both memory and speed, so the planner
 predicts with them and the probes run them: each probe is told the run's resolved compile setting (`auto`
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
     from toolkit.runtime.spec import RunInputs
 
 PROBE_STEPS = 4  # optimizer steps per probe; the median tokens/s of steps 2.. is its speed
+PLAN_ERROR = 0.10  # the planner's peaks against measured ones (bench/results/speed_model/): the margin that skips a probe
 RECORD = "micro_batch.json"
 CACHE = Path(os.environ.get("TOOLKIT_CACHE", Path.home() / ".cache" / "toolkit")) / RECORD
 OOM_MARKS = ("OutOfMemoryError", "CUDA out of memory", "out of memory", "Cannot allocate memory")
@@ -102,27 +105,37 @@ def gpu_name_and_gib() -> tuple[str, float | None]:
         return "cuda", None
 
 
-def candidates(inputs: RunInputs, per_rank: int, gpu_gib: float | None) -> tuple[list[int], bool]:
-    """Largest first: the planner's predicted-fitting divisors (True: the first that fits is the answer, the probe only
-    confirms it), or every divisor when it cannot say (False: probed for speed until a smaller one is slower)."""
+def candidates(inputs: RunInputs, per_rank: int, gpu_gib: float | None) -> tuple[list[int], str]:
+    """Largest first, and how to use them:
+    - "predicted": the planner's largest fitting micro-batch, whose planned need leaves the planner's own error
+      (PLAN_ERROR) free on the card: taken without a probe;
+    - "confirm": the planner's fitting divisors, near the card's edge: the first probe that fits is the answer;
+    - "search": every divisor (the planner cannot say): probed for speed until a smaller one is slower."""
     every = divisors(per_rank)
     if gpu_gib is None:
-        return every, False
-    from toolkit.plan.planner import fitting_micro_batches, run_settings
+        return every, "search"
+    from toolkit.plan.planner import micro_batch_needs, run_settings
     from toolkit.runtime.resolved import tiled_mlp_choice
 
     cfg = inputs.cfg
     try:
-        fit = fitting_micro_batches(inputs.model_config, inputs.ds_raw, inputs.world_size, cfg.data.seq_len,
-                                    per_rank, gpu_gib, **run_settings(cfg, run_compiles(inputs),
-                                                                      tiled_mlp_choice(cfg)[0]))
+        fit = micro_batch_needs(inputs.model_config, inputs.ds_raw, inputs.world_size, cfg.data.seq_len,
+                                per_rank, gpu_gib, **run_settings(cfg, run_compiles(inputs), tiled_mlp_choice(cfg)[0]))
     except Exception as e:  # a shape the planner refuses: the probes still find the answer
         print(f"micro_batch_size=auto: no prediction ({type(e).__name__}: {e}); probing every divisor", flush=True)
-        return every, False
-    # The planner's largest fitting micro-batch is also its fastest (tokens per micro-step only raise MFU), and its
-    # peaks are within 10% of measured ones (bench/results/speed_model/): one probe confirms it, a smaller one follows
-    # only if it does not fit. Probing one size above and every size below for speed cost a launch each (issue 60).
-    return (fit, True) if fit else (every[-1:], True)
+        return every, "search"
+    if not fit:
+        return every[-1:], "confirm"
+    # The planner's largest fitting micro-batch is also its fastest (tokens per micro-step only raise MFU). Its peaks
+    # are within 10% of measured ones (bench/results/speed_model/, the families it never saw among them): with that
+    # much room left the plan is the answer, and a probe (a whole child launch, ~50 s on an H200) would only repeat it.
+    # Nearer the edge one probe confirms it, and a smaller one follows only if it does not fit (issue 60).
+    micro, need = fit[0]
+    if need * (1 + PLAN_ERROR) <= gpu_gib:
+        print(f"micro_batch_size=auto: the plan predicts {micro} (needs {need:.1f} of {gpu_gib:.1f} GiB, more than "
+              f"its {PLAN_ERROR:.0%} error to spare): no probe", flush=True)
+        return [micro], "predicted"
+    return [m for m, _ in fit], "confirm"
 
 
 def run_compiles(inputs: RunInputs) -> bool:
@@ -158,19 +171,22 @@ def resolve(inputs: RunInputs, argv: list[str]) -> dict[str, Any]:
     smallest = _all_min(gib, group)
     key = key_of(inputs, gpu)
     record, order, error = None, None, None
-    confirm = False
+    mode = "search"
     if dist.rank() == 0:
         try:
             record = _reuse(Path(t.run_dir), key, per_rank)
-            order, confirm = (None, False) if record else candidates(inputs, per_rank, smallest)
+            order, mode = (None, mode) if record else candidates(inputs, per_rank, smallest)
         except Exception as e:  # raised on rank 0 alone, the others would wait in the broadcast below
             error = f"micro_batch_size=auto: {type(e).__name__}: {e}"
-    record, order, confirm, error = dist.broadcast_object([record, order, confirm, error])
+    record, order, mode, error = dist.broadcast_object([record, order, mode, error])
     if error:
         raise RuntimeError(error)
-    if record is None:
+    if record is None and mode == "predicted":  # not cached: a prediction costs seconds, and a probe may follow later
+        record = {"key": key, "micro_batch": order[0], "grad_accum": per_rank // order[0], "probes": [],
+                  "predicted": True, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    elif record is None:
         record = _search(cfg, [*argv, f"train.compile={'torch' if run_compiles(inputs) else 'off'}"], key, per_rank,
-                         order, group, confirm)
+                         order, group, mode == "confirm")
     t.micro_batch_size = int(record["micro_batch"])
     t.grad_accum = per_rank // t.micro_batch_size
     return record
@@ -212,7 +228,8 @@ def _reuse(run_dir: Path, key: dict[str, Any], per_rank: int) -> dict[str, Any] 
         for rec in found if isinstance(found, list) else [found]:
             micro = rec.get("micro_batch") if isinstance(rec, dict) else None
             # only a record this job can run: an edited or foreign one is ignored, never truncated
-            if rec.get("key") == key and isinstance(micro, int) and micro >= 1 and per_rank % micro == 0:
+            if rec.get("key") == key and isinstance(micro, int) and micro >= 1 and per_rank % micro == 0 \
+                    and not rec.get("predicted"):  # a prediction is made again (the planner may have changed)
                 print(f"micro_batch_size=auto: {rec['micro_batch']} (recorded in {source})", flush=True)
                 return rec | {"reused_from": str(source)}
     return None
