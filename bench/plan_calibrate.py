@@ -185,6 +185,13 @@ FAMILIES: tuple[Config, ...] = tuple(
     Config(f"f-{tag}-z{stage}-s4096-m{m}{'-ckpt' * ck}", model, 4096, m, 1, stage, ckpt=ck, layers=layers)
     for tag, model, layers in (("q3-4b-l12", Q3_4, 12), ("p3-l12", P3, 12), ("g3-1b", GM3, 0))
     for stage in (2, 3) for m, ck in ((4, False), (16, True)))
+# the same families at ZeRO-3 with their decoder layers as leaf modules (train.zero3_leaves=true): one gather and one
+# reduce a layer, against a hook on each submodule above (EAGER_LEAVES_TYPES)
+FAMILY_LEAVES: tuple[Config, ...] = tuple(
+    Config(f"f-{tag}-z3-leaves-s4096-m{m}{'-ckpt' * ck}", model, 4096, m, 1, 3, ckpt=ck, layers=layers,
+           extra=("train.zero3_leaves=true",))
+    for tag, model, layers in (("q3-4b-l12", Q3_4, 12), ("p3-l12", P3, 12), ("g3-1b", GM3, 0))
+    for m, ck in ((4, False), (16, True)))
 SMOKE: tuple[Config, ...] = (
     Config("tiny-z2", "tiny", 64, 2, 2, 2, gpus=2),
     Config("tiny-z3all", "tiny", 64, 2, 1, 3, "all", gpus=2),
@@ -340,7 +347,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     configs = SMOKE if smoke else CONFIGS
     if a.only:
         wanted = a.only.split(",")
-        configs = tuple(c for c in (SMOKE if smoke else CONFIGS + LONG + VALIDATE + LEAVES + FAMILIES) if c.name in wanted)
+        configs = tuple(c for c in (SMOKE if smoke else CONFIGS + LONG + VALIDATE + LEAVES + FAMILIES + FAMILY_LEAVES) if c.name in wanted)
         configs = tuple(sorted(configs, key=lambda c: wanted.index(c.name)))  # in the order asked
     if a.set:  # e.g. train.stop_after=1, then train.resume=latest: a run longer than one device command
         configs = tuple(dataclasses.replace(c, extra=(*c.extra, *a.set)) for c in configs)

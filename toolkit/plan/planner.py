@@ -801,7 +801,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     # 9.29 GiB besides parameters and states at its peak where 2-byte buckets predicted 7.31.
     buckets = 2 * (4.0 if autocast else 2.0) * sizes.reduce_bucket if stage in (1, 2) else 0.0
     # AutoEP's experts stay on their ranks: nothing of them is gathered (only the rest of each layer)
-    local = replace(s, layer_params=tuple(x for x in s.layer_params if ".experts." not in x[0])) if ep > 1 else s
+    local = s.without_experts() if ep > 1 else s
     gathered = _gathered_bytes(local, n, sizes, offload_param,
                                every_layer=leaves(w, stage) and c.grad_ckpt) if stage == 3 else 0.0
     if quantized:  # gathered layers hold the packed weights: a quarter of their bf16 bytes
@@ -1040,8 +1040,7 @@ def muon_step_s(s: ModelShape, stage: int, world: int) -> float:
 
 def matrix_numel(s: ModelShape) -> int:
     """Parameters of the decoder layers' 2-D weights (norms are 1-D, biases too): what Muon steps."""
-    per_layer = sum(n for name, n in s.layer_params if name.endswith("weight") and "norm" not in name)
-    return s.num_layers * per_layer
+    return sum(n for layer in s.layers() for name, n in layer if name.endswith("weight") and "norm" not in name)
 
 
 def _accumulated_grads_in_cpu(s: ModelShape, n: int) -> float:

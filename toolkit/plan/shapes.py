@@ -20,15 +20,16 @@ import hashlib
 import json
 import os
 import re
+from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from toolkit.config.ds_config import ConfigError
 
 SHAPES_FILE = Path(__file__).with_name("model_shapes.json")
-SHAPE_VERSION = 4  # bump when ModelShape changes: cached and committed shapes are then read again
+SHAPE_VERSION = 5  # bump when ModelShape changes: cached and committed shapes are then read again
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class ModelShape:
     prefix_params: tuple[tuple[str, int], ...]
     """(name, numel) of the parameters before the first decoder layer (the input embedding)."""
     layer_params: tuple[tuple[str, int], ...]
-    """(name inside the layer, numel) of one decoder layer; every layer has the same list."""
+    """(name inside the layer, numel) of one decoder layer: the most common kind where the layers differ."""
     suffix_params: tuple[tuple[str, int], ...]
     """(name, numel) after the last layer: the final norm, and the LM head when it is not tied."""
     linears: tuple[tuple[str, int, int], ...]
@@ -64,25 +65,50 @@ class ModelShape:
     """What a decoder layer saves for backward, traced from the model's own code (toolkit/plan/trace.py); None for
     the families with a counted formula (FORMULA_TYPES) and where the trace failed (trace_error says why)."""
     trace_error: str = ""
+    other_layers: tuple[tuple[int, tuple[tuple[str, int], ...]], ...] = ()
+    """The decoder layers whose parameters differ from layer_params, (index, their list): DeepSeek-V3's dense first
+    layers among its MoE layers, a hybrid's attention layers among its recurrent ones. Parameter counts (ZeRO's
+    groups, totals, the largest layer) read every layer; the trace's bytes are the mean over them; what is read per
+    Linear (LoRA's targets, FLOPs, float8) reads the most common kind."""
+
+    def layers(self) -> Iterator[tuple[tuple[str, int], ...]]:
+        """Every decoder layer's parameter list, in order."""
+        other = dict(self.other_layers)
+        for i in range(self.num_layers):
+            yield other.get(i, self.layer_params)
 
     @property
     def active_params(self) -> int:
-        """Parameters one token runs through: all but the experts it is not routed to (the layer's `experts`
+        """Parameters one token runs through: all but the experts it is not routed to (each layer's `experts`
         parameters, an equal share each)."""
         if not self.num_experts:
             return self.total_params
-        experts = sum(n for name, n in self.layer_params if ".experts." in f".{name}")
-        idle = experts * (self.num_experts - self.experts_per_token) // self.num_experts
-        return self.total_params - self.num_layers * idle
+        experts = sum(n for layer in self.layers() for name, n in layer if ".experts." in f".{name}")
+        return self.total_params - experts * (self.num_experts - self.experts_per_token) // self.num_experts
 
     @property
     def layer_numel(self) -> int:
-        return sum(n for _, n in self.layer_params)
+        """One decoder layer's parameters: the mean over the layers where they differ."""
+        return self.layers_numel // self.num_layers
+
+    @property
+    def layers_numel(self) -> int:
+        return sum(n for layer in self.layers() for _, n in layer)
+
+    @property
+    def largest_layer_numel(self) -> int:
+        return max(sum(n for _, n in layer) for layer in self.layers())
 
     @property
     def total_params(self) -> int:
-        return (sum(n for _, n in self.prefix_params) + self.num_layers * self.layer_numel
-                + sum(n for _, n in self.suffix_params))
+        return (sum(n for _, n in self.prefix_params) + self.layers_numel + sum(n for _, n in self.suffix_params))
+
+    def without_experts(self) -> ModelShape:
+        """The shape less its experts' parameters (AutoEP keeps them on their ranks: nothing of them is gathered)."""
+        def strip(layer: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
+            return tuple(x for x in layer if ".experts." not in f".{x[0]}")
+        return replace(self, layer_params=strip(self.layer_params),
+                       other_layers=tuple((i, strip(layer)) for i, layer in self.other_layers))
 
     @property
     def embed_numel(self) -> int:
@@ -91,8 +117,8 @@ class ModelShape:
     def param_numels(self) -> Iterator[int]:
         """Every unique parameter's numel, in `model.parameters()` order."""
         yield from (n for _, n in self.prefix_params)
-        for _ in range(self.num_layers):
-            yield from (n for _, n in self.layer_params)
+        for layer in self.layers():
+            yield from (n for _, n in layer)
         yield from (n for _, n in self.suffix_params)
 
     def to_json(self) -> dict[str, Any]:
@@ -103,6 +129,7 @@ class ModelShape:
         d = dict(data)
         for key in ("prefix_params", "layer_params", "suffix_params", "linears"):
             d[key] = tuple(tuple(x) for x in d[key])
+        d["other_layers"] = tuple((int(i), tuple(tuple(x) for x in layer)) for i, layer in d.get("other_layers", ()))
         return cls(**d)
 
 
@@ -125,6 +152,16 @@ FORMULA_TYPES = frozenset({"gpt2", "bert"})
 def read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
     """Build the model described by the HF config `mc` on the meta device and read its parameters: a causal LM,
     or for an encoder (BERT) the sequence classifier the toolkit trains (model.task=seq_cls)."""
+    try:
+        return _read_shape(mc, trace=trace)
+    except Exception as e:  # transformers' heterogeneous configs refuse a global width or head count
+        if type(e).__name__ != "AmbiguousGlobalPerLayerAttributeError":
+            raise
+        raise ConfigError(f"{mc.model_type!r} sets its widths or head counts per layer (per_layer_config): toolkit "
+                          "plan models one width and head count for every layer") from None
+
+
+def _read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     from transformers.initialization import no_init_weights
@@ -156,10 +193,11 @@ def read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
         seen.add(id(p))
         params.append((name, p.numel()))
     layers = int(_cfg(mc, "num_hidden_layers", "n_layer"))
-    stack, per_layer = _split_layers(params, layers)
+    stack, by_layer = _split_layers(params, layers)
+    per_layer = Counter(by_layer).most_common(1)[0][0]
     first = next(i for i, (n, _) in enumerate(params) if n.startswith(f"{stack}.0."))
     last = max(i for i, (n, _) in enumerate(params) if _LAYER.match(n) and n.startswith(f"{stack}."))
-    layer0 = model.get_submodule(f"{stack}.0")
+    layer0 = model.get_submodule(f"{stack}.{by_layer.index(per_layer)}")
     # GPT-2's projections are transformers' Conv1D: a Linear with its weight stored (in, out)
     linears = tuple((n, m.in_features, m.out_features) if isinstance(m, torch.nn.Linear)
                     else (n, int(m.weight.shape[0]), int(m.weight.shape[1]))
@@ -167,7 +205,8 @@ def read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
                     if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")
     hidden = int(_cfg(mc, "hidden_size", "n_embd"))
     heads = int(_cfg(mc, "num_attention_heads", "n_head"))
-    traced, trace_error = _traced(mc, task) if trace else (None, "not traced (parameters only)")
+    kinds = by_layer if len(set(by_layer)) > 1 else None
+    traced, trace_error = _traced(mc, task, kinds) if trace else (None, "not traced (parameters only)")
     top_k = int(getattr(mc, "num_experts_per_tok", None) or 0)
     experts = int(getattr(mc, "num_experts", None) or getattr(mc, "num_local_experts", None) or 0) if top_k else 0
     return ModelShape(
@@ -192,17 +231,18 @@ def read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
         if experts else 0,
         trace=traced,
         trace_error=trace_error,
+        other_layers=tuple((i, p) for i, p in enumerate(by_layer) if p != per_layer),
     )
 
 
-def _traced(mc: Any, task: str) -> tuple[dict[str, Any] | None, str]:
+def _traced(mc: Any, task: str, kinds: list[Any] | None) -> tuple[dict[str, Any] | None, str]:
     """The activation trace of a causal LM outside FORMULA_TYPES, or why there is none."""
     if task != "causal_lm" or str(mc.model_type) in FORMULA_TYPES:
         return None, ""
     from toolkit.plan.trace import TraceError, trace_layers
 
     try:
-        return trace_layers(mc), ""
+        return trace_layers(mc, kinds), ""
     except TraceError as e:
         return None, f"its layers could not be traced on fake tensors ({e})"
 
@@ -217,8 +257,8 @@ def _cfg(mc: Any, *names: str, default: Any = ...) -> Any:
     return default
 
 
-def _split_layers(params: list[tuple[str, int]], layers: int) -> tuple[str, tuple[tuple[str, int], ...]]:
-    """The ModuleList holding `layers` decoder layers, and one layer's parameter list (all equal)."""
+def _split_layers(params: list[tuple[str, int]], layers: int) -> tuple[str, list[tuple[tuple[str, int], ...]]]:
+    """The ModuleList holding `layers` decoder layers, and each layer's parameter list."""
     stacks: dict[str, dict[int, list[tuple[str, int]]]] = {}
     for name, n in params:
         m = _LAYER.match(name)
@@ -226,11 +266,7 @@ def _split_layers(params: list[tuple[str, int]], layers: int) -> tuple[str, tupl
             stacks.setdefault(m["stack"], {}).setdefault(int(m["index"]), []).append((m["rest"], n))
     for stack, by_index in stacks.items():
         if sorted(by_index) == list(range(layers)):
-            first = tuple(by_index[0])
-            if any(tuple(v) != first for v in by_index.values()):
-                raise ConfigError("its decoder layers differ (dense and Mixture-of-Experts layers, or attention and "
-                                  "recurrent/linear-attention layers); toolkit plan models one layer repeated")
-            return stack, first
+            return stack, [tuple(by_index[i]) for i in range(layers)]
     raise ConfigError(f"cannot find the {layers} decoder layers in the model's parameter names")
 
 

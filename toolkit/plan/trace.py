@@ -31,15 +31,19 @@ from typing import Any
 TRACE_VERSION = 1
 TRACE_SEQ = 256  # bytes per token do not depend on the length with fused attention (the note: 256 to 2,048 equal)
 EAGER_SEQS = (256, 512)  # eager attention's S x S term: two lengths give its slope
-MIDDLE = 3  # layers traced between the first and the last (which carry the stack's own tensors: rotary, the output)
+MIDDLE = 3  # layers traced besides a first and a last (each layer owns the storages its code makes, so all count)
 
 
 class TraceError(RuntimeError):
     """The model's code could not run on fake tensors (a data-dependent shape, a custom kernel)."""
 
 
-def trace_layers(mc: Any) -> dict[str, Any]:
+def trace_layers(mc: Any, kinds: list[Any] | None = None) -> dict[str, Any]:
     """Trace a causal LM described by the HF config `mc` (a copy with a few layers is built on fake tensors).
+
+    kinds: each decoder layer's parameter list (name, numel) in the full model, where its layers differ (DeepSeek-V3's
+    dense first layers, a hybrid's attention and recurrent layers): the copy then holds every kind, and each figure is
+    the mean over the full model's layers (kinds' bytes weighted by their counts), so num_layers x layer is the stack.
 
     Returns {"version", "layer": {variant: bytes/token}, "parts": {variant: {child: bytes/token}},
     "final": {variant: bytes/token}, "linears": [[name, in_features, group, kept_by_frozen]], "eager": [a, b]}
@@ -47,15 +51,19 @@ def trace_layers(mc: Any) -> dict[str, Any]:
     "eager" where the family has no fused path (its bytes were traced at TRACE_SEQ and grow by b a token per token).
     """
     out: dict[str, Any] = {"version": TRACE_VERSION, "layer": {}, "parts": {}, "final": {}}
+    n = _layer_count(mc, kinds)
     try:
         for liger in (False, True):
             for full in (True, False):
                 key = f"{'liger' if liger else 'plain'}-{'full' if full else 'frozen'}"
-                r = _trace(mc, seq=TRACE_SEQ, liger=liger, full=full, attn="sdpa", linears=not liger and not full)
+                r = _trace(mc, n, kinds, seq=TRACE_SEQ, liger=liger, full=full, attn="sdpa",
+                           linears=not liger and not full)
                 out["layer"][key], out["parts"][key], out["final"][key] = r["layer"], r["parts"], r["final"]
                 if "linears" in r:
                     out["linears"] = r["linears"]
-        eager = [_trace(mc, seq=s, liger=False, full=True, attn="eager")["layer"] for s in EAGER_SEQS]
+        eager = [_trace(mc, n, kinds, seq=s, liger=False, full=True, attn="eager")["layer"] for s in EAGER_SEQS]
+    except TraceError:
+        raise
     except Exception as e:  # the model's own code failed on fake tensors
         raise TraceError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     slope = (eager[1] - eager[0]) / (EAGER_SEQS[1] - EAGER_SEQS[0])
@@ -66,22 +74,29 @@ def trace_layers(mc: Any) -> dict[str, Any]:
     return out
 
 
-def _layer_count(mc: Any) -> int:
-    """Layers to build: the first, MIDDLE, the last; at least two of every layer type in the middle."""
+def _layer_count(mc: Any, kinds: list[Any] | None) -> int:
+    """Layers to build: MIDDLE + 2, at least two of every layer type of the config's own pattern, and where the layers'
+    parameters differ, as many as the full model needs to show each kind once."""
     types = getattr(mc, "layer_types", None)
     cycle = len(dict.fromkeys(types)) if types else 1
-    return 2 + max(MIDDLE, 2 * cycle)
+    n = 2 + max(MIDDLE, 2 * cycle)
+    if kinds and len(set(kinds)) > 1:
+        n = max(n, 1 + max(kinds.index(k) for k in set(kinds)))
+    return n
 
 
 def _small_config(mc: Any, layers: int) -> Any:
+    """`mc` with `layers` decoder layers; every per-layer list of the config (layer_types, a hybrid's pattern string)
+    keeps the model's own interleaving, cut or repeated to the new count."""
     cfg = copy.deepcopy(mc)
+    full = int(cfg.num_hidden_layers)
     cfg.num_hidden_layers = layers
-    types = getattr(cfg, "layer_types", None)
-    if types:
-        pattern = list(types)
-        # keep the model's own interleaving (e.g. five sliding layers, one full)
-        with contextlib.suppress(AttributeError):  # derived from other fields in some configs
-            cfg.layer_types = [pattern[i % len(pattern)] for i in range(layers)]
+    for name, value in list(vars(cfg).items()):
+        per_layer = isinstance(value, (list, tuple, str)) and any(w in name for w in ("layer", "pattern", "block"))
+        if per_layer and len(value) == full and full > 1:
+            cut = [value[i % full] for i in range(layers)]
+            with contextlib.suppress(AttributeError):  # derived from other fields in some configs
+                setattr(cfg, name, "".join(cut) if isinstance(value, str) else type(value)(cut))
     for name in ("mlp_only_layers",):
         if getattr(cfg, name, None):
             setattr(cfg, name, [i for i in getattr(cfg, name) if i < layers])
@@ -106,11 +121,11 @@ def _build(cfg: Any, attn: str) -> Any:
         return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="eager")
 
 
-def _trace(mc: Any, *, seq: int, liger: bool, full: bool, attn: str, linears: bool = False) -> dict[str, Any]:
+def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, full: bool, attn: str,
+           linears: bool = False) -> dict[str, Any]:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    n = _layer_count(mc)
     cfg = _small_config(mc, n)
     with FakeTensorMode(), _quiet_transformers(), _no_packed_mask():
         model = _build(cfg, attn)
@@ -126,12 +141,19 @@ def _trace(mc: Any, *, seq: int, liger: bool, full: bool, attn: str, linears: bo
         owner: dict[int, tuple[tuple[int, str] | str, int]] = {}
         keep: list[Any] = []
         done = [False]
+        created: dict[int, int | str] = {}  # storage -> the layer whose code made it ("stack", "final": outside them)
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             st = t.untyped_storage()
             key = st._cdata
             if key not in params and key not in owner:
-                tag = where[0] if where[0] is not None else ("final" if done[0] else "stack")
+                # a storage belongs to the layer that made it: a layer's output saved by the next layer's norm (or
+                # the final norm) is its own, and what the stack makes before the layers (rotary tables, the
+                # embedding output) belongs to none. So the first and last layers count as the middle ones do.
+                by = created.get(key, "stack")
+                saver = where[0] if where[0] is not None else ("final" if done[0] else "stack")
+                tag = (by, saver[1] if isinstance(saver, tuple) and saver[0] == by else "other") \
+                    if isinstance(by, int) else by
                 owner[key] = (tag, st.nbytes())
                 keep.append(t)
             return t
@@ -145,39 +167,79 @@ def _trace(mc: Any, *, seq: int, liger: bool, full: bool, attn: str, linears: bo
                     lambda m, a, i=i, c=child_name: where.__setitem__(0, (i, c))))
                 hooks.append(child.register_forward_hook(
                     lambda m, a, o, i=i: where.__setitem__(0, (i, "other"))))
+        sigs = [tuple((name, p.numel()) for name, p in layer.named_parameters()) for layer in layers]
+        weights = _kind_weights(sigs, kinds)
         seen_linears: list[tuple[str, int, int]] = []
-        if linears:
-            mid = layers[n // 2]
+        if linears:  # on a layer of the most common kind (the one ModelShape.linears lists)
+            common = max(weights, key=weights.__getitem__)
+            mid = layers[next((i for i in range(n // 2, n) if sigs[i] == common), sigs.index(common))]
             for name, mod in mid.named_modules():
                 if isinstance(mod, torch.nn.Linear):
                     hooks.append(mod.register_forward_pre_hook(
                         lambda m, a, name=name: _note_input(seen_linears, keep, name, m, a[0])))
         embeds = torch.empty(1, seq, _hidden(cfg), dtype=torch.bfloat16, requires_grad=True)
-        keep.append(embeds)
-        params.add(embeds.untyped_storage()._cdata)  # the input of the stack, not an activation of it
-        with _flash_like_sdpa(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        keep.append(embeds)  # the embedding's output: the stack's, kept where a layer's norm saves it (Liger's)
+        with _flash_like_sdpa(), _creators(created, where, done, keep), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             base(inputs_embeds=embeds, use_cache=False)
         for h in hooks:
             h.remove()
-    middle = range(1, n - 1)
     per_layer = [0 for _ in range(n)]
-    parts: dict[str, int] = {}
+    parts: list[dict[str, int]] = [{} for _ in range(n)]
     final = 0
     for tag, nbytes in owner.values():
         if isinstance(tag, tuple):
             per_layer[tag[0]] += nbytes
-            if tag[0] in middle:
-                parts[tag[1]] = parts.get(tag[1], 0) + nbytes
-        elif tag == "final":
+            parts[tag[0]][tag[1]] = parts[tag[0]].get(tag[1], 0) + nbytes
+        else:  # the final norm's and the stack's own (the embedding output, rotary tables): counted once, at the top
             final += nbytes
-    r: dict[str, Any] = {"layer": sum(per_layer[i] for i in middle) / len(middle) / seq,
-                         "parts": {k: v / len(middle) / seq for k, v in parts.items()},
-                         "final": final / seq}
+    # each kind's mean over its layers in the copy, weighted by its share of the full model's layers
+    layer, by_part = 0.0, {}
+    for sig, weight in weights.items():
+        idx = [i for i in range(n) if sigs[i] == sig]
+        layer += weight * sum(per_layer[i] for i in idx) / len(idx)
+        for i in idx:
+            for child, nbytes in parts[i].items():
+                by_part[child] = by_part.get(child, 0.0) + weight * nbytes / len(idx)
+    r: dict[str, Any] = {"layer": layer / seq, "parts": {k: v / seq for k, v in by_part.items()}, "final": final / seq}
     if linears:
         groups: dict[int, int] = {}
         r["linears"] = [[name, fin, groups.setdefault(key, len(groups)), key in owner]
                         for name, fin, key in seen_linears]
     return r
+
+
+@contextlib.contextmanager
+def _creators(created: dict[int, int | str], where: list, done: list, keep: list) -> Iterator[None]:
+    """Note which layer's code made each storage: every op's outputs, as they come (a dispatch mode over the fake
+    tensors)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Creators(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    key = t.untyped_storage()._cdata
+                    if key not in created:
+                        created[key] = where[0][0] if where[0] is not None else ("final" if done[0] else "stack")
+                        keep.append(t)  # alive to the end, so no later storage takes its address
+            return out
+
+    with Creators():
+        yield
+
+
+def _kind_weights(sigs: list[Any], kinds: list[Any] | None) -> dict[Any, float]:
+    """Each layer kind (its parameter list) and its share of the full model's layers; without `kinds`, of the copy's."""
+    if not kinds:
+        return {k: sigs.count(k) / len(sigs) for k in set(sigs)}
+    missing = set(kinds) - set(sigs)
+    if missing:
+        raise TraceError(f"{len(missing)} of the model's layer kinds did not appear in its {len(sigs)}-layer copy")
+    return {k: kinds.count(k) / len(kinds) for k in set(kinds)}
 
 
 def _note_input(seen: list, keep: list, name: str, mod: Any, x: Any) -> None:
