@@ -213,8 +213,8 @@ class TrainConfig:
     zero3_leaves: str = "auto"
     """ZeRO-3 only: each decoder layer a leaf module (one gather of the whole layer before its forward, one reduce
     after its backward, no hook on its submodules). true, false, or auto: leaves where the layers are compiled, and
-    eager for Llama, Mistral and Qwen2 full fine-tunes (SFT, preference: measured 1.3-2.4x faster; toolkit/plan/
-    speedups.py leaves_on). Never under LoRA or NVMe parameter offload (true is refused there). With gradient
+    eager for Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 3 full fine-tunes (SFT, preference: measured 1.1-2.5x
+    faster; toolkit/plan/speedups.py leaves_on). Never under LoRA or NVMe parameter offload (true is refused there). With gradient
     checkpointing on several GPUs (or parameters on the CPU) DeepSpeed keeps every leaf layer gathered: the whole
     model's bf16 weights, which `toolkit plan` counts and the run warns of at start where they take over half the GPU
     (false then keeps the reuse distance's few)."""

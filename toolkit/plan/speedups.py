@@ -50,8 +50,11 @@ ZERO3_LEAVES = ("auto", "true", "false")
 # preference; Mistral's layer is Llama's, not measured itself), H200s (bench/results/speed_model/README.md): llama-1b at
 # ZeRO-3 9,934 -> 18,274 tokens/s at micro 2, 33,071 -> 44,386 at micro 8 with checkpointing, Qwen2.5-1.5B at micro 4
 # 21,722 -> 36,950 (ZeRO-2: 37,145), llama-1b on 2 GPUs at micro 2 11,156 -> 26,873 per GPU; peaks within 2.4%. With a hook on every submodule the step waits on the host (DeepSpeed's fetch and release, about 1.4 ms a
-# module call). Not measured: other model types (GPT-2, BERT, MoE blocks that are leaves already) and GRPO rollouts.
-EAGER_LEAVES_TYPES = frozenset({"llama", "mistral", "qwen2"})
+# module call). Qwen3-4B and Phi-3-mini (12 layers) and Gemma-3-1B at seq 4,096, one H200
+# (bench/results/speed_model/families/): 29,733 -> 42,607, 40,641 -> 45,867 and 13,003 -> 32,185 tokens/s at micro 4;
+# 40,704 -> 41,088, 40,904 -> 40,748 and 25,571 -> 41,786 at micro 16 with checkpointing; peaks equal.
+# Not measured: other model types (GPT-2, BERT, MoE blocks that are leaves already) and GRPO rollouts.
+EAGER_LEAVES_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text"})
 
 
 # With checkpointing, DeepSpeed keeps every ZeRO-3 leaf layer gathered where parameters are partitioned (planner.
@@ -109,7 +112,7 @@ def _leaves_on(setting: str, *, stage: int, compiled: bool, blocked: str | None,
         return True, "train.zero3_leaves=auto: compiled layers (one graph a layer)"
     if model_type in EAGER_LEAVES_TYPES and objective != "grpo":
         return True, ("train.zero3_leaves=auto: one gather and one reduce a layer instead of a hook on each submodule "
-                      "(measured 1.3-2.4x faster eager)")
+                      "(measured 1.1-2.5x faster eager)")
     why = "GRPO rollouts" if objective == "grpo" else f"model type {model_type or '?'}"
     return False, f"train.zero3_leaves=auto: eager leaves not measured for {why}; a hook on each submodule"
 

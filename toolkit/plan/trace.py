@@ -31,7 +31,7 @@ from typing import Any
 TRACE_VERSION = 1
 TRACE_SEQ = 256  # bytes per token do not depend on the length with fused attention (the note: 256 to 2,048 equal)
 EAGER_SEQS = (256, 512)  # eager attention's S x S term: two lengths give its slope
-MIDDLE = 3  # layers traced besides a first and a last (each layer owns the storages its code makes, so all count)
+MIDDLE = 3  # layers traced besides a first and a last (a layer owns the storages its code makes: the first counts)
 
 
 class TraceError(RuntimeError):
@@ -181,7 +181,8 @@ def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, f
         keep.append(embeds)  # the embedding's output: the stack's, kept where a layer's norm saves it (Liger's)
         with _flash_like_sdpa(), _creators(created, where, done, keep), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            base(inputs_embeds=embeds, use_cache=False)
+            # a copy that is not a leaf: some families scale their embeddings in place (CTRL)
+            base(inputs_embeds=embeds.clone(), use_cache=False)
         for h in hooks:
             h.remove()
     per_layer = [0 for _ in range(n)]
@@ -193,10 +194,12 @@ def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, f
             parts[tag[0]][tag[1]] = parts[tag[0]].get(tag[1], 0) + nbytes
         else:  # the final norm's and the stack's own (the embedding output, rotary tables): counted once, at the top
             final += nbytes
-    # each kind's mean over its layers in the copy, weighted by its share of the full model's layers
+    # each kind's mean over its layers in the copy, weighted by its share of the full model's layers. The last layer
+    # stands apart where its output is saved by nothing (OLMo 2's next layer saves it, its final norm an fp32 copy):
+    # one layer in the full model, so it is left out of a kind that has others.
     layer, by_part = 0.0, {}
     for sig, weight in weights.items():
-        idx = [i for i in range(n) if sigs[i] == sig]
+        idx = [i for i in range(n - 1) if sigs[i] == sig] or [n - 1]
         layer += weight * sum(per_layer[i] for i in idx) / len(idx)
         for i in idx:
             for child, nbytes in parts[i].items():

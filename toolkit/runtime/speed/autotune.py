@@ -184,6 +184,8 @@ def resolve(inputs: RunInputs, argv: list[str]) -> dict[str, Any]:
     if record is None and mode == "predicted":  # not cached: a prediction costs seconds, and a probe may follow later
         record = {"key": key, "micro_batch": order[0], "grad_accum": per_rank // order[0], "probes": [],
                   "predicted": True, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        if dist.rank() == 0:
+            print(f"micro_batch_size=auto: {record['micro_batch']} x accum {record['grad_accum']}", flush=True)
     elif record is None:
         record = _search(cfg, [*argv, f"train.compile={'torch' if run_compiles(inputs) else 'off'}"], key, per_rank,
                          order, group, mode == "confirm")
