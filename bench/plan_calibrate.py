@@ -192,6 +192,13 @@ FAMILY_LEAVES: tuple[Config, ...] = tuple(
            extra=("train.zero3_leaves=true",))
     for tag, model, layers in (("q3-4b-l12", Q3_4, 12), ("p3-l12", P3, 12), ("g3-1b", GM3, 0))
     for m, ck in ((4, False), (16, True)))
+# two GPUs of one host, each rank its micro-batch (ZeRO-3 at train.zero3_leaves=auto: leaf layers for these types)
+FAMILY_2GPU: tuple[Config, ...] = (
+    Config("f-q3-4b-l12-z3-s4096-m4-2gpu", Q3_4, 4096, 4, 1, 3, gpus=2, layers=12),
+    Config("f-q3-4b-l12-z2-s4096-m16-ckpt-2gpu", Q3_4, 4096, 16, 1, 2, gpus=2, ckpt=True, layers=12),
+    Config("f-p3-l12-z2-s4096-m4-2gpu", P3, 4096, 4, 1, 2, gpus=2, layers=12),
+    Config("f-g3-1b-z3-s4096-m16-ckpt-2gpu", GM3, 4096, 16, 1, 3, gpus=2, ckpt=True),
+)
 SMOKE: tuple[Config, ...] = (
     Config("tiny-z2", "tiny", 64, 2, 2, 2, gpus=2),
     Config("tiny-z3all", "tiny", 64, 2, 1, 3, "all", gpus=2),
@@ -347,7 +354,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     configs = SMOKE if smoke else CONFIGS
     if a.only:
         wanted = a.only.split(",")
-        configs = tuple(c for c in (SMOKE if smoke else CONFIGS + LONG + VALIDATE + LEAVES + FAMILIES + FAMILY_LEAVES) if c.name in wanted)
+        configs = tuple(c for c in (SMOKE if smoke else CONFIGS + LONG + VALIDATE + LEAVES + FAMILIES + FAMILY_LEAVES + FAMILY_2GPU) if c.name in wanted)
         configs = tuple(sorted(configs, key=lambda c: wanted.index(c.name)))  # in the order asked
     if a.set:  # e.g. train.stop_after=1, then train.resume=latest: a run longer than one device command
         configs = tuple(dataclasses.replace(c, extra=(*c.extra, *a.set)) for c in configs)

@@ -114,7 +114,8 @@ def _causal_lm_families() -> list[str]:
 MUST_PLAN = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmoe", "gemma", "gemma2", "gemma3_text",
              "phi", "phi3", "olmo2", "granite", "starcoder2", "gpt_neox", "stablelm", "cohere", "smollm3", "glm4",
              "gpt_oss", "falcon",
-             "deepseek_v3", "glm4_moe", "ernie4_5_moe", "jamba", "nemotron_h", "minimax")  # unlike layers
+             "deepseek_v3", "glm4_moe", "ernie4_5_moe", "jamba", "nemotron_h", "minimax",  # unlike layers
+             "mpt", "ctrl")  # their own attention, given a mask; embeddings scaled in place
 
 
 def test_every_causal_lm_family_plans_or_is_refused_in_one_line() -> None:
@@ -142,4 +143,4 @@ def test_every_causal_lm_family_plans_or_is_refused_in_one_line() -> None:
             refused[model_type] = str(e)
     missing = [t for t in MUST_PLAN if t not in planned]
     assert not missing, {t: refused.get(t) for t in missing}
-    assert len(planned) >= 120, (len(planned), refused)  # 127 of 196 with transformers 5.24
+    assert len(planned) >= 125, (len(planned), refused)  # 131 of 196 with transformers 5.24

@@ -53,15 +53,30 @@ def trace_layers(mc: Any, kinds: list[Any] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"version": TRACE_VERSION, "layer": {}, "parts": {}, "final": {}}
     n = _layer_count(mc, kinds)
     try:
+        # how this family runs on fake tensors: as most do, or with an attention mask given, or only with its own
+        # (eager) attention, whose mask MPT builds itself
+        failed: Exception | None = None
+        for attn, mask in (("sdpa", False), ("sdpa", True), ("eager", True)):
+            try:
+                first = _trace(mc, n, kinds, seq=TRACE_SEQ, liger=False, full=True, attn=attn, mask=mask)
+                break
+            except TraceError:
+                raise
+            except Exception as e:
+                failed = failed or e  # the first way's failure says most
+                if attn == "eager":
+                    raise failed from None
         for liger in (False, True):
             for full in (True, False):
                 key = f"{'liger' if liger else 'plain'}-{'full' if full else 'frozen'}"
-                r = _trace(mc, n, kinds, seq=TRACE_SEQ, liger=liger, full=full, attn="sdpa",
-                           linears=not liger and not full)
+                r = first if (liger, full) == (False, True) else _trace(
+                    mc, n, kinds, seq=TRACE_SEQ, liger=liger, full=full, attn=attn, linears=not liger and not full,
+                    mask=mask)
                 out["layer"][key], out["parts"][key], out["final"][key] = r["layer"], r["parts"], r["final"]
                 if "linears" in r:
                     out["linears"] = r["linears"]
-        eager = [_trace(mc, n, kinds, seq=s, liger=False, full=True, attn="eager")["layer"] for s in EAGER_SEQS]
+        eager = [_trace(mc, n, kinds, seq=s, liger=False, full=True, attn="eager", mask=mask)["layer"]
+                 for s in EAGER_SEQS]
     except TraceError:
         raise
     except Exception as e:  # the model's own code failed on fake tensors
@@ -122,7 +137,7 @@ def _build(cfg: Any, attn: str) -> Any:
 
 
 def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, full: bool, attn: str,
-           linears: bool = False) -> dict[str, Any]:
+           linears: bool = False, mask: bool = False) -> dict[str, Any]:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -182,7 +197,8 @@ def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, f
         with _flash_like_sdpa(), _creators(created, where, done, keep), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             # a copy that is not a leaf: some families scale their embeddings in place (CTRL)
-            base(inputs_embeds=embeds.clone(), use_cache=False)
+            given = {"attention_mask": torch.ones(1, seq, dtype=torch.long)} if mask else {}
+            base(inputs_embeds=embeds.clone(), use_cache=False, **given)
         for h in hooks:
             h.remove()
     per_layer = [0 for _ in range(n)]
