@@ -101,6 +101,17 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return run_report(args)
 
 
+def _cmd_merge_adapter(args: argparse.Namespace) -> int:
+    from toolkit.runtime.quant.merge import merge_adapter
+
+    r = merge_adapter(Path(args.adapter), Path(args.base), Path(args.out), base_weights=args.base_weights,
+                      quant_type=args.quant_type, dtype=args.dtype)
+    how = f"{r['base_weights']} base" + (f" ({r['rounded_linears']} Linears through {r['quant_type']})"
+                                         if r["base_weights"] == "dequantized" else "")
+    print(f"merged {args.adapter} into the {how} of {args.base}: {args.out} ({r['dtype']})")
+    return 0
+
+
 def _cmd_env(args: argparse.Namespace) -> int:
     from toolkit.launch.envcheck import run_env
 
@@ -200,6 +211,22 @@ def build_parser() -> argparse.ArgumentParser:
     from toolkit.plan.command import add_parser as add_plan_parser  # no torch: planning is arithmetic
 
     add_plan_parser(sub)
+
+    m = sub.add_parser("merge-adapter", help="merge a LoRA/QLoRA adapter into its float base (one HF directory)",
+                       description="After training: PEFT's merge of RUN_DIR/adapter into the base model directory. "
+                                   "For a 4-bit run the base is first rounded through the run's 4-bit format "
+                                   "(--base-weights dequantized, the default there), so the merged model computes "
+                                   "what the trained one did; --base-weights original merges into the float weights "
+                                   "as they are.")
+    m.add_argument("adapter", help="the adapter directory (RUN_DIR/adapter, written with train.export=true)")
+    m.add_argument("--base", required=True, help="the HF model directory the run started from")
+    m.add_argument("--out", required=True, help="where to write the merged model")
+    m.add_argument("--base-weights", choices=("dequantized", "original"), default=None,
+                   help="default: dequantized for a model.load_in_4bit run (read from RUN_DIR/config.yaml), else "
+                        "original")
+    m.add_argument("--quant-type", choices=("nf4", "fp4"), default=None, help="default: the run's")
+    m.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    m.set_defaults(func=_cmd_merge_adapter)
 
     e = sub.add_parser("env", help="pre-flight checks: versions, GPUs, op builds, NCCL, hosts")
     e.add_argument("--hostfile", default=None,

@@ -4,6 +4,8 @@ are in tests/dist/test_train.py's shared launch."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -46,3 +48,68 @@ def test_the_base_becomes_4bit_linears_with_the_same_weights_and_the_head_stays(
     assert type(model.lm_head) is torch.nn.Linear
     x = torch.randint(0, 128, (1, 8))
     assert torch.isfinite(model(input_ids=x).logits).all()
+
+
+def _tiny_base(path):
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4, vocab_size=128, max_position_embeddings=64)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+
+
+def test_merge_adapter_into_the_dequantized_base_computes_what_the_4bit_model_did(tmp_path) -> None:
+    """Issue 61 item 3: `toolkit merge-adapter` merges a QLoRA adapter into its base rounded through the run's 4-bit
+    format (read from RUN_DIR/config.yaml), so the merged float model gives the trained 4-bit model's logits;
+    `--base-weights original` merges into the float weights as they are (the base plus the adapter's update)."""
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.cli import main
+    from toolkit.runtime.quant import quantize_4bit
+
+    _tiny_base(tmp_path / "base")
+    four_bit = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    assert quantize_4bit(four_bit, dtype=torch.float32, quant_type="nf4", device="cpu") == 14
+    torch.manual_seed(1)  # adapters that change the output (lora_B is zero at PEFT's default init)
+    trained = get_peft_model(four_bit, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        want = trained(ids).logits
+    run = tmp_path / "run"
+    trained.save_pretrained(run / "adapter")
+    (run / "config.yaml").write_text("model:\n  load_in_4bit: true\n  bnb_4bit_quant_type: nf4\n")
+
+    assert main(["merge-adapter", str(run / "adapter"), "--base", str(tmp_path / "base"), "--out",
+                 str(tmp_path / "merged"), "--dtype", "fp32"]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    with torch.no_grad():
+        got = merged(ids).logits
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    assert json.loads((tmp_path / "merged" / "merge.json").read_text())["base_weights"] == "dequantized"
+
+    assert main(["merge-adapter", str(run / "adapter"), "--base", str(tmp_path / "base"), "--out",
+                 str(tmp_path / "original"), "--dtype", "fp32", "--base-weights", "original"]) == 0
+    original = AutoModelForCausalLM.from_pretrained(tmp_path / "original", dtype=torch.float32)
+    plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32),
+                                      run / "adapter")
+    with torch.no_grad():
+        assert torch.allclose(original(ids).logits, plain(ids).logits, atol=1e-4)
+        assert not torch.allclose(original(ids).logits, want, atol=1e-3)  # the 4-bit rounding is gone from it
+
+
+def test_merge_adapter_refuses_what_it_cannot_merge_in_one_line(tmp_path, capsys) -> None:
+    from toolkit.cli import main
+
+    _tiny_base(tmp_path / "base")
+    assert main(["merge-adapter", str(tmp_path), "--base", str(tmp_path / "base"), "--out", str(tmp_path / "o")]) == 1
+    assert "not an adapter directory" in capsys.readouterr().err
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    assert main(["merge-adapter", str(tmp_path / "adapter"), "--base", "tiny", "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert "random init has none to merge into" in err and err.count("\n") == 1
