@@ -164,13 +164,35 @@ QLORA_RUNS = {"qlora-z0": ("zero0", "raw"), "qlora-z3": ("zero3", "raw"), "qlora
               "qlora-z3-dpo": ("zero3", "raw")}
 
 
+def _qlora_base(tmp: Path) -> Path:
+    """The tiny preset's model saved with weights and a tokenizer: QLoRA runs start from a directory, as users' do, so
+    the adapter can be merged back into it (toolkit merge-adapter)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.plan.shapes import preset_config
+
+    base = tmp / "qlora-base"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(preset_config("tiny")).save_pretrained(base)
+    write_tokenizer(base)
+    return base
+
+
 def _qlora_runs(tmp: Path) -> list[dict]:
-    ds = _ds_files(tmp)
-    return [{"name": name, "argv": ["--ds", ds[stage], *OPTIMIZER_COMMON, f"train.path={path}",
-                                    f"train.run_dir={tmp / name}", "model.load_in_4bit=true", "lora.enabled=true",
-                                    *(["train.export=true"] if name == "qlora-z3" else []),
-                                    *(["train.objective=dpo", "data.seq_len=24"] if name.endswith("dpo") else [])]}
+    ds, base = _ds_files(tmp), _qlora_base(tmp)
+
+    def run(name: str, stage: str, path: str, *extra: str) -> dict:
+        return {"name": name, "argv": ["--ds", ds[stage], *OPTIMIZER_COMMON, f"train.path={path}",
+                                       f"train.run_dir={tmp / name}", f"model.name={base}", "model.load_in_4bit=true",
+                                       "lora.enabled=true", *extra]}
+
+    runs = [run(name, stage, path, *(["train.export=true"] if name == "qlora-z3" else []),
+                *(["train.objective=dpo", "data.seq_len=24"] if name.endswith("dpo") else []))
             for name, (stage, path) in QLORA_RUNS.items()]
+    # resumed at ZeRO-3 after 2 of 4 steps: the 4-bit base is rebuilt, the adapters and their states come back
+    return [*runs, run("qlora-z3-resume", "zero3", "raw", "train.stop_after=2"),
+            run("qlora-z3-resume", "zero3", "raw", "train.resume=latest")]
 
 
 @pytest.fixture(scope="module")
@@ -622,3 +644,32 @@ def test_qlora_trains_alike_at_zero0_and_zero3_and_saves_its_adapter(runs: Path)
     adapter = load_file(str(tmp / "qlora-z3" / "adapter" / "adapter_model.safetensors"))
     b = [v for k, v in adapter.items() if "lora_B" in k]
     assert len(b) == 4 and all(v.numel() and v.abs().sum() > 0 for v in b), {k: v.shape for k, v in adapter.items()}
+    # resumed after step 2 at ZeRO-3: steps 1-4 once each, on the uninterrupted run's curve
+    resumed = [r for r in lines(tmp / "qlora-z3-resume" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [r["loss"] for r in resumed] == pytest.approx(_opt_losses(tmp / "qlora-z3"), abs=1e-4)
+
+
+@pytest.mark.timeout(120)
+def test_a_qlora_adapter_trained_at_zero3_merges_into_its_base(runs: Path, tmp_path: Path) -> None:
+    """Issue 61 item 3 on a real run: the adapter the ZeRO-3 run exported, merged by `toolkit merge-adapter` into the
+    base it started from (rounded through nf4, read from the run's config.yaml): the merged float model gives the
+    logits of the 4-bit base with the adapter."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.runtime.quant import quantize_4bit
+
+    base, adapter = runs / "qlora-base", runs / "qlora-z3" / "adapter"
+    out = subprocess.run([sys.executable, "-m", "toolkit", "merge-adapter", str(adapter), "--base", str(base),
+                          "--out", str(tmp_path / "merged"), "--dtype", "fp32"], capture_output=True, text=True,
+                         timeout=100)
+    assert out.returncode == 0 and "dequantized base (14 Linears through nf4)" in out.stdout, out.stdout + out.stderr
+    four_bit = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    quantize_4bit(four_bit, dtype=torch.float32, quant_type="nf4", device="cpu")
+    trained = PeftModel.from_pretrained(four_bit, adapter)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    ids = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        assert torch.allclose(merged(ids).logits, trained(ids).logits, atol=1e-4)

@@ -116,7 +116,13 @@ class RawLoop:
         step = 0
         if p.resume_from:
             ck = p.resume_from
-            path, client = engine.load_checkpoint(str(ck.tag_dir.parent), tag=universal or ck.tag_dir.name)
+            # A 4-bit base's state dict carries bitsandbytes' quantization state (absmax, quant_map, ...), which
+            # load_state_dict cannot take back (transformers rebuilds it while loading, from_prequantized). The base
+            # is rebuilt and quantized again as at the start, identically; the adapters and their states come from
+            # the checkpoint, and resume.verify's fixed-batch loss would catch any that did not. The HF Trainer
+            # loads PEFT models unstrict for the same reason.
+            path, client = engine.load_checkpoint(str(ck.tag_dir.parent), tag=universal or ck.tag_dir.name,
+                                                  load_module_strict=not p.cfg.model.load_in_4bit)
             if path is None:
                 raise FileNotFoundError(f"train.resume={t.resume}: DeepSpeed could not load {ck.tag_dir}")
             step = int(client["step"])

@@ -65,6 +65,11 @@ def quantize_4bit(model: Any, *, dtype: Any, quant_type: str, device: Any) -> in
             if child.bias is not None:
                 q.bias = torch.nn.Parameter(child.bias.data.to(dtype), requires_grad=False)
             q = q.to(device)
+            # On a CPU with AVX512-BF16, bitsandbytes repacks a layer's weights into a bf16 inference layout at its
+            # first forward in eval mode without gradients (an eval loss, resume's fixed-batch check) and keeps them
+            # so: every later training step would then compute in other numbers than before it. Kept off; GPUs
+            # never take that path.
+            q.support_avx512bf16_for_cpu = False
             setattr(parent, name, q)
             del child
             done += 1
