@@ -90,6 +90,11 @@ def _runs(tmp: Path) -> list[dict]:
         runs.append({"name": f"muon-zero{stage}", "expect_rc": 0,
                      "argv": ["--ds", str(ds), *COMMON, f"data.source={prompts}", f"train.run_dir={tmp / f'muon-zero{stage}'}",
                               *stops]})
+    # QLoRA (docs/qlora.md): a 4-bit base with adapters; ZeRO-3 rolls out through the whole gathered 4-bit model,
+    # with the adapter-off reference for the KL term
+    qlora = [*stops, "lora.enabled=true", "model.load_in_4bit=true", "rl.beta=0.1"]
+    add("qlora-zero0", "zero0", *qlora)
+    add("qlora-zero3", "zero3", *[x for x in qlora if x != "eval.generate_gather=false"])
     add("resume", "zero3", *stops, "train.stop_after=2", "train.save_every=2")
     add("resume", "zero3", *stops, "train.resume=latest")
     # two updates a rollout: steps 2 and 4 train on the rollouts of steps 1 and 3; a resume at step 3 rolls out again
@@ -159,6 +164,19 @@ def test_zero3_trains_as_zero0_with_completions_of_different_lengths(runs: Path)
     assert min(lengths) < 8, lengths  # the stop token ended some completions early
     for key in ("reward", "completions/mean_length", "loss"):  # ZeRO-0 reports no grad_norm
         assert [r[key] for r in b] == pytest.approx([r[key] for r in a], abs=1e-4), key
+
+
+@pytest.mark.timeout(60)
+def test_grpo_on_a_4bit_base_rolls_out_and_trains_alike_at_zero0_and_zero3(runs: Path) -> None:
+    """Issue 61 item 4: GRPO with model.load_in_4bit: ZeRO-3's rollouts through the gathered 4-bit model give ZeRO-0's
+    rewards, completion lengths and losses; the KL to the adapter-off reference (the 4-bit base) starts at zero."""
+    a, b = _lines(runs / "qlora-zero0"), _lines(runs / "qlora-zero3")
+    assert len(a) == len(b) == 4
+    for key in ("reward", "completions/mean_length", "loss"):
+        assert [r[key] for r in b] == pytest.approx([r[key] for r in a], abs=1e-4), key
+    assert a[0]["kl"] == pytest.approx(0.0, abs=1e-6)
+    log = (runs / "launch.log").read_text()
+    assert "model.load_in_4bit: 14 Linear layers in 4-bit nf4" in log and "whole-model gather" in log
 
 
 @pytest.mark.timeout(60)

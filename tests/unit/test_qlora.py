@@ -19,7 +19,6 @@ from toolkit.config.schema import load_config
      "model.bnb_4bit_quant_type must be nf4 or fp4"),
     (["model.load_in_4bit=true", "lora.enabled=true", "train.precision=fp16"],
      "DeepSpeed's fp16 mode would cast them"),
-    (["model.load_in_4bit=true", "lora.enabled=true", "train.objective=grpo"], "rollouts through the 4-bit model"),
 ])
 def test_bad_qlora_settings_are_one_line(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as e:

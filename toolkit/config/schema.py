@@ -518,9 +518,6 @@ class Config:
             (not (self.model.load_in_4bit and t.precision in ("fp16", "fp8")),
              f"model.load_in_4bit with train.precision={t.precision}: the 4-bit weights are stored in the run's float "
              "dtype and DeepSpeed's fp16 mode would cast them (float8 converts Linears the base no longer has); use bf16"),
-            (not (self.model.load_in_4bit and t.objective == "grpo"),
-             "model.load_in_4bit with train.objective=grpo: rollouts through the 4-bit model are not tested yet; "
-             "train GRPO on a bf16 base (lora.enabled=true)"),
             (self.model.experts in EXPERTS_PATHS,
              f"model.experts must be one of {', '.join(EXPERTS_PATHS)}, got {self.model.experts!r}"),
             (self.model.rope_factor >= 1, f"model.rope_factor must be >= 1, got {self.model.rope_factor}"),
