@@ -93,6 +93,12 @@ FP8_INPUT_SAVING = 0.54
 # parameter) but not the scales (the quant_state on the parameter, not a tensor DeepSpeed sees): every rank keeps those.
 BNB4_BYTES = 0.5
 BNB4_SCALE_BYTES = 1.0 / 64 + 4.0 / (64 * 256)
+# Seconds per call of a 4-bit Linear (bitsandbytes' matmul_4bit: dequantize the weight, then a bf16 matmul), in
+# forward, backward and checkpointing's recompute, beyond the bf16 LoRA step. Fitted on one row (llama-1b, LoRA r=8,
+# ZeRO-2, micro 4 x 2,048, one H200: 50,416 against 63,172 tokens/s, 224 calls a micro-step;
+# bench/results/qlora/): the dequantization's bytes alone would be about 1 ms of the 33 ms, so the cost is taken per
+# call, not per weight. Not validated on another shape.
+BNB4_CALL_S = 146e-6
 
 # -- speed model constants (the order of candidates; absolute figures are rough) -------------------
 GPU_PEAK_FLOPS = 989.4e12  # H100/H200 dense bf16 (toolkit/observe/metrics.py GPU_PEAK_TFLOPS)
@@ -1101,6 +1107,8 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
         12.0 / attention_rates.rate(s.head_dim, t_att) + forwards * 4.0 / attention_rates.rate(
             s.head_dim, t_att, backward=False))
     micro = dense + attention
+    if w.load_in_4bit:  # each quantized Linear's dequantize-then-matmul, per call
+        micro += s.num_layers * len(s.linears) * (2 + c.grad_ckpt) * BNB4_CALL_S
     host = 0.0  # host time per micro-step the GPU waits on: ZeRO-3's fetch and release of each module or layer
     if c.stage == 3 and not leaves(w, c.stage):
         # the gathers ride inside the hooks' host time as fitted (one and two GPUs); not measured across nodes
@@ -1289,8 +1297,8 @@ def speed_caveat(w: Workload, hw: Hardware) -> str | None:
     if hw.nodes > 1 or hw.world not in ZERO3_LEAF_S:
         why.append(f"{hw.world} GPUs on {hw.nodes} node(s) were not measured (1, 2 and 4 GPUs of one node were)")
     if w.load_in_4bit:
-        why.append("a 4-bit base's dequantization is not in the speed model (QLoRA's rows are bf16 LoRA's; its peaks "
-                   "are not measured on a GPU yet either)")
+        why.append("a 4-bit base's dequantization cost is fitted on one llama-1b row (BNB4_CALL_S a Linear call), "
+                   "not validated on other shapes")
     return ("tokens/s not validated here: " + "; ".join(why) + " (bench/results/speed_model/)") if why else None
 
 
