@@ -1408,16 +1408,22 @@ def reference_mode(objective: str, requested: str, lora: bool) -> str:
     return requested
 
 
-def fitting_micro_batches(model_config: Any, ds_config: dict[str, Any], world_size: int, seq_len: int,
-                          per_rank_batch: int, gpu_mem_gib: float, *, lora: Lora | bool | None = None,
-                          grad_ckpt: bool = False, liger: bool = True, attn: str = "sdpa",
-                          zero_sizes: str = "speed", fused_loss: str = "auto",
-                          gpus_per_node: int | None = None, compile: str = "off", fp8: str | None = None,
-                          tiled_mlp: bool = False, activation_offload: str = "auto",
-                          tiled_loss: str = "auto", objective: str = "sft", reference: str = "none",
-                          zero3_leaves: str = "auto") -> list[int]:
-    """Micro-batch sizes (divisors of per_rank_batch = micro x grad_accum) predicted to fit in
-    gpu_mem_gib per GPU for this DeepSpeed config, largest first; [] when none does.
+def fitting_micro_batches(*args: Any, **kwargs: Any) -> list[int]:
+    """Micro-batch sizes (divisors of per_rank_batch = micro x grad_accum) predicted to fit in gpu_mem_gib per GPU
+    for this DeepSpeed config, largest first; [] when none does. The arguments are micro_batch_needs'."""
+    return [m for m, _ in micro_batch_needs(*args, **kwargs)]
+
+
+def micro_batch_needs(model_config: Any, ds_config: dict[str, Any], world_size: int, seq_len: int,
+                      per_rank_batch: int, gpu_mem_gib: float, *, lora: Lora | bool | None = None,
+                      grad_ckpt: bool = False, liger: bool = True, attn: str = "sdpa", zero_sizes: str = "speed",
+                      fused_loss: str = "auto", gpus_per_node: int | None = None, compile: str = "off",
+                      fp8: str | None = None, tiled_mlp: bool = False, activation_offload: str = "auto",
+                      tiled_loss: str = "auto", objective: str = "sft", reference: str = "none",
+                      zero3_leaves: str = "auto") -> list[tuple[int, float]]:
+    """(micro-batch, its planned GPU need in GiB, the allocator's margin and the CUDA context in) for each divisor of
+    per_rank_batch (= micro x grad_accum) predicted to fit in gpu_mem_gib per GPU for this DeepSpeed config, largest
+    first; [] when none does.
 
     model_config: an HF config object (train.py's RunSpec.model_config) or a ModelShape. The stage,
     offload and ratio come from ds_config; its bucket/live sizes follow zero_sizes, as "auto" does.
@@ -1428,22 +1434,6 @@ def fitting_micro_batches(model_config: Any, ds_config: dict[str, Any], world_si
     per_rank_batch counts pairs). zero3_leaves: train.zero3_leaves.
     Raises ConfigError for a model type without an activation model.
     """
-    return [m for m, _ in micro_batch_needs(model_config, ds_config, world_size, seq_len, per_rank_batch, gpu_mem_gib,
-                                            lora=lora, grad_ckpt=grad_ckpt, liger=liger, attn=attn,
-                                            zero_sizes=zero_sizes, fused_loss=fused_loss, gpus_per_node=gpus_per_node,
-                                            compile=compile, fp8=fp8, tiled_mlp=tiled_mlp,
-                                            activation_offload=activation_offload, tiled_loss=tiled_loss,
-                                            objective=objective, reference=reference, zero3_leaves=zero3_leaves)]
-
-
-def micro_batch_needs(model_config: Any, ds_config: dict[str, Any], world_size: int, seq_len: int,
-                      per_rank_batch: int, gpu_mem_gib: float, *, lora: Lora | bool | None = None,
-                      grad_ckpt: bool = False, liger: bool = True, attn: str = "sdpa", zero_sizes: str = "speed",
-                      fused_loss: str = "auto", gpus_per_node: int | None = None, compile: str = "off",
-                      fp8: str | None = None, tiled_mlp: bool = False, activation_offload: str = "auto",
-                      tiled_loss: str = "auto", objective: str = "sft", reference: str = "none",
-                      zero3_leaves: str = "auto") -> list[tuple[int, float]]:
-    """fitting_micro_batches with each one's planned GPU need (GiB, the allocator's margin and the CUDA context in)."""
     shape = model_config if isinstance(model_config, ModelShape) else _shape_of(model_config)
     gpn = gpus_per_node or world_size
     hw = Hardware(gpus_per_node=gpn, nodes=max(1, world_size // gpn), gpu_mem_gib=gpu_mem_gib)

@@ -164,7 +164,7 @@ def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, f
             if key not in params and key not in owner:
                 # a storage belongs to the layer that made it: a layer's output saved by the next layer's norm (or
                 # the final norm) is its own, and what the stack makes before the layers (rotary tables, the
-                # embedding output) belongs to none. So the first and last layers count as the middle ones do.
+                # embedding output) belongs to none. So the first layer counts as the middle ones do.
                 by = created.get(key, "stack")
                 saver = where[0] if where[0] is not None else ("final" if done[0] else "stack")
                 tag = (by, saver[1] if isinstance(saver, tuple) and saver[0] == by else "other") \
