@@ -112,3 +112,22 @@ def test_merge_adapter_refuses_what_it_cannot_merge_in_one_line(tmp_path, capsys
     assert main(["merge-adapter", str(tmp_path / "adapter"), "--base", "tiny", "--out", str(tmp_path / "o")]) == 1
     err = capsys.readouterr().err
     assert "random init has none to merge into" in err and err.count("\n") == 1
+
+
+def test_mfu_counts_a_4bit_base_by_its_weights_not_its_packed_storage(tmp_path) -> None:
+    """bitsandbytes packs two 4-bit weights a byte into float elements: the FLOPs a token costs are the float model's
+    (a QLoRA run on an H200 reported half its bf16 LoRA's MFU at 0.96x its tokens/s before this)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.observe.metrics import count_params
+    from toolkit.runtime.quant import quantize_4bit
+
+    _tiny_base(tmp_path / "base")
+    plain = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    four_bit = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    quantize_4bit(four_bit, dtype=torch.float32, quant_type="nf4", device="cpu")
+    four_bit = get_peft_model(four_bit, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert count_params(four_bit) == count_params(plain)
+    assert sum(p.numel() for p in four_bit.parameters()) < count_params(four_bit)[0]

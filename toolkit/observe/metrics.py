@@ -4,6 +4,7 @@ same for both paths), what the console says while the engine starts, and the clo
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -82,7 +83,10 @@ def count_params(model: Any) -> tuple[int, int]:
                 share |= {id(p): top_k / count for p in experts.parameters()}
     total = trainable = 0.0
     for p in model.parameters():
-        n = int(getattr(p, "ds_numel", p.numel())) * share.get(id(p), 1.0)
+        # bitsandbytes' 4-bit weights (model.load_in_4bit) are packed, two a byte in a float dtype's elements: the
+        # weights a token runs through are the quantization state's shape, not the storage's numel
+        shape = getattr(getattr(p, "quant_state", None), "shape", None)
+        n = (math.prod(shape) if shape else int(getattr(p, "ds_numel", p.numel()))) * share.get(id(p), 1.0)
         total += n
         trainable += n if p.requires_grad else 0
     return round(total), round(trainable)
