@@ -151,7 +151,14 @@ def test_kill_in_a_save_full_disk_and_a_flipped_byte_lose_only_the_steps_since_t
         # B: resume takes global_step2 and continues A's curve; the disk fills while global_step6 is written
         seen = len(lines(run.view / "metrics.jsonl"))
         proc, log = run.start("train.resume=latest")
-        _wait_for(run.ckpt("global_step6") / "mp_rank_00_model_states.pt", proc, log)
+        # global_step4 is written whole; the disk is then filled to leave global_step6's pre-check its room (the size
+        # of global_step4 and 8 MiB), and once that save has made its directory, the rest: the write runs out of
+        # space part-way on any machine. (Filling all of it only once a file of global_step6 appeared lost the race
+        # on a loaded 2-core CI run: the whole checkpoint was written first.)
+        _wait_for(run.ckpt("global_step4") / "complete.json", proc, log)
+        need = json.loads((run.ckpt("global_step4") / "complete.json").read_text())["bytes"]
+        disk.fill(leave_bytes=need + (8 << 20))
+        _wait_for(run.ckpt("global_step6"), proc, log)
         filler = disk.fill(leave_bytes=256 << 10)
         rc = run.finish(proc, log)
         errors = _errors(log)
