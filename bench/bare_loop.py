@@ -40,6 +40,9 @@ MODELS: dict[str, dict[str, Any]] = {
     "llama-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                      num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                      max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=True),
+    "llama-3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False),
     # Mixture-of-Experts: transformers' default experts path (grouped_mm); bench/speed.py runs it with --layers
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                           moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,

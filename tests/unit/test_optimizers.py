@@ -132,7 +132,8 @@ def test_bf16_states_plan_without_zero0_and_the_plan_offers_them_where_it_offloa
     assert main(argv) == 0
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.strip().startswith("bf16 optimizer states:"))
-    assert "--optimizer-states bf16 would choose ZeRO-3" in line and "ratio 0.25" in line, line
+    # the bf16 masters share the weights' storage (runtime/low_precision.py): 8 bytes a parameter, no offload needed
+    assert "--optimizer-states bf16 would choose ZeRO-3, no offload" in line, line
     assert main([*argv, "--optimizer-states", "bf16", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["chosen"]["ds_config"]["bf16"]["bf16_optimizer_states"] is True

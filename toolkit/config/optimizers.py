@@ -59,6 +59,24 @@ def states_of(ds: dict[str, Any]) -> States:
     return "bf16" if master_bf16(ds) and states_bf16(ds) else "fp32"
 
 
+def stochastic_rounding_blocker(ds: dict[str, Any]) -> str | None:
+    """Why torchao's stochastic-rounding AdamW cannot take the place of DeepSpeed's optimizer here; None where it can
+    (bf16 master weights and states, AdamW, stepped on the GPU). toolkit/runtime/low_precision.py says why it helps."""
+    if states_of(ds) != "bf16":
+        return "the master weights and states are not bf16 (bf16_master_weights_and_grads + bf16_optimizer_states)"
+    typ = optimizer_type(ds)
+    params = _block(ds, "optimizer").get("params")
+    params = params if isinstance(params, dict) else {}
+    if typ not in ("adam", "adamw"):
+        return f"the optimizer is {typ or 'a client one'}, not AdamW"
+    if typ == "adam" and params.get("adam_w_mode") is False:
+        return "Adam with adam_w_mode false (L2 decay, not AdamW's)"
+    offload = _block(_block(ds, "zero_optimization"), "offload_optimizer").get("device")
+    if offload not in (None, "none"):
+        return f"the optimizer steps on the {offload} (offload_optimizer: DeepSpeedCPUAdam)"
+    return None
+
+
 def clips_muon_update(ds: dict[str, Any], stage: int) -> bool:
     """Where DeepSpeed applies gradient_clipping to Muon's orthogonalized update rather than to the gradient.
 
@@ -77,14 +95,17 @@ def default_grad_clip(ds: dict[str, Any]) -> float:
     return 0.0 if is_muon(ds) else 1.0
 
 
-def bytes_per_param(optimizer: OptimizerName, states: States, matrix: bool, stage: int = 2) -> float:
+def bytes_per_param(optimizer: OptimizerName, states: States, matrix: bool, stage: int = 2,
+                    shared_master: bool = False) -> float:
     """Bytes of optimizer state a trained parameter keeps on the rank that owns its partition: the master copy and
-    the moments. AdamW: master + m + v; Muon's matrices: master + one momentum buffer (its other parameters are
+    the moments. shared_master: bf16 masters on the GPU are the bf16 weights themselves (ZeRO-3 by DeepSpeed,
+    ZeRO-1/2 by toolkit/runtime/low_precision.py share_masters), so they cost nothing more. AdamW: master + m + v; Muon's matrices: master + one momentum buffer (its other parameters are
     Adam's). fp32: 4 bytes each; bf16 master weights and states: 2. Muon's momentum at ZeRO-3 is kept in the
     communication dtype (stage3.py _create_momentum_buffer: bf16 in a bf16 run); measured on llama-1b, one H200,
     bench/results/optimizers/speed_llama1b: Muon saved 3.6 GiB against AdamW at ZeRO-2 (4 bytes a matrix parameter)
     and 5.4 GiB at ZeRO-3 (6)."""
     width = 4.0 if states == "fp32" else 2.0
+    master = 0.0 if shared_master and states == "bf16" else width
     if optimizer == "muon" and matrix:
-        return width + (2.0 if stage == 3 else width)
-    return 3 * width
+        return master + (2.0 if stage == 3 else width)
+    return master + 2 * width

@@ -162,6 +162,11 @@ class TrainConfig:
     muon_lr: float = 0.02
     """With the DeepSpeed config's Muon optimizer: the learning rate of its 2-D hidden matrices (DeepSpeed's
     muon_lr; its default, Keller Jordan's). train.lr is its Adam half's (embeddings, head, norms, biases)."""
+    bf16_rounding: str = "auto"
+    """With bf16 master weights and optimizer states (the DeepSpeed config's bf16_master_weights_and_grads and
+    bf16_optimizer_states) and AdamW on the GPU: stochastic (torchao's AdamW rounds each update into the bf16 master
+    up or down with the odds of its remainder, so small updates add up), nearest (DeepSpeed's FusedAdam: an update
+    under half a bf16 step is lost), or auto: stochastic where it applies (toolkit/runtime/low_precision.py)."""
     grad_clip: float | None = None
     """Clip the gradients' global norm to this (0: off). Unset: 1.0, or off with Muon at ZeRO 1-3, where DeepSpeed
     clips Muon's orthogonalized update instead of the gradient (toolkit/config/optimizers.py)."""
@@ -546,6 +551,8 @@ class Config:
              f"train.profile_steps must be [first, last] with 1 <= first <= last, got {list(t.profile_steps)!r}"),
             (t.lr > 0, "train.lr must be > 0"),
             (t.muon_lr > 0, "train.muon_lr must be > 0"),
+            (t.bf16_rounding in ("auto", "stochastic", "nearest"),
+             f"train.bf16_rounding must be auto, stochastic or nearest, got {t.bf16_rounding!r}"),
             (t.grad_clip is None or t.grad_clip >= 0, "train.grad_clip must be >= 0 (0: off)"),
             (len(t.betas) == 2, "train.betas must have two values"),
             (self.model.task in ("causal_lm", "seq_cls"), f"model.task must be causal_lm or seq_cls, got {self.model.task!r}"),

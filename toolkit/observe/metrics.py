@@ -228,7 +228,7 @@ class MetricsLogger:
         rec = {
             "step": step,
             "loss": loss,
-            "lr": lr,
+            "lr": float(lr),  # a tensor where the optimizer keeps its lr as one (torchao's AdamW)
             "grad_norm": None if grad_norm is None else float(grad_norm),
             "tokens_per_s": tokens_per_s,
             "samples_per_s": samples / dt,

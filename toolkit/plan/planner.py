@@ -700,8 +700,10 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
 
     # ---- what each rank holds between steps ------------------------------------------------------
     # bytes of master copy and moments a trained parameter keeps (toolkit/config/optimizers.py bytes_per_param)
-    state_bytes = optimizer_bytes(w, s, stage)
     low = w.states == "bf16"
+    # bf16 masters on the GPU are the bf16 weights themselves (ZeRO-3: DeepSpeed; ZeRO-1/2: runtime/low_precision.py);
+    # offloaded, or beside fp32 adapters under autocast, they are a copy
+    state_bytes = optimizer_bytes(w, s, stage, shared_master=low and not offload_opt and not autocast)
     if stage < 3:
         params = 2.0 * frozen + (4.0 if autocast else 2.0) * t_all
         # ZeRO-0 in bf16 is DeepSpeed's FP16_Optimizer (fp32 master + Adam m, v for every parameter);
@@ -1017,16 +1019,18 @@ def quantized_numel(s: ModelShape) -> int:
     return s.num_layers * sum(i * o for _, i, o in s.linears)
 
 
-def optimizer_bytes(w: Workload, s: ModelShape, stage: int = 2) -> float:
+def optimizer_bytes(w: Workload, s: ModelShape, stage: int = 2, shared_master: bool = False) -> float:
     """Bytes of optimizer state per trained parameter, averaged over the trained parameters: AdamW's master + m + v,
     Muon's master + momentum on the 2-D hidden matrices (DeepSpeed's use_muon: not embeddings or the head) and
-    Adam's on the rest (toolkit/config/optimizers.py bytes_per_param)."""
+    Adam's on the rest (toolkit/config/optimizers.py bytes_per_param; shared_master: bf16 masters that are the
+    weights)."""
     from toolkit.config.optimizers import bytes_per_param
 
-    adam = bytes_per_param("adamw", w.states, matrix=False)  # type: ignore[arg-type]
+    adam = bytes_per_param("adamw", w.states, matrix=False, shared_master=shared_master)  # type: ignore[arg-type]
     if w.optimizer != "muon":
         return adam
-    muon = bytes_per_param("muon", w.states, matrix=True, stage=stage)  # type: ignore[arg-type]
+    muon = bytes_per_param("muon", w.states, matrix=True, stage=stage,  # type: ignore[arg-type]
+                           shared_master=shared_master)
     if w.lora is not None:  # the adapters' A and B are all matrices
         return muon
     return (muon * matrix_numel(s) + adam * (s.total_params - matrix_numel(s))) / s.total_params

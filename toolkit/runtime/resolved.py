@@ -144,6 +144,8 @@ class Resolved:
     objective_why: str = "next-token loss"
     optimizer_why: str = "AdamW"
     """The optimizer section, its state dtype and the gradient clipping as the run applies them."""
+    stochastic_rounding: bool = False
+    """train.bf16_rounding: torchao's AdamW rounds into the bf16 masters stochastically (runtime/low_precision.py)."""
 
     def lines(self, kv_heads: str | None = None) -> list[str]:
         """The block a run prints at its start (and `toolkit check --explain`). kv_heads: how the varlen kernel takes
@@ -320,12 +322,14 @@ def resolve_run(cfg: Config, ds: dict[str, Any], model_config: Any, world: int, 
                     total_steps, packed, packing_why, attn, compiled, compile_why, compile_note,
                     leaves, leaves_why, tiled, tiled_why,
                     loss_on, loss_why, tiled_loss_tile(model_config.vocab_size), liger, experts, offloading, machine,
-                    *_objective(cfg), _optimizer(cfg, ds, stage))
+                    *_objective(cfg), *_optimizer(cfg, ds, stage))
 
 
-def _optimizer(cfg: Config, ds: dict[str, Any], stage: int) -> str:
-    """What steps the weights (the DeepSpeed config's optimizer section, filled), in what dtype, clipped how."""
+def _optimizer(cfg: Config, ds: dict[str, Any], stage: int) -> tuple[str, bool]:
+    """(what steps the weights (the DeepSpeed config's optimizer section, filled), in what dtype, rounded and clipped
+    how; whether torchao's stochastic-rounding AdamW takes the place of DeepSpeed's)."""
     from toolkit.config import optimizers as opt
+    from toolkit.runtime.low_precision import stochastic
 
     params = (ds.get("optimizer") or {}).get("params") or {}
     typ = (ds.get("optimizer") or {}).get("type", "none (a client optimizer)")
@@ -335,6 +339,11 @@ def _optimizer(cfg: Config, ds: dict[str, Any], stage: int) -> str:
                 f"{params.get('adam_lr', params.get('lr'))}")
     else:
         what = f"{typ} at lr {params.get('lr')}"
+    sr = stochastic(cfg.train.bf16_rounding, ds)
+    if sr:
+        what += " (torchao's, rounding stochastically into the bf16 masters)"
+    elif opt.states_of(ds) == "bf16":
+        what += f" (rounding to nearest: {opt.stochastic_rounding_blocker(ds) or 'train.bf16_rounding=nearest'})"
     states = ("bf16 master weights, gradients and states" if opt.states_of(ds) == "bf16" else
               "bf16 master weights and gradients, fp32 states" if opt.master_bf16(ds) else
               "fp32 master weights and states")
@@ -343,7 +352,7 @@ def _optimizer(cfg: Config, ds: dict[str, Any], stage: int) -> str:
                 f"no gradient clipping (DeepSpeed would clip Muon's update at ZeRO-{stage})"
                 if opt.clips_muon_update(ds, stage) else "no gradient clipping (Muon's default)" if opt.is_muon(ds)
                 else "no gradient clipping")
-    return f"{what}; {states}; {clip_why}"
+    return f"{what}; {states}; {clip_why}", sr
 
 
 def _objective(cfg: Config) -> tuple[str, str | None, str]:

@@ -17,7 +17,7 @@ from toolkit.launch import dist
 from toolkit.observe import breakdown
 from toolkit.observe.memory import MemoryMonitor
 from toolkit.observe.metrics import MetricsLogger
-from toolkit.runtime import moe, optimizer_groups
+from toolkit.runtime import low_precision, moe, optimizer_groups
 from toolkit.runtime.data.batches import (
     Collator,
     EpochOrder,
@@ -108,8 +108,11 @@ class RawLoop:
         p, t, sp = self.p, self.t, self.state.sp
         params = [q for q in self.model.parameters() if q.requires_grad]
         universal = resume.prepare(p.reshard, t.collective_timeout_s)  # another rank count: convert first
-        engine, _, _, scheduler = deepspeed.initialize(model=self.model, model_parameters=params, config=p.ds,
-                                                       lr_scheduler=lr_schedule(p), mpu=sp.mpu if sp else None)
+        ds, client = low_precision.engine_config(p.ds, p.resolved.stochastic_rounding)
+        engine, _, _, scheduler = deepspeed.initialize(model=self.model, model_parameters=params, config=ds,
+                                                       optimizer=client, lr_scheduler=lr_schedule(p),
+                                                       mpu=sp.mpu if sp else None)
+        low_precision.share_masters(engine.optimizer)
         leaf_check(engine.module)
         autoep_check(p, engine.module)
         optimizer_groups.record(p.run_dir, engine.module)

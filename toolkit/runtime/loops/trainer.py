@@ -11,7 +11,7 @@ from toolkit.launch import dist
 from toolkit.observe import breakdown
 from toolkit.observe.memory import MemoryCallback, MemoryMonitor
 from toolkit.observe.metrics import MetricsLogger
-from toolkit.runtime import moe, optimizer_groups
+from toolkit.runtime import low_precision, moe, optimizer_groups
 from toolkit.runtime.data.batches import Collator, EpochOrder, ListDataset, ShardedBatches, steps_per_epoch
 from toolkit.runtime.faults import integrity, resume, watchdog
 from toolkit.runtime.faults.checkpoint import begin_save, end_save, mark_complete
@@ -44,7 +44,8 @@ def training_args(p: RunSpec) -> Any:
         # under adapter autocast DeepSpeed's engine autocasts; Trainer bf16 would re-enable bf16 mode
         bf16=p.precision == "bf16" and not p.adapter_autocast, fp16=p.precision == "fp16",
         seed=t.seed, data_seed=t.seed, report_to=[], disable_tqdm=True, dataloader_drop_last=True,
-        remove_unused_columns=False, deepspeed=p.ds, use_cpu=dist.on_cpu(), ddp_timeout=t.collective_timeout_s,
+        remove_unused_columns=False, deepspeed=low_precision.engine_config(p.ds, p.resolved.stochastic_rounding)[0],
+        use_cpu=dist.on_cpu(), ddp_timeout=t.collective_timeout_s,
         # train.compile compiles the decoder layers before the Trainer exists (loops/build.py); the
         # Trainer's own torch_compile would compile the whole engine again (and turn TF32 on globally)
         torch_compile=False,
@@ -73,9 +74,20 @@ def run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collato
     if sp:  # each rank trains on its slice of its group's micro-batch (sequence/ulysses.py)
         collator = ulysses.ShardingCollator(collator, sp)
 
+    client = low_precision.engine_config(p.ds, p.resolved.stochastic_rounding)[1]
+
     class ToolkitTrainer(Trainer):
         def _get_train_sampler(self, train_dataset: Any = None) -> Any:
             return sampler  # the raw loop deals the same order to the same ranks
+
+        def create_optimizer(self, model: Any = None) -> Any:
+            if client is None:
+                return super().create_optimizer(model)
+            # torchao's stochastic-rounding AdamW in place of DeepSpeed's (its config section is gone), on one group
+            # of every trained parameter as the raw path gives DeepSpeed
+            if self.optimizer is None:
+                self.optimizer = client([q for q in self.model.parameters() if q.requires_grad])
+            return self.optimizer
 
         def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Any:
             if sp:  # a group's micro-batch is counted once, whole (its slices cannot tell padding from tokens)
@@ -121,6 +133,7 @@ def run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collato
             leaf_check(trainer.model)  # the Trainer has built the engine by now
             autoep_check(p, trainer.model)
             optimizer_groups.record(p.run_dir, trainer.model)
+            low_precision.share_masters(trainer.model_wrapped.optimizer)
             integrity.install(trainer.model_wrapped)  # shards digested as they are written
             if pref is not None:  # a precomputed reference: its values before the first step (loaded on a resume)
                 pref.prepare(trainer.model_wrapped, dataset.rows, collator,

@@ -1,0 +1,70 @@
+"""Baseline: QLoRA the way transformers + PEFT document it, through the plain HF Trainer with a DeepSpeed JSON.
+
+Imports nothing from `toolkit`. The recipe (PEFT's "DeepSpeed" guide, QLoRA with ZeRO; transformers' bitsandbytes
+page): a bf16 base saved to a directory, loaded with `BitsAndBytesConfig(load_in_4bit=True, nf4, double quant,
+compute and storage in bf16)`, `prepare_model_for_kbit_training`, `get_peft_model(LoraConfig(...))`, then
+`Trainer(..., deepspeed=JSON)`. The base is the shape's random init (no hub), written once by rank 0. bench/bare_loop.py
+gives the shapes, the DeepSpeed JSON and the result file; bench/hf_trainer.py the step timer and the data:
+
+    deepspeed --num_gpus 1 --master_port P bench/qlora_hf.py --model llama-3-8b --seq 2048 --micro 4 \
+        --global-batch 4 --stage 2 --warmup 1 --steps 3 --base /tmp/base --out result.json [--liger]
+
+LoRA r=8 (alpha 16, dropout 0) on q_proj and v_proj, as the toolkit's default `lora.*`. `--liger` sets the Trainer's
+`use_liger_kernel=True` (its documented switch). CPU: bitsandbytes' CPU kernels, fp32 compute.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from bare_loop import ds_config, model_config, parse_args, start, write_result
+from hf_trainer import RandomTokens, StepTimer
+from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainingArguments
+
+
+def main() -> None:
+    import sys
+
+    base = Path(sys.argv[sys.argv.index("--base") + 1])
+    del sys.argv[sys.argv.index("--base"):sys.argv.index("--base") + 2]
+    args = parse_args()
+    cpu, device, rank, grad_accum = start(args)
+    dtype = torch.float32 if cpu else torch.bfloat16
+    config = model_config(args.model, args.layers)
+    if rank == 0 and not (base / "config.json").exists():
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(base)
+    dist.barrier()
+    total = args.warmup + args.steps
+    with tempfile.TemporaryDirectory() as tmp:
+        targs = TrainingArguments(
+            output_dir=tmp, per_device_train_batch_size=args.micro, gradient_accumulation_steps=grad_accum,
+            max_steps=total, bf16=not cpu, learning_rate=1e-4, lr_scheduler_type="constant",
+            deepspeed=ds_config(args, grad_accum, not cpu), use_liger_kernel=args.liger,
+            logging_steps=1, report_to=[], save_strategy="no", dataloader_drop_last=True, disable_tqdm=True,
+            use_cpu=cpu,
+        )
+        bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                 bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
+        model = AutoModelForCausalLM.from_pretrained(base, quantization_config=bnb, dtype=dtype,
+                                                     attn_implementation="sdpa")
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                                 target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+        n_params = sum(p.numel() for p in model.parameters())
+        data = RandomTokens(total * args.global_batch, args.seq, config.vocab_size, seed=1234)
+        timer = StepTimer(cpu)
+        trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[timer])
+        trainer.train()
+        assert isinstance(trainer.model_wrapped, deepspeed.DeepSpeedEngine), "the Trainer did not use DeepSpeed"
+    write_result(args, "hf-peft-qlora", device, grad_accum, timer.times[args.warmup:], timer.losses, n_params, config)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
