@@ -8,10 +8,13 @@ bf16_stochastic_round computes the step in fp32 and rounds it into the bf16 weig
 remainder, so small updates add up in expectation (torchao/optim README, "BF16 stochastic rounding"). It takes the
 place of DeepSpeed's optimizer as a client optimizer with the same hyperparameters; the config's other keys stay.
 
-One copy of the weights at ZeRO-1/2. Where the master dtype is the weights' own, ZeRO-3 makes its master partition the
-weight partition itself (stage3.py _create_fp32_partitions); ZeRO-1/2 clone it (stage_1_and_2.py weights_partition =
-...clone()): 2 bytes a parameter for nothing, 15 GiB on a Llama-3-8B. `share_masters` points each master at its
-weight partition; the step then writes the weights in place and DeepSpeed's copy back is a copy onto itself.
+One copy of the weights. Where the master dtype is the weights' own, ZeRO-3 means to make its master partition the
+weight partition itself (stage3.py _create_fp32_partitions, for torch autocast), but it compares a tensor's
+torch.device with a device name string ("cuda:0"), which is never equal, and clones; ZeRO-1/2 always clone
+(stage_1_and_2.py weights_partition = ...clone()). That is 2 bytes a parameter for nothing: 15 GiB on a Llama-3-8B,
+which ran it out of memory on an 80 GiB card (bench/results/optimizers/speed_llama3_8b). `share_masters` points each
+master at its weight partition; the step then writes the weights in place and DeepSpeed's copy back (ZeRO-1/2 step,
+ZeRO-3 _reassign_or_swap_out_partitioned_parameters) is a copy onto itself.
 """
 
 from __future__ import annotations
@@ -68,18 +71,28 @@ def engine_config(ds: dict[str, Any], stochastic_on: bool) -> tuple[dict[str, An
     return out, lambda params: sr_adamw(params, **kwargs)
 
 
-def share_masters(zero_optimizer: Any) -> int:
-    """ZeRO-1/2: make each bf16 master partition the bf16 weight partition it was cloned from; bytes freed on this
-    rank (0 where nothing is shared: fp32 masters, offload, ZeRO-0 or 3)."""
-    masters = getattr(zero_optimizer, "single_partition_of_fp32_groups", None)
-    if not masters or getattr(zero_optimizer, "cpu_offload", False):
-        return 0
+def _pairs(zero_optimizer: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(master partition, the weight partition it was cloned from) of each group on this rank; none under offload."""
+    if hasattr(zero_optimizer, "fp32_partitioned_groups_flat"):  # ZeRO-3: sub-groups
+        if zero_optimizer.offload_optimizer or zero_optimizer.params_in_nvme_and_cpu:
+            return []
+        return [(m, w) for m, w in zip(zero_optimizer.fp32_partitioned_groups_flat,
+                                       zero_optimizer.fp16_partitioned_groups_flat) if w is not None]
+    masters = getattr(zero_optimizer, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
+    if not masters or zero_optimizer.cpu_offload:
+        return []
     import deepspeed.comm as ds_comm
 
+    # the rank's partition as stage_1_and_2.py finds it
+    return [(m, zero_optimizer.parallel_partitioned_bit16_groups[i][ds_comm.get_rank(
+        group=zero_optimizer.real_dp_process_group[i])]) for i, m in enumerate(masters)]
+
+
+def share_masters(zero_optimizer: Any) -> int:
+    """Make each bf16 master partition the bf16 weight partition it was cloned from; bytes freed on this rank (0
+    where nothing is shared: fp32 masters, offload, ZeRO-0)."""
     freed = 0
-    for i, master in enumerate(masters):
-        rank = ds_comm.get_rank(group=zero_optimizer.real_dp_process_group[i])  # as stage_1_and_2.py finds it
-        weights = zero_optimizer.parallel_partitioned_bit16_groups[i][rank]
+    for master, weights in _pairs(zero_optimizer):
         if (master.dtype != weights.dtype or master.device != weights.device or master.numel() != weights.numel()
                 or master.data_ptr() == weights.data_ptr()):
             continue
