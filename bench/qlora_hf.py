@@ -38,7 +38,10 @@ def main() -> None:
     config = model_config(args.model, args.layers)
     if rank == 0 and not (base / "config.json").exists():
         torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(base)
+        with torch.device(device):  # random init on the GPU: minutes faster than on the host at 8B
+            AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(base)
+        if not cpu:
+            torch.cuda.empty_cache()
     dist.barrier()
     total = args.warmup + args.steps
     with tempfile.TemporaryDirectory() as tmp:
