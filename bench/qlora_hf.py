@@ -40,8 +40,9 @@ def main() -> None:
         torch.manual_seed(0)
         with torch.device(device):  # random init on the GPU: minutes faster than on the host at 8B
             AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(base)
-        if not cpu:
-            torch.cuda.empty_cache()
+    if not cpu:  # the peak counts training, not the base's init above
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     dist.barrier()
     total = args.warmup + args.steps
     with tempfile.TemporaryDirectory() as tmp:
