@@ -120,6 +120,38 @@ def verdict(out: Path) -> int:
     return 0 if result["pass"] else 1
 
 
+def curves(out: Path) -> int:
+    """Per-step losses read back from the arms' consoles (the progress bar prints each step's loss to 4 decimals),
+    for when the run directories did not come back: losses.csv and curves.png (a 20-step mean)."""
+    import re
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    losses = {}
+    for arm in ARMS:
+        text = (out / f"{arm}.log").read_text(errors="replace")
+        losses[arm] = {int(n): float(v) for n, v in re.findall(r"\|\s*(\d+)/\d+ \[[^\]]*loss=([0-9.]+)", text)
+                       if int(n) > 0}
+    steps = sorted(set.intersection(*(set(v) for v in losses.values())))
+    rows = ["step," + ",".join(ARMS)] + [f"{n}," + ",".join(f"{losses[a][n]:.4f}" for a in ARMS) for n in steps]
+    (out / "losses.csv").write_text("\n".join(rows) + "\n")
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for arm in ARMS:
+        ys = [losses[arm][n] for n in steps]
+        smooth = [statistics.mean(ys[max(0, i - 19):i + 1]) for i in range(len(ys))]
+        ax.plot(steps, smooth, label=arm)
+    ax.set(xlabel="step", ylabel="training loss (20-step mean)", ylim=(1.8, 5.0),
+           title="1,000 steps on real text: AdamW and Muon, fp32 and bf16 states")
+    ax.legend()
+    fig.savefig(out / "curves.png", dpi=110, bbox_inches="tight")
+    tail = {a: statistics.mean(losses[a][n] for n in steps[-SMOOTH:]) for a in ARMS}
+    print(json.dumps({f"mean_last_{SMOOTH} (console, 4 decimals)": tail}, indent=1))
+    return 0
+
+
 def speed(out: Path, rows: str, steps: int, only: str | None = None, global_batch: int = 16) -> int:
     out.mkdir(parents=True, exist_ok=True)
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
@@ -185,6 +217,8 @@ def main() -> int:
     s.add_argument("--steps", type=int, default=10)
     s.add_argument("--only", default=None, help="comma-separated row names")
     s.add_argument("--global-batch", type=int, default=16, help="llama-1b: sequences a step (micro 4)")
+    c = sub.add_parser("curves")
+    c.add_argument("out")
     v = sub.add_parser("verdict")
     v.add_argument("out")
     a = p.parse_args()
@@ -195,6 +229,8 @@ def main() -> int:
         return quality(Path(a.work), Path(a.out), a.steps)
     if a.cmd == "speed":
         return speed(Path(a.out), a.rows, a.steps, a.only, a.global_batch)
+    if a.cmd == "curves":
+        return curves(Path(a.out))
     return verdict(Path(a.out))
 
 

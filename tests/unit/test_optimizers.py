@@ -155,8 +155,23 @@ def test_planned_peaks_are_within_10_percent_of_the_committed_gpu_rows(stage: in
     assert p.peak_allocated_gib == pytest.approx(measured, rel=0.10), (p.peak_allocated_gib, measured)
 
 
-def test_the_8b_bf16_states_row_is_within_10_percent_of_its_plan() -> None:
-    run = RESULTS / "speed_llama3_8b" / "llama-3-8b-z3-bf16states-offload25"
+@pytest.mark.parametrize("row, offload, ratio", [("llama-3-8b-z3-bf16states-offload25", "optimizer", 0.25),
+                                                 ("llama-3-8b-z3-bf16states", "none", 1.0)])
+def test_the_8b_bf16_states_rows_are_within_10_percent_of_their_plan(row: str, offload: str, ratio: float) -> None:
+    """Llama-3-8B, one H200 held to 80 GiB, seq 4096, micro 4 x 4, checkpointing: with 25% of the states offloaded
+    (DeepSpeed keeps a bf16 master copy there), and without offload, where the masters share the weights' storage
+    (runtime/low_precision.py): the whole full fine-tune on one 80 GiB card."""
+    run = RESULTS / "speed_llama3_8b" / row
     w = pl.Workload(preset_shape("llama-3-8b"), 4096, 16, states="bf16")
-    p = pl.predict(w, pl.Choice(3, "optimizer", 0.25, 4, 4, True), pl.Hardware(1, 1, 80, 120))
+    p = pl.predict(w, pl.Choice(3, offload, ratio, 4, 4, True), pl.Hardware(1, 1, 80, 120))
     assert p.peak_allocated_gib == pytest.approx(_peak(run), rel=0.10)
+    assert _peak(run) < 80
+
+
+def test_bf16_states_with_stochastic_rounding_end_within_1_percent_of_fp32_states() -> None:
+    """bench/results/optimizers/quality: 1,000 steps on real text, the mean loss of the last 100 (the issue's bound);
+    rounding to nearest (DeepSpeed's FusedAdam) ends 6% above."""
+    verdict = json.loads((RESULTS / "quality" / "verdict.json").read_text())
+    rel = verdict["relative"]
+    assert verdict["steps"]["adamw-bf16"] == verdict["steps"]["adamw-fp32"] == 1000
+    assert abs(rel["adamw-bf16 vs adamw-fp32"]) <= 0.01 < rel["adamw-bf16-nearest vs adamw-fp32"], rel
