@@ -144,6 +144,7 @@ OPTIMIZER_RUNS = {
     "muon-z2-dpo": (2, "muon", "fp32", "raw", ["train.objective=dpo", "lora.enabled=true", "data.seq_len=24"]),
     "bf16-states-z2": (2, "adamw", "bf16", "raw", ["train.precision=bf16"]),
     "bf16-states-z3-trainer": (3, "adamw", "bf16", "trainer", ["train.precision=bf16"]),
+    "bf16-states-z2-nearest": (2, "adamw", "bf16", "raw", ["train.precision=bf16", "train.bf16_rounding=nearest"]),
     "muon-z2-clipped": (2, "muon", "fp32", "raw", ["train.grad_clip=1.0"]),
 }
 
@@ -606,10 +607,19 @@ def test_lora_and_dpo_run_under_muon(runs: Path) -> None:
 @pytest.mark.timeout(60)
 def test_bf16_master_weights_and_states_train_on_both_paths(runs: Path) -> None:
     tmp, logs = runs, run_logs(runs / "launch.log")
-    for name in ("bf16-states-z2", "bf16-states-z3-trainer"):
+    for name in ("bf16-states-z2", "bf16-states-z3-trainer", "bf16-states-z2-nearest"):
         got = _opt_losses(tmp / name)
         assert len(got) == 4 and all(math.isfinite(x) for x in got) and got[-1] < got[0], (name, got)
-        assert "AdamW at lr 0.001; bf16 master weights, gradients and states" in logs[name], logs[name][-3000:]
+        # the masters are the weights (runtime/low_precision.py share_masters) at ZeRO-2 and ZeRO-3 alike
+        assert "masters share the weights' storage" in logs[name], logs[name][-3000:]
+    # auto: torchao's AdamW rounds stochastically into the bf16 masters; nearest keeps DeepSpeed's FusedAdam
+    for name in ("bf16-states-z2", "bf16-states-z3-trainer"):
+        assert ("AdamW at lr 0.001 (torchao's, rounding stochastically into the bf16 masters); bf16 master weights, "
+                "gradients and states") in logs[name], logs[name][-3000:]
+    assert "(rounding to nearest: train.bf16_rounding=nearest)" in logs["bf16-states-z2-nearest"]
+    # the same start, then apart only by rounding
+    sr, rn = _opt_losses(tmp / "bf16-states-z2"), _opt_losses(tmp / "bf16-states-z2-nearest")
+    assert sr[0] == pytest.approx(rn[0], abs=1e-6) and sr[1:] == pytest.approx(rn[1:], abs=0.05), (sr, rn)
 
 
 @pytest.mark.timeout(60)

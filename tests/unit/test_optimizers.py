@@ -175,3 +175,33 @@ def test_bf16_states_with_stochastic_rounding_end_within_1_percent_of_fp32_state
     rel = verdict["relative"]
     assert verdict["steps"]["adamw-bf16"] == verdict["steps"]["adamw-fp32"] == 1000
     assert abs(rel["adamw-bf16 vs adamw-fp32"]) <= 0.01 < rel["adamw-bf16-nearest vs adamw-fp32"], rel
+
+
+def test_bf16_rounding_resolves_where_torchao_can_step_and_refuses_in_one_line_where_not() -> None:
+    """train.bf16_rounding (runtime/low_precision.py): auto rounds stochastically with bf16 master weights and states
+    and AdamW on the GPU; Muon, offload and fp32 states keep DeepSpeed's optimizer; stochastic there is refused."""
+    from toolkit.config.ds_config import ConfigError
+    from toolkit.runtime import low_precision
+
+    bf16 = dc.gen_config(2, optimizer_states="bf16", precision="bf16")
+    assert low_precision.stochastic("auto", bf16) and not low_precision.stochastic("nearest", bf16)
+    for ds, why in ((dc.gen_config(2, precision="bf16"), "are not bf16"),
+                    (dc.gen_config(2, optimizer="muon", optimizer_states="bf16", precision="bf16"), "muon, not AdamW"),
+                    (dc.gen_config(3, optimizer_states="bf16", offload_optimizer="cpu", precision="bf16"),
+                     "steps on the cpu")):
+        assert not low_precision.stochastic("auto", ds)
+        with pytest.raises(ConfigError, match=why):
+            low_precision.stochastic("stochastic", ds)
+    filled = copy.deepcopy(bf16)
+    filled["optimizer"]["params"] = {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
+    engine_ds, make = low_precision.engine_config(filled, True)
+    assert "optimizer" not in engine_ds and engine_ds["zero_allow_untested_optimizer"] is True
+    assert "optimizer" in filled  # the run's own dict keeps its section (the resolved record reads it)
+    import torch
+
+    w = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+    optimizer = make([w])
+    assert type(optimizer).__name__ == "_AdamW" and optimizer.bf16_stochastic_round
+    group = optimizer.param_groups[0]
+    assert (float(group["lr"]), group["betas"], group["weight_decay"]) == (pytest.approx(3e-4), (0.9, 0.95), 0.1)
+    assert low_precision.engine_config(filled, False) == (filled, None)
