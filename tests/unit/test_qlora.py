@@ -131,3 +131,40 @@ def test_mfu_counts_a_4bit_base_by_its_weights_not_its_packed_storage(tmp_path) 
     four_bit = get_peft_model(four_bit, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     assert count_params(four_bit) == count_params(plain)
     assert sum(p.numel() for p in four_bit.parameters()) < count_params(four_bit)[0]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_preset_quantized_while_built_has_the_weights_of_the_whole_model_build(tied: bool) -> None:
+    """quant.build_4bit (the bounded build: the float model never whole on the host) gives the weights the whole-model
+    build and quantize_4bit give: the same init stream in the same order, tied embeddings included, rotary tables
+    filled; and the fp32 Linears are gone once quantized."""
+    import gc
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from toolkit.runtime import quant
+    from toolkit.runtime.model import _random_init
+
+    mc = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied)
+    kwargs = dict(attn_implementation="sdpa", dtype=torch.float32)
+    four = dict(dtype=torch.float32, quant_type="nf4", device="cpu")
+    built, n = quant.build_4bit(AutoModelForCausalLM, mc, 1234, kwargs, **four)
+    assert n == 21
+    # nothing keeps a float Linear weight alive: the only float matrices left are the model's own (embeddings, head)
+    gc.collect()
+    params = list(built.parameters())
+    assert not [t.shape for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.dtype == torch.float32
+                and t.dim() == 2 and not any(t is p for p in params)]
+    whole = _random_init(AutoModelForCausalLM, mc, 1234, kwargs)
+    assert quant.quantize_4bit(whole, **four) == 21
+    a, b = whole.state_dict(), built.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:  # bit for bit: packed 4-bit weights read as fp32 hold NaN patterns
+        assert torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)), k
+    assert dict(whole.named_buffers()).keys() == dict(built.named_buffers()).keys()
+    for k, v in whole.named_buffers():
+        assert torch.equal(v, dict(built.named_buffers())[k]), k
+    assert (built.lm_head.weight is built.model.embed_tokens.weight) == tied
+    x = torch.randint(0, 128, (2, 16))
+    assert torch.equal(whole(input_ids=x).logits, built(input_ids=x).logits)

@@ -77,7 +77,7 @@ def _pairs(zero_optimizer: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if zero_optimizer.offload_optimizer or zero_optimizer.params_in_nvme_and_cpu:
             return []
         return [(m, w) for m, w in zip(zero_optimizer.fp32_partitioned_groups_flat,
-                                       zero_optimizer.fp16_partitioned_groups_flat) if w is not None]
+                                       zero_optimizer.fp16_partitioned_groups_flat, strict=True) if w is not None]
     masters = getattr(zero_optimizer, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
     if not masters or zero_optimizer.cpu_offload:
         return []

@@ -99,18 +99,25 @@ def build_model(cfg: Config, mc: Any, frozen_bf16: bool = False, attn: str | Non
 
     auto = AutoModelForSequenceClassification if cfg.model.task == "seq_cls" else AutoModelForCausalLM
     kwargs = dict(attn_implementation=attn or cfg.model.attn_implementation, dtype=torch.float32)
-    with quant.without_zero_init(cfg.model.load_in_4bit):
-        if is_preset(cfg.model.name):
-            model = _random_init(auto, mc, cfg.train.seed, kwargs)
-        else:
-            model = auto.from_pretrained(cfg.model.name, config=mc, local_files_only=True, **kwargs)
+    n = 0
     if cfg.model.load_in_4bit:
         from toolkit.launch import dist
 
         if precision is None:
             raise ValueError("build_model: model.load_in_4bit needs the run's precision (the storage dtype)")
-        dtype = quant.storage_dtype(precision)
-        n = quant.quantize_4bit(model, dtype=dtype, quant_type=cfg.model.bnb_4bit_quant_type, device=dist.device())
+        four_bit = dict(dtype=quant.storage_dtype(precision), quant_type=cfg.model.bnb_4bit_quant_type,
+                        device=dist.device())
+    with quant.without_zero_init(cfg.model.load_in_4bit):
+        if is_preset(cfg.model.name) and cfg.model.load_in_4bit:  # quantized while built: the float model never whole
+            model, n = quant.build_4bit(auto, mc, cfg.train.seed, kwargs, **four_bit)
+        elif is_preset(cfg.model.name):
+            model = _random_init(auto, mc, cfg.train.seed, kwargs)
+        else:
+            model = auto.from_pretrained(cfg.model.name, config=mc, local_files_only=True, **kwargs)
+    if cfg.model.load_in_4bit:
+        dtype = four_bit["dtype"]
+        if not n:  # from a directory: transformers loads the float model, then each Linear is quantized in place
+            n = quant.quantize_4bit(model, **four_bit)
         if dist.rank() == 0:
             name = str(dtype).removeprefix("torch.")
             print(f"model.load_in_4bit: {n} Linear layers in 4-bit {cfg.model.bnb_4bit_quant_type} (double "

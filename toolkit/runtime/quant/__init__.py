@@ -41,41 +41,107 @@ def storage_dtype(precision: str) -> Any:
     return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
+def _skipped(model: Any) -> set[int]:
+    """ids of the Linears that stay in the float dtype: the head (and a classifier's score), as transformers skips."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return {id(head)} | {id(m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in ("score", "classifier")}
+
+
+def _linear_4bit(child: Any, *, dtype: Any, quant_type: str, device: Any) -> Any:
+    """A Linear4bit holding `child`'s weights, quantized where the layer will run."""
+    import bitsandbytes as bnb
+    import torch
+
+    q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                          compute_dtype=dtype, compress_statistics=True, quant_type=quant_type,
+                          quant_storage=dtype, device="meta")
+    # Params4bit quantizes when it moves to a device: here, where the layer will run
+    q.weight = bnb.nn.Params4bit(child.weight.data.to(torch.float32), requires_grad=False,
+                                 compress_statistics=True, quant_type=quant_type, quant_storage=dtype)
+    if child.bias is not None:
+        q.bias = torch.nn.Parameter(child.bias.data.to(dtype), requires_grad=False)
+    q = q.to(device)
+    # On a CPU with AVX512-BF16, bitsandbytes repacks a layer's weights into a bf16 inference layout at its first
+    # forward in eval mode without gradients (an eval loss, resume's fixed-batch check) and keeps them so: every later
+    # training step would then compute in other numbers than before it. Kept off; GPUs never take that path.
+    q.support_avx512bf16_for_cpu = False
+    return q
+
+
 def quantize_4bit(model: Any, *, dtype: Any, quant_type: str, device: Any) -> int:
     """Swap every nn.Linear but the head for a 4-bit Linear4bit holding the same weights; returns how many."""
-    import bitsandbytes as bnb
     import torch
 
     why = available()
     if why:
         raise ConfigError(why)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    skip = {id(head)} | {id(m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in ("score", "classifier")}
+    skip = _skipped(model)
     done = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not torch.nn.Linear or id(child) in skip:
                 continue
-            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                  compute_dtype=dtype, compress_statistics=True, quant_type=quant_type,
-                                  quant_storage=dtype, device="meta")
-            # Params4bit quantizes when it moves to a device: here, where the layer will run
-            q.weight = bnb.nn.Params4bit(child.weight.data.to(torch.float32), requires_grad=False,
-                                         compress_statistics=True, quant_type=quant_type, quant_storage=dtype)
-            if child.bias is not None:
-                q.bias = torch.nn.Parameter(child.bias.data.to(dtype), requires_grad=False)
-            q = q.to(device)
-            # On a CPU with AVX512-BF16, bitsandbytes repacks a layer's weights into a bf16 inference layout at its
-            # first forward in eval mode without gradients (an eval loss, resume's fixed-batch check) and keeps them
-            # so: every later training step would then compute in other numbers than before it. Kept off; GPUs
-            # never take that path.
-            q.support_avx512bf16_for_cpu = False
-            setattr(parent, name, q)
+            setattr(parent, name, _linear_4bit(child, dtype=dtype, quant_type=quant_type, device=device))
             del child
             done += 1
     if not done:
         raise ConfigError("model.load_in_4bit: the model has no nn.Linear layers to quantize")
     return done
+
+
+def build_4bit(auto: Any, mc: Any, seed: int, kwargs: dict[str, Any], *, dtype: Any, quant_type: str,
+               device: Any) -> tuple[Any, int]:
+    """A preset at random init, quantized while it is built: (model, Linears quantized). The host never holds the
+    float model: it is built on the meta device, then transformers' init walk (initialize_weights: children first,
+    one seeded stream) runs module by module, giving each its memory just before its init, and each Linear becomes
+    4-bit right after its own. The host holds the float weights that stay (embeddings, head, norms) and one Linear:
+    about 9 GiB a rank for Llama-3-70B, where building it whole in fp32 first took 264 GiB. The same stream in the same
+    order: the weights are those of the whole-model build (tests/unit/test_qlora.py)."""
+    import torch
+    from transformers import PreTrainedModel
+    from transformers.initialization import guard_torch_init_functions, no_init_weights
+
+    why = available()
+    if why:
+        raise ConfigError(why)
+    with torch.device("meta"), no_init_weights():
+        model = auto.from_config(mc, **kwargs)
+    skip = _skipped(model)
+    made: dict[int, Any] = {}  # meta parameter id -> its real tensor: tied weights stay one tensor
+    keep: list[Any] = []  # the meta originals, so that their ids are not reused while `made` holds them
+    done = 0
+
+    def materialize(module: Any) -> None:
+        for name, p in list(module._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in made:
+                keep.append(p)
+                made[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
+            module._parameters[name] = made[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.is_meta:
+                module._buffers[name] = torch.empty_like(b, device="cpu")
+
+    def walk(module: Any, fn: Any, custom: bool) -> None:  # transformers' smart_apply, materializing as it goes
+        nonlocal done
+        for name, child in list(module.named_children()):
+            walk(child, child._initialize_weights if isinstance(child, PreTrainedModel) else fn, custom)
+            if type(child) is torch.nn.Linear and id(child) not in skip:
+                setattr(module, name, _linear_4bit(child, dtype=dtype, quant_type=quant_type, device=device))
+                for k in [k for k, v in made.items() if v is child.weight or v is child.bias]:
+                    del made[k]  # nothing holds the float weights now
+                done += 1
+        materialize(module)
+        fn(module, custom)
+
+    torch.manual_seed(seed)
+    with torch.no_grad(), guard_torch_init_functions():
+        walk(model, model._initialize_weights, model.is_custom_code())
+    model.tie_weights()
+    if not done:
+        raise ConfigError("model.load_in_4bit: the model has no nn.Linear layers to quantize")
+    return model, done
 
 
 @contextlib.contextmanager
