@@ -522,7 +522,12 @@ def test_a_4bit_base_is_planned_as_packed_weights_with_scales_kept_whole() -> No
     want = (2.0 * rest / 2 + pl.BNB4_BYTES * linears / 2 + pl.BNB4_SCALE_BYTES * linears + 2.0 * small) / pl.GIB
     assert q4.persistent["params"] == pytest.approx(want, rel=1e-6)
     assert 17 < q4.persistent["params"] < 20 and bf16.persistent["params"] > 60
-    assert q4.host_build_rank_gib > 4 * s.total_params / pl.GIB  # each rank builds the fp32 model first
+    assert q4.host_build_rank_gib > 4 * s.total_params / pl.GIB  # from a directory: the float model, whole
+    # a preset is quantized while built (runtime/quant build_4bit): the float weights that stay and one Linear
+    bounded = pl.predict(pl.Workload(s, 2048, 16, lora, load_in_4bit=True, quantized_build=True), c, hw)
+    stays = 4.0 * (s.total_params - pl.quantized_numel(s)) / pl.GIB
+    assert stays < bounded.host_build_rank_gib - pl.HOST_EARLY_GIB < stays + 1.0 < 12
+    assert bounded.host_node_gib < 250 < q4.host_node_gib  # the 70B case on 2 GPUs and 250 GiB of host RAM
     at_zero2 = pl.predict(pl.Workload(load_shape("llama-1b"), 2048, 8, lora, load_in_4bit=True),
                           pl.Choice(2, "none", 1.0, 4, 1, False, "speed"), pl.Hardware(2, 1, 80.0))
     plain = pl.predict(pl.Workload(load_shape("llama-1b"), 2048, 8, lora),

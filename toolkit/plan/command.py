@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.config.ds_config import ConfigError, gen_config
+from toolkit.config.models import PRESETS
 from toolkit.plan import planner as pl
 
 PLAN_VERSION = 1
@@ -129,8 +130,6 @@ def _workload(args: Any) -> tuple[pl.Workload, pl.Hardware]:
     if args.layers:  # every decoder layer has the same parameters: fewer layers, the same list
         if args.layers < 0:
             raise ConfigError(f"--layers must be at least 1, got {args.layers}")
-        from toolkit.config.models import PRESETS
-
         if args.model not in PRESETS:  # as model.num_layers: a directory's weights fix its layer count
             raise ConfigError(f"--layers applies to presets; {args.model} is a directory: its config.json's layer "
                               "count is what its weights hold")
@@ -157,7 +156,8 @@ def _workload(args: Any) -> tuple[pl.Workload, pl.Hardware]:
                     expert_parallel=args.expert_parallel, objective=args.objective,
                     reference=pl.reference_mode(args.objective, args.reference, lora is not None),
                     generations=args.generations, completion_len=_completion(args), zero3_leaves=args.zero3_leaves,
-                    optimizer=args.optimizer, states=args.optimizer_states, load_in_4bit=args.load_in_4bit)
+                    optimizer=args.optimizer, states=args.optimizer_states, load_in_4bit=args.load_in_4bit,
+                    quantized_build=args.load_in_4bit and args.model in PRESETS)
     hw = pl.Hardware(args.gpus, args.nodes, args.gpu_mem, args.host_mem)
     return w, hw
 
@@ -174,8 +174,6 @@ def _completion(args: Any) -> int:
 
 def _model_type(model: str) -> str | None:
     """The model type from the preset or config.json, without building anything (None: unknown here)."""
-    from toolkit.config.models import PRESETS
-
     if model in PRESETS:
         return str(PRESETS[model]["model_type"])
     try:

@@ -275,6 +275,9 @@ class Workload:
     load_in_4bit: bool = False
     """model.load_in_4bit (QLoRA, toolkit/runtime/quant): the decoder layers' Linears frozen in 4-bit (BNB4_BYTES a
     weight), the head and the rest in bf16; LoRA only."""
+    quantized_build: bool = False
+    """With load_in_4bit, a preset: quantized while it is built (runtime/quant build_4bit), so the host holds the float
+    weights that stay (embeddings, head, norms) and one Linear, never the whole float model (a directory's is)."""
 
     @property
     def sequences(self) -> int:
@@ -876,7 +879,12 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
                                     offload_opt=offload_opt, offload_param=offload_param, groups=groups,
                                     n_gpu_groups=len(gpu_groups), sizes=sizes, steps=inputs_host,
                                     state_bytes=state_bytes)
-    if quantized and stage == 3:  # built outside zero.Init: each rank holds the fp32 model before quantizing it
+    if quantized and w.quantized_build:  # the float weights that stay, and the Linear being quantized
+        floats = 4.0 * (p_all - quantized)
+        build_bytes = HOST_EARLY_GIB * GIB + floats + 4.0 * max(i * o for _, i, o in s.linears)
+        if "model build (fp32)" in host:  # stages 0-2: what the host keeps until DeepSpeed moves it
+            host["model build (fp32)"] = floats
+    elif quantized and stage == 3:  # built outside zero.Init: each rank holds the fp32 model before quantizing it
         build_bytes = max(build_bytes, HOST_EARLY_GIB * GIB + 4.0 * p_all)
     host_rank = sum(host.values()) / GIB
     host_build = build_bytes / GIB
