@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import json
 import sys
 import warnings
@@ -23,12 +22,12 @@ sys.path.insert(0, str(ROOT))
 
 
 def sweep() -> dict:
-    from transformers import CONFIG_MAPPING, __version__
+    from transformers import __version__
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from toolkit.config.ds_config import ConfigError
     from toolkit.plan import planner as pl
-    from toolkit.plan.shapes import read_shape
+    from toolkit.plan.shapes import family_defaults, read_shape
 
     planned: dict[str, float] = {}
     refused: dict[str, str] = {}
@@ -37,13 +36,10 @@ def sweep() -> dict:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                cfg = CONFIG_MAPPING[model_type]()
+                cfg = family_defaults(model_type)
         except Exception:
             invalid.append(model_type)
             continue
-        with contextlib.suppress(Exception):  # encoder-decoders count their layers otherwise
-            # up to 8 layers: a layout of unlike layers shows (DeepSeek-V3's 3 dense first, Jamba's 1 attention in 8)
-            cfg.num_hidden_layers = min(int(cfg.num_hidden_layers), 8)
         try:
             s = read_shape(cfg)
             p = pl.predict(pl.Workload(s, 1024, 8), pl.Choice(2, "none", 1.0, 1, 8, False, "speed"),

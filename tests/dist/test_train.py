@@ -191,9 +191,14 @@ def _qlora_runs(tmp: Path) -> list[dict]:
     runs = [run(name, stage, path, *(["train.export=true"] if name == "qlora-z3" else []),
                 *(["train.objective=dpo", "data.seq_len=24"] if name.endswith("dpo") else []))
             for name, (stage, path) in QLORA_RUNS.items()]
-    # resumed at ZeRO-3 after 2 of 4 steps: the 4-bit base is rebuilt, the adapters and their states come back
-    return [*runs, run("qlora-z3-resume", "zero3", "raw", "train.stop_after=2"),
-            run("qlora-z3-resume", "zero3", "raw", "train.resume=latest")]
+    # resumed after 2 of 4 steps on both paths: the 4-bit base is rebuilt, the adapters and their states come back
+    resumes = [run(name, stage, path, extra) for name, stage, path in
+               (("qlora-z3-resume", "zero3", "raw"), ("qlora-z2-trainer-resume", "zero2", "trainer"))
+               for extra in ("train.stop_after=2", "train.resume=latest")]
+    # a preset at random init is quantized while it is built (quant.build_4bit), not from a directory
+    preset = run("qlora-z2-preset", "zero2", "raw")
+    preset["argv"] = [a for a in preset["argv"] if not a.startswith("model.name=")]
+    return [*runs, *resumes, preset]
 
 
 @pytest.fixture(scope="module")
@@ -655,9 +660,13 @@ def test_qlora_trains_alike_at_zero0_and_zero3_and_saves_its_adapter(runs: Path)
     b = [v for k, v in adapter.items() if "lora_B" in k]
     assert len(b) == 4 and all(v.numel() and v.abs().sum() > 0 for v in b), {k: v.shape for k, v in adapter.items()}
     # resumed after step 2 at ZeRO-3: steps 1-4 once each, on the uninterrupted run's curve
-    resumed = [r for r in lines(tmp / "qlora-z3-resume" / "metrics.jsonl") if "loss" in r]
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    assert [r["loss"] for r in resumed] == pytest.approx(_opt_losses(tmp / "qlora-z3"), abs=1e-4)
+    for name, whole in (("qlora-z3-resume", "qlora-z3"), ("qlora-z2-trainer-resume", "qlora-z2-trainer")):
+        resumed = [r for r in lines(tmp / name / "metrics.jsonl") if "loss" in r]
+        assert [r["step"] for r in resumed] == [1, 2, 3, 4], name
+        assert [r["loss"] for r in resumed] == pytest.approx(_opt_losses(tmp / whole), abs=1e-4), name
+    preset = _opt_losses(tmp / "qlora-z2-preset")
+    assert len(preset) == 4 and all(math.isfinite(x) for x in preset), preset
+    assert "model.load_in_4bit: 14 Linear layers in 4-bit nf4" in logs["qlora-z2-preset"], logs["qlora-z2-preset"][-2000:]
 
 
 @pytest.mark.timeout(120)

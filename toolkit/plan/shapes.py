@@ -16,6 +16,7 @@ Nothing here imports torch or transformers at module level.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -161,6 +162,27 @@ def read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
                           "plan models one width and head count for every layer") from None
 
 
+def family_defaults(model_type: str, max_layers: int = 8) -> Any:
+    """A family's config at transformers' defaults with at most `max_layers` decoder layers, as a checkpoint's
+    config.json would hold it: fields that a few families leave null, and whose own code then fails, are set the way
+    every other family derives them (Ministral's and Hunyuan's head_dim: hidden / heads; Nemotron's key-value heads:
+    one a query head). What the sweep of every causal LM family plans (tests/unit/test_trace.py,
+    bench/plan_families.py); raises what the family's own validation raises."""
+    from transformers import CONFIG_MAPPING
+
+    cfg = CONFIG_MAPPING[model_type]()
+    with contextlib.suppress(Exception):  # encoder-decoders count their layers otherwise
+        # a few layers: a layout of unlike layers shows (DeepSeek-V3's 3 dense first, Jamba's 1 attention in 8)
+        cfg.num_hidden_layers = min(int(cfg.num_hidden_layers), max_layers)
+    heads = getattr(cfg, "num_attention_heads", None)
+    if isinstance(heads, int) and heads > 0:
+        if "head_dim" in vars(cfg) and cfg.head_dim is None:
+            cfg.head_dim = int(cfg.hidden_size) // heads
+        if "num_key_value_heads" in vars(cfg) and cfg.num_key_value_heads is None:
+            cfg.num_key_value_heads = heads
+    return cfg
+
+
 def _read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -204,7 +226,8 @@ def _read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
                     for n, m in layer0.named_modules()
                     if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")
     hidden = int(_cfg(mc, "hidden_size", "n_embd"))
-    heads = int(_cfg(mc, "num_attention_heads", "n_head"))
+    # a state-space model (Mamba, RWKV) has no attention heads: no attention term in its FLOPs, nothing per head
+    heads = int(_cfg(mc, "num_attention_heads", "n_head", default=0))
     kinds = by_layer if len(set(by_layer)) > 1 else None
     traced, trace_error = _traced(mc, task, kinds) if trace else (None, "not traced (parameters only)")
     top_k = int(getattr(mc, "num_experts_per_tok", None) or 0)
@@ -217,7 +240,7 @@ def _read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(getattr(mc, "num_key_value_heads", None) or heads),
-        head_dim=int(getattr(mc, "head_dim", None) or hidden // heads),
+        head_dim=int(getattr(mc, "head_dim", None) or (hidden // heads if heads else 0)),
         tied_embeddings=bool(getattr(mc, "tie_word_embeddings", False)),
         max_positions=_cfg(mc, "max_position_embeddings", "n_positions", default=None),
         prefix_params=tuple(params[:first]),
