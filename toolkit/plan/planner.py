@@ -1311,6 +1311,9 @@ def speed_caveat(w: Workload, hw: Hardware) -> str | None:
     if w.load_in_4bit:
         why.append("a 4-bit base's dequantization cost is fitted on one llama-1b row (BNB4_CALL_S a Linear call), "
                    "not validated on other shapes")
+    if not w.shape.num_heads:
+        why.append("a state-space model (no attention heads): its Linears are counted, its scan's time is not, and "
+                   "none was run")
     return ("tokens/s not validated here: " + "; ".join(why) + " (bench/results/speed_model/)") if why else None
 
 

@@ -174,11 +174,12 @@ def family_defaults(model_type: str, max_layers: int = 8) -> Any:
     with contextlib.suppress(Exception):  # encoder-decoders count their layers otherwise
         # a few layers: a layout of unlike layers shows (DeepSeek-V3's 3 dense first, Jamba's 1 attention in 8)
         cfg.num_hidden_layers = min(int(cfg.num_hidden_layers), max_layers)
-    heads = getattr(cfg, "num_attention_heads", None)
-    if isinstance(heads, int) and heads > 0:
-        if "head_dim" in vars(cfg) and cfg.head_dim is None:
+    # per-layer configs refuse a global read or write (read_shape says so in one line): left as they are
+    with contextlib.suppress(Exception):
+        heads = cfg.num_attention_heads
+        if isinstance(heads, int) and heads > 0 and "head_dim" in vars(cfg) and cfg.head_dim is None:
             cfg.head_dim = int(cfg.hidden_size) // heads
-        if "num_key_value_heads" in vars(cfg) and cfg.num_key_value_heads is None:
+        if isinstance(heads, int) and heads > 0 and "num_key_value_heads" in vars(cfg) and cfg.num_key_value_heads is None:
             cfg.num_key_value_heads = heads
     return cfg
 
