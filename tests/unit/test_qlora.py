@@ -139,6 +139,8 @@ def test_a_preset_quantized_while_built_has_the_weights_of_the_whole_model_build
     build and quantize_4bit give: the same init stream in the same order, tied embeddings included, rotary tables
     filled; and the fp32 Linears are gone once quantized."""
     import gc
+    import weakref
+    from unittest import mock
 
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -149,13 +151,18 @@ def test_a_preset_quantized_while_built_has_the_weights_of_the_whole_model_build
                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied)
     kwargs = dict(attn_implementation="sdpa", dtype=torch.float32)
     four = dict(dtype=torch.float32, quant_type="nf4", device="cpu")
-    built, n = quant.build_4bit(AutoModelForCausalLM, mc, 1234, kwargs, **four)
-    assert n == 21
-    # nothing keeps a float Linear weight alive: the only float matrices left are the model's own (embeddings, head)
+    floats: list[weakref.ref] = []
+    to_4bit = quant._linear_4bit
+
+    def noting(child, **kw):  # each float Linear weight as it is quantized
+        floats.append(weakref.ref(child.weight))
+        return to_4bit(child, **kw)
+
+    with mock.patch.object(quant, "_linear_4bit", noting):
+        built, n = quant.build_4bit(AutoModelForCausalLM, mc, 1234, kwargs, **four)
+    assert n == 21 == len(floats)
     gc.collect()
-    params = list(built.parameters())
-    assert not [t.shape for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.dtype == torch.float32
-                and t.dim() == 2 and not any(t is p for p in params)]
+    assert not [r for r in floats if r() is not None]  # nothing keeps a float Linear weight once it is 4-bit
     whole = _random_init(AutoModelForCausalLM, mc, 1234, kwargs)
     assert quant.quantize_4bit(whole, **four) == 21
     a, b = whole.state_dict(), built.state_dict()
