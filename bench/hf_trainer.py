@@ -64,6 +64,17 @@ class StepTimer(TrainerCallback):
             self.losses.append(float(logs["loss"]))
 
 
+def train_timed(model: Any, targs: TrainingArguments, args: Any, vocab: int, cpu: bool) -> StepTimer:
+    """The Trainer on random full-length rows for warmup + steps optimizer steps, each timed. Shared with
+    qlora_hf.py."""
+    data = RandomTokens((args.warmup + args.steps) * args.global_batch, args.seq, vocab, seed=1234)
+    timer = StepTimer(cpu)
+    trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[timer])
+    trainer.train()
+    assert isinstance(trainer.model_wrapped, deepspeed.DeepSpeedEngine), "the Trainer did not use DeepSpeed"
+    return timer
+
+
 def main() -> None:
     args = parse_args()
     cpu, device, _, grad_accum = start(args)
@@ -82,11 +93,7 @@ def main() -> None:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-        data = RandomTokens(total * args.global_batch, args.seq, config.vocab_size, seed=1234)
-        timer = StepTimer(cpu)
-        trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[timer])
-        trainer.train()
-        assert isinstance(trainer.model_wrapped, deepspeed.DeepSpeedEngine), "the Trainer did not use DeepSpeed"
+        timer = train_timed(model, targs, args, config.vocab_size, cpu)
 
     write_result(args, "hf", device, grad_accum, timer.times[args.warmup:], timer.losses, n_params, config)
     dist.barrier()

@@ -18,13 +18,12 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-import deepspeed
 import torch
 import torch.distributed as dist
 from bare_loop import ds_config, model_config, parse_args, start, write_result
-from hf_trainer import RandomTokens, StepTimer
+from hf_trainer import train_timed
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, TrainingArguments
 
 
 def main() -> None:
@@ -61,11 +60,7 @@ def main() -> None:
         model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
                                                  target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
         n_params = sum(p.numel() for p in model.parameters())
-        data = RandomTokens(total * args.global_batch, args.seq, config.vocab_size, seed=1234)
-        timer = StepTimer(cpu)
-        trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[timer])
-        trainer.train()
-        assert isinstance(trainer.model_wrapped, deepspeed.DeepSpeedEngine), "the Trainer did not use DeepSpeed"
+        timer = train_timed(model, targs, args, config.vocab_size, cpu)
     write_result(args, "hf-peft-qlora", device, grad_accum, timer.times[args.warmup:], timer.losses, n_params, config)
     dist.barrier()
 
