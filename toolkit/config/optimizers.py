@@ -98,9 +98,9 @@ def default_grad_clip(ds: dict[str, Any]) -> float:
 def bytes_per_param(optimizer: OptimizerName, states: States, matrix: bool, stage: int = 2,
                     shared_master: bool = False) -> float:
     """Bytes of optimizer state a trained parameter keeps on the rank that owns its partition: the master copy and
-    the moments. shared_master: bf16 masters on the GPU are the bf16 weights themselves (ZeRO-3 by DeepSpeed,
-    ZeRO-1/2 by toolkit/runtime/low_precision.py share_masters), so they cost nothing more. AdamW: master + m + v; Muon's matrices: master + one momentum buffer (its other parameters are
-    Adam's). fp32: 4 bytes each; bf16 master weights and states: 2. Muon's momentum at ZeRO-3 is kept in the
+    the moments. AdamW: master + m + v; Muon's matrices: master + one momentum buffer (its other parameters are
+    Adam's). fp32: 4 bytes each; bf16 master weights and states: 2. shared_master: bf16 masters on the GPU are the
+    bf16 weights themselves (toolkit/runtime/low_precision.py share_masters), so they cost nothing more. Muon's momentum at ZeRO-3 is kept in the
     communication dtype (stage3.py _create_momentum_buffer: bf16 in a bf16 run); measured on llama-1b, one H200,
     bench/results/optimizers/speed_llama1b: Muon saved 3.6 GiB against AdamW at ZeRO-2 (4 bytes a matrix parameter)
     and 5.4 GiB at ZeRO-3 (6)."""
