@@ -93,11 +93,15 @@ def share_masters(zero_optimizer: Any) -> int:
     where nothing is shared: fp32 masters, offload, ZeRO-0)."""
     freed = 0
     for master, weights in _pairs(zero_optimizer):
-        if (master.dtype != weights.dtype or master.device != weights.device or master.numel() != weights.numel()
-                or master.data_ptr() == weights.data_ptr()):
+        if (master.dtype != torch.bfloat16 or weights.dtype != torch.bfloat16 or master.device != weights.device
+                or master.numel() != weights.numel() or master.data_ptr() == weights.data_ptr()):
             continue
         freed += master.numel() * master.element_size()
         master.data = weights.data  # the optimizer keeps the same tensor object; its storage is now the weights'
+    if freed:
+        # each parameter's views into the master (its _hp_mapping: what universal checkpoints and safe_get_full_*
+        # read and write) were cut from the old storage at initialize: cut again from the shared one
+        zero_optimizer._link_all_hp_params()
     if freed and dist.rank() == 0:
         print(f"bf16 master weights: the ZeRO optimizer's masters share the weights' storage ({freed / GIB:.3g} GiB "
               "a rank freed)", flush=True)
