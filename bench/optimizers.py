@@ -152,17 +152,29 @@ def curves(out: Path) -> int:
     return 0
 
 
-def speed(out: Path, rows: str, steps: int, only: str | None = None, global_batch: int = 16) -> int:
+def speed(out: Path, rows: str, steps: int, only: str | None = None, global_batch: int = 16,
+          profile_step: int = 0) -> int:
     out.mkdir(parents=True, exist_ok=True)
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
     runs: list[tuple[str, Path, list[str]]] = []
     if rows == "llama-1b":
+        common = ["model.name=llama-1b", "data.seq_len=2048", "train.micro_batch_size=4",
+                  f"train.grad_accum={global_batch // 4}", "train.grad_clip=0"]
+        if profile_step:
+            common.append(f"train.profile_steps=[{profile_step},{profile_step}]")
+        tail = f"-g{global_batch}" if global_batch != 16 else ""
         for stage in (2, 3):
             for optimizer in ("adamw", "muon"):
-                name = f"llama-1b-z{stage}-{optimizer}" + (f"-g{global_batch}" if global_batch != 16 else "")
-                runs.append((name, _ds(out, name, stage, optimizer, "fp32", precision="bf16"),
-                             ["model.name=llama-1b", "data.seq_len=2048", "train.micro_batch_size=4",
-                              f"train.grad_accum={global_batch // 4}", "train.grad_clip=0"]))
+                name = f"llama-1b-z{stage}-{optimizer}{tail}"
+                runs.append((name, _ds(out, name, stage, optimizer, "fp32", precision="bf16"), common))
+        # ZeRO-3 Muon with the gradients copied into one contiguous bucket before the reduce, as gen-config wrote it
+        # before: with reduce_scatter off (Muon's requirement) that bucket is all-reduced whole every micro-batch
+        name = f"llama-1b-z3-muon-contiguous{tail}"
+        ds = _ds(out, name, 3, "muon", "fp32", precision="bf16")
+        cfg = json.loads(ds.read_text())
+        cfg["zero_optimization"]["contiguous_gradients"] = True
+        ds.write_text(json.dumps(cfg, indent=2) + "\n")
+        runs.append((name, ds, common))
     elif rows == "llama-3-8b":
         common = ["model.name=llama-3-8b", "data.seq_len=4096", "model.gradient_checkpointing=true",
                   "memory.gpu_limit_gib=80", "train.grad_clip=0"]
@@ -217,6 +229,7 @@ def main() -> int:
     s.add_argument("--steps", type=int, default=10)
     s.add_argument("--only", default=None, help="comma-separated row names")
     s.add_argument("--global-batch", type=int, default=16, help="llama-1b: sequences a step (micro 4)")
+    s.add_argument("--profile-step", type=int, default=0, help="llama-1b: torch.profiler over this step")
     c = sub.add_parser("curves")
     c.add_argument("out")
     v = sub.add_parser("verdict")
@@ -228,7 +241,7 @@ def main() -> int:
     if a.cmd == "quality":
         return quality(Path(a.work), Path(a.out), a.steps)
     if a.cmd == "speed":
-        return speed(Path(a.out), a.rows, a.steps, a.only, a.global_batch)
+        return speed(Path(a.out), a.rows, a.steps, a.only, a.global_batch, a.profile_step)
     if a.cmd == "curves":
         return curves(Path(a.out))
     return verdict(Path(a.out))

@@ -7,10 +7,11 @@ compute and storage in bf16)`, `prepare_model_for_kbit_training`, `get_peft_mode
 gives the shapes, the DeepSpeed JSON and the result file; bench/hf_trainer.py the step timer and the data:
 
     deepspeed --num_gpus 1 --master_port P bench/qlora_hf.py --model llama-3-8b --seq 2048 --micro 4 \
-        --global-batch 4 --stage 2 --warmup 1 --steps 3 --base /tmp/base --out result.json [--liger]
+        --global-batch 4 --stage 2 --warmup 1 --steps 3 --base /tmp/base --out result.json [--liger] [--grad-ckpt]
 
 LoRA r=8 (alpha 16, dropout 0) on q_proj and v_proj, as the toolkit's default `lora.*`. `--liger` sets the Trainer's
-`use_liger_kernel=True` (its documented switch). CPU: bitsandbytes' CPU kernels, fp32 compute.
+`use_liger_kernel=True` (its documented switch); `--grad-ckpt` turns on checkpointing as PEFT's QLoRA examples do
+(reentrant). CPU: bitsandbytes' CPU kernels, fp32 compute.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ def main() -> None:
 
     base = Path(sys.argv[sys.argv.index("--base") + 1])
     del sys.argv[sys.argv.index("--base"):sys.argv.index("--base") + 2]
+    ckpt = "--grad-ckpt" in sys.argv
+    if ckpt:
+        sys.argv.remove("--grad-ckpt")
     args = parse_args()
     cpu, device, rank, grad_accum = start(args)
     dtype = torch.float32 if cpu else torch.bfloat16
@@ -50,18 +54,24 @@ def main() -> None:
             max_steps=total, bf16=not cpu, learning_rate=1e-4, lr_scheduler_type="constant",
             deepspeed=ds_config(args, grad_accum, not cpu), use_liger_kernel=args.liger,
             logging_steps=1, report_to=[], save_strategy="no", dataloader_drop_last=True, disable_tqdm=True,
-            use_cpu=cpu,
+            use_cpu=cpu, gradient_checkpointing=ckpt,
+            gradient_checkpointing_kwargs={"use_reentrant": True} if ckpt else None,
         )
         bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                  bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
         model = AutoModelForCausalLM.from_pretrained(base, quantization_config=bnb, dtype=dtype,
                                                      attn_implementation="sdpa")
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        # --grad-ckpt: PEFT's QLoRA recipe as its examples give it (examples/sft: gradient_checkpointing True,
+        # use_reentrant True, "else QLoRA leads to high GPU memory consumption"; prepare_model_for_kbit_training's
+        # default); without it, checkpointing stays off
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=ckpt,
+                                                gradient_checkpointing_kwargs={"use_reentrant": True})
         model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
                                                  target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
         n_params = sum(p.numel() for p in model.parameters())
         timer = train_timed(model, targs, args, config.vocab_size, cpu)
-    write_result(args, "hf-peft-qlora", device, grad_accum, timer.times[args.warmup:], timer.losses, n_params, config)
+    variant = "hf-peft-qlora" + ("-liger" if args.liger else "") + ("-ckpt" if ckpt else "")
+    write_result(args, variant, device, grad_accum, timer.times[args.warmup:], timer.losses, n_params, config)
     dist.barrier()
 
 

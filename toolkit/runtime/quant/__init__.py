@@ -96,7 +96,8 @@ def build_4bit(auto: Any, mc: Any, seed: int, kwargs: dict[str, Any], *, dtype: 
     one seeded stream) runs module by module, giving each its memory just before its init, and each Linear becomes
     4-bit right after its own. The host holds the float weights that stay (embeddings, head, norms) and one Linear:
     about 9 GiB a rank for Llama-3-70B, where building it whole in fp32 first took 264 GiB. The same stream in the same
-    order: the weights are those of the whole-model build (tests/unit/test_qlora.py)."""
+    order: on the CPU the weights are those of the whole-model build (tests/unit/test_qlora.py); on a GPU the
+    quantized Linears draw from the GPU's generator (seeded alike), so they differ from a host build's."""
     import torch
     from transformers import PreTrainedModel
     from transformers.initialization import guard_torch_init_functions, no_init_weights
@@ -112,12 +113,15 @@ def build_4bit(auto: Any, mc: Any, seed: int, kwargs: dict[str, Any], *, dtype: 
     done = 0
 
     def materialize(module: Any) -> None:
+        # a Linear to be quantized gets its float weights where it will run: its init and quantization then run on
+        # the GPU (initializing Llama-3-70B's Linears on the host took more than 8 minutes, one thread a rank)
+        where = device if type(module) is torch.nn.Linear and id(module) not in skip else "cpu"
         for name, p in list(module._parameters.items()):
             if p is None or not p.is_meta:
                 continue
             if id(p) not in made:
                 keep.append(p)
-                made[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
+                made[id(p)] = torch.nn.Parameter(torch.empty_like(p, device=where), requires_grad=p.requires_grad)
             module._parameters[name] = made[id(p)]
         for name, b in list(module._buffers.items()):
             if b is not None and b.is_meta:
