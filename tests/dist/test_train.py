@@ -136,10 +136,11 @@ def _runs(tmp: Path) -> list[dict]:
 OPTIMIZER_COMMON = ["train.precision=fp32", "memory.every=0", "metrics.tensorboard=false", "train.micro_batch_size=2",
                     "train.max_steps=4", "train.export=false"]
 OPTIMIZER_RUNS = {
-    "muon-z0": (0, "muon", "fp32", "raw", []),
-    "muon-z2": (2, "muon", "fp32", "raw", []),
-    "muon-z3": (3, "muon", "fp32", "raw", []),
-    "muon-z3-trainer": (3, "muon", "fp32", "trainer", []),
+    # accumulation 2: ZeRO-3's Muon (contiguous_gradients off) reduces each micro-batch, then runs once a step
+    "muon-z0": (0, "muon", "fp32", "raw", ["train.grad_accum=2"]),
+    "muon-z2": (2, "muon", "fp32", "raw", ["train.grad_accum=2"]),
+    "muon-z3": (3, "muon", "fp32", "raw", ["train.grad_accum=2"]),
+    "muon-z3-trainer": (3, "muon", "fp32", "trainer", ["train.grad_accum=2"]),
     "muon-z2-lora": (2, "muon", "fp32", "raw", ["lora.enabled=true"]),
     "muon-z2-dpo": (2, "muon", "fp32", "raw", ["train.objective=dpo", "lora.enabled=true", "data.seq_len=24"]),
     "bf16-states-z2": (2, "adamw", "bf16", "raw", ["train.precision=bf16"]),

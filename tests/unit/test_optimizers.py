@@ -30,6 +30,8 @@ def test_muon_configs_carry_what_each_stage_needs_and_check_clean(stage: int) ->
     assert cfg["optimizer"]["params"]["muon_lr"] == opt.MUON_LR
     assert dc.gen_config(stage, optimizer="muon", targets=("raw",))["optimizer"]["params"]["muon_lr"] == "auto"
     assert cfg["zero_optimization"].get("reduce_scatter") is (False if stage == 3 else True if stage == 2 else None)
+    # ZeRO-3: the gradients take the reduce-scatter path, not one contiguous bucket all-reduced whole each micro-batch
+    assert cfg["zero_optimization"].get("contiguous_gradients") is (None if stage == 0 else stage != 3)
     assert cfg["gradient_clipping"] == ("auto" if stage == 0 else 0.0)
     errors = [f for f in check_config(cfg, world_size=2) if f.level == "error"]
     assert errors == []

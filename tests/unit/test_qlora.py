@@ -175,3 +175,39 @@ def test_a_preset_quantized_while_built_has_the_weights_of_the_whole_model_build
     assert (built.lm_head.weight is built.model.embed_tokens.weight) == tied
     x = torch.randint(0, 128, (2, 16))
     assert torch.equal(whole(input_ids=x).logits, built(input_ids=x).logits)
+
+
+@pytest.mark.parametrize("tied, saved", [(False, torch.bfloat16), (True, torch.float32)])
+def test_a_directory_read_module_by_module_has_the_weights_of_the_whole_load(tmp_path, tied, saved) -> None:
+    """A directory with a 4-bit base is read module by module (quant.checkpoint_files, build_4bit's weights): the
+    same packed weights, quantization states, float weights and logits as transformers' whole load then
+    quantize_4bit, from a bf16 or fp32 checkpoint, tied or not. A checkpoint whose names are not the model's is
+    loaded whole instead (None)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from toolkit.runtime import quant
+
+    mc = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(mc, dtype=saved).save_pretrained(tmp_path / "m")
+    kwargs = dict(attn_implementation="sdpa", dtype=torch.float32)
+    four = dict(dtype=torch.float32, quant_type="nf4", device="cpu")
+    files = quant.checkpoint_files(str(tmp_path / "m"), quant.model_keys(AutoModelForCausalLM, mc, kwargs))
+    assert files is not None
+    read, n = quant.build_4bit(AutoModelForCausalLM, mc, 99, kwargs, **four, weights=files)
+    whole = AutoModelForCausalLM.from_pretrained(tmp_path / "m", local_files_only=True, **kwargs)
+    assert quant.quantize_4bit(whole, **four) == n == 14
+    a, b = whole.state_dict(), read.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)), k
+    x = torch.randint(0, 128, (2, 16))
+    assert torch.equal(whole(input_ids=x).logits, read(input_ids=x).logits)
+    # a name the model does not have (a legacy layout): not readable module by module
+    state = load_file(tmp_path / "m" / "model.safetensors")
+    first = next(iter(state))
+    state["legacy." + first] = state.pop(first)
+    save_file(state, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    assert quant.checkpoint_files(str(tmp_path / "m"), quant.model_keys(AutoModelForCausalLM, mc, kwargs)) is None

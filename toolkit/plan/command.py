@@ -157,9 +157,22 @@ def _workload(args: Any) -> tuple[pl.Workload, pl.Hardware]:
                     reference=pl.reference_mode(args.objective, args.reference, lora is not None),
                     generations=args.generations, completion_len=_completion(args), zero3_leaves=args.zero3_leaves,
                     optimizer=args.optimizer, states=args.optimizer_states, load_in_4bit=args.load_in_4bit,
-                    quantized_build=args.load_in_4bit and args.model in PRESETS)
+                    quantized_build=args.load_in_4bit and _read_by_module(args.model))
     hw = pl.Hardware(args.gpus, args.nodes, args.gpu_mem, args.host_mem)
     return w, hw
+
+
+def _read_by_module(model: str) -> bool:
+    """A 4-bit base built or read module by module (runtime/quant build_4bit): a preset, or a directory whose
+    safetensors hold the model's own tensor names; another directory is loaded whole first."""
+    if model in PRESETS:
+        return True
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from toolkit.runtime import quant
+
+    mc = AutoConfig.from_pretrained(model, local_files_only=True)
+    return quant.checkpoint_files(model, quant.model_keys(AutoModelForCausalLM, mc, {})) is not None
 
 
 def _completion(args: Any) -> int:

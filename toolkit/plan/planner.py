@@ -276,8 +276,9 @@ class Workload:
     """model.load_in_4bit (QLoRA, toolkit/runtime/quant): the decoder layers' Linears frozen in 4-bit (BNB4_BYTES a
     weight), the head and the rest in bf16; LoRA only."""
     quantized_build: bool = False
-    """With load_in_4bit, a preset: quantized while it is built (runtime/quant build_4bit), so the host holds the float
-    weights that stay (embeddings, head, norms) and one Linear, never the whole float model (a directory's is)."""
+    """With load_in_4bit, a preset or a directory whose checkpoint names are the model's: quantized while it is built
+    or read (runtime/quant build_4bit), so the host holds the float weights that stay (embeddings, head, norms) and one
+    Linear, never the whole float model (another directory's is)."""
 
     @property
     def sequences(self) -> int:

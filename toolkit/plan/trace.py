@@ -17,6 +17,10 @@ children (attention, MLP, norms) so tiled MLPs can swap the MLP's share, plus ev
 is, whether anything else keeps it) so LoRA on any set of targets is counted without tracing PEFT (which cannot run
 on fake tensors), and eager attention's bytes per token at two lengths (its S x S term).
 
+Code that reads its tensors' values (MoE routing counts, unpadding by `.item()`) cannot run on fake tensors; where
+the copy is small (REAL_MAX_PARAMS), it is traced on real, uninitialized CPU tensors instead, counted the same way
+(tests/unit/test_trace.py holds the two counts equal on a Llama).
+
 Pitfalls handled (the note's): transformers treats fake tensors as tracing and builds a 4-D mask for an unpacked batch
 (`find_packed_sequence_indices` is answered None while tracing); the meta device is never used (no fused attention).
 """
@@ -32,6 +36,10 @@ TRACE_VERSION = 1
 TRACE_SEQ = 256  # bytes per token do not depend on the length with fused attention (the note: 256 to 2,048 equal)
 EAGER_SEQS = (256, 512)  # eager attention's S x S term: two lengths give its slope
 MIDDLE = 3  # layers traced besides a first and a last (a layer owns the storages its code makes: the first counts)
+
+
+DATA_DEPENDENT = ("DataDependentOutputException", "DynamicOutputShapeException")
+REAL_MAX_PARAMS = 600_000_000  # a copy traced on real CPU tensors: 1.2 GB of bf16 weights at most
 
 
 class TraceError(RuntimeError):
@@ -50,15 +58,41 @@ def trace_layers(mc: Any, kinds: list[Any] | None = None) -> dict[str, Any]:
     where variant is "<plain|liger>-<full|frozen>" and eager attention adds a + b x seq_len bytes a token; "attention":
     "eager" where the family has no fused path (its bytes were traced at TRACE_SEQ and grow by b a token per token).
     """
-    out: dict[str, Any] = {"version": TRACE_VERSION, "layer": {}, "parts": {}, "final": {}}
     n = _layer_count(mc, kinds)
+    try:
+        return _trace_all(mc, n, kinds, real=False)
+    except TraceError as e:
+        # code that reads its tensors' values (MoE routing counts with .tolist(), unpadding by .item()) cannot run on
+        # fake tensors: a copy small enough is traced on real (uninitialized) CPU tensors instead, the same counting
+        if not str(e).startswith(DATA_DEPENDENT):
+            raise
+        params = _copy_params(mc, n)
+        if params > REAL_MAX_PARAMS:
+            raise TraceError(f"{e}; its code reads its tensors' values, and a copy of {n} layers ({params / 1e6:,.0f}M "
+                             f"parameters) is too large to trace on real CPU tensors (at most "
+                             f"{REAL_MAX_PARAMS / 1e6:,.0f}M)") from None
+    return _trace_all(mc, n, kinds, real=True)
+
+
+def _copy_params(mc: Any, n: int) -> int:
+    """Parameters of the n-layer copy the trace builds (on the meta device: no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    with torch.device("meta"), no_init_weights(), _quiet_transformers():
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(_small_config(mc, n)).parameters())
+
+
+def _trace_all(mc: Any, n: int, kinds: list[Any] | None, *, real: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"version": TRACE_VERSION, "layer": {}, "parts": {}, "final": {}}
     try:
         # how this family runs on fake tensors: as most do, or with an attention mask given, or only with its own
         # (eager) attention, whose mask MPT builds itself
         failed: Exception | None = None
         for attn, mask in (("sdpa", False), ("sdpa", True), ("eager", True)):
             try:
-                first = _trace(mc, n, kinds, seq=TRACE_SEQ, liger=False, full=True, attn=attn, mask=mask)
+                first = _trace(mc, n, kinds, seq=TRACE_SEQ, liger=False, full=True, attn=attn, mask=mask, real=real)
                 break
             except TraceError:
                 raise
@@ -71,11 +105,11 @@ def trace_layers(mc: Any, kinds: list[Any] | None = None) -> dict[str, Any]:
                 key = f"{'liger' if liger else 'plain'}-{'full' if full else 'frozen'}"
                 r = first if (liger, full) == (False, True) else _trace(
                     mc, n, kinds, seq=TRACE_SEQ, liger=liger, full=full, attn=attn, linears=not liger and not full,
-                    mask=mask)
+                    mask=mask, real=real)
                 out["layer"][key], out["parts"][key], out["final"][key] = r["layer"], r["parts"], r["final"]
                 if "linears" in r:
                     out["linears"] = r["linears"]
-        eager = [_trace(mc, n, kinds, seq=s, liger=False, full=True, attn="eager", mask=mask)["layer"]
+        eager = [_trace(mc, n, kinds, seq=s, liger=False, full=True, attn="eager", mask=mask, real=real)["layer"]
                  for s in EAGER_SEQS]
     except TraceError:
         raise
@@ -86,6 +120,8 @@ def trace_layers(mc: Any, kinds: list[Any] | None = None) -> dict[str, Any]:
     out["eager"] = [base - out["layer"]["plain-full"], slope]
     # a family whose layers compute attention themselves (eager only): its bytes grow with the length whatever is asked
     out["attention"] = "eager" if abs(eager[0] - out["layer"]["plain-full"]) < 1 and slope > 0 else "fused"
+    if real:
+        out["real_tensors"] = True
     return out
 
 
@@ -137,12 +173,13 @@ def _build(cfg: Any, attn: str) -> Any:
 
 
 def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, full: bool, attn: str,
-           linears: bool = False, mask: bool = False) -> dict[str, Any]:
+           linears: bool = False, mask: bool = False, real: bool = False) -> dict[str, Any]:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers.initialization import no_init_weights
 
     cfg = _small_config(mc, n)
-    with FakeTensorMode(), _quiet_transformers(), _no_packed_mask():
+    with (no_init_weights() if real else FakeTensorMode()), _quiet_transformers(), _no_packed_mask():
         model = _build(cfg, attn)
         base = getattr(model, model.base_model_prefix, model)
         layers = _decoder_layers(base, n)
@@ -192,7 +229,8 @@ def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, f
                 if isinstance(mod, torch.nn.Linear):
                     hooks.append(mod.register_forward_pre_hook(
                         lambda m, a, name=name: _note_input(seen_linears, keep, name, m, a[0])))
-        embeds = torch.empty(1, seq, _hidden(cfg), dtype=torch.bfloat16, requires_grad=True)
+        embeds = (torch.randn if real else torch.empty)(1, seq, _embedding_width(base, cfg), dtype=torch.bfloat16,
+                                                        requires_grad=True)
         keep.append(embeds)  # the embedding's output: the stack's, kept where a layer's norm saves it (Liger's)
         with _flash_like_sdpa(), _creators(created, where, done, keep), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -272,6 +310,15 @@ def _after_layer(where: list, done: list, i: int, n: int):
         if i == n - 1:
             done[0] = True
     return hook
+
+
+def _embedding_width(base: Any, cfg: Any) -> int:
+    """The width of what the stack takes as inputs_embeds: the input embedding's, which is narrower than the hidden
+    size where a projection follows it (ELECTRA's, RemBERT's embedding_size)."""
+    import torch
+
+    emb = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    return int(emb.embedding_dim) if isinstance(emb, torch.nn.Embedding) else _hidden(cfg)
 
 
 def _hidden(cfg: Any) -> int:

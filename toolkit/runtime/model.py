@@ -108,15 +108,18 @@ def build_model(cfg: Config, mc: Any, frozen_bf16: bool = False, attn: str | Non
         four_bit = dict(dtype=quant.storage_dtype(precision), quant_type=cfg.model.bnb_4bit_quant_type,
                         device=dist.device())
     with quant.without_zero_init(cfg.model.load_in_4bit):
-        if is_preset(cfg.model.name) and cfg.model.load_in_4bit:  # quantized while built: the float model never whole
-            model, n = quant.build_4bit(auto, mc, cfg.train.seed, kwargs, **four_bit)
+        # a 4-bit base is quantized while it is built or read, module by module: the float model is never whole
+        files = None if is_preset(cfg.model.name) or not cfg.model.load_in_4bit else quant.checkpoint_files(
+            cfg.model.name, quant.model_keys(auto, mc, kwargs))
+        if cfg.model.load_in_4bit and (is_preset(cfg.model.name) or files is not None):
+            model, n = quant.build_4bit(auto, mc, cfg.train.seed, kwargs, **four_bit, weights=files)
         elif is_preset(cfg.model.name):
             model = _random_init(auto, mc, cfg.train.seed, kwargs)
         else:
             model = auto.from_pretrained(cfg.model.name, config=mc, local_files_only=True, **kwargs)
     if cfg.model.load_in_4bit:
         dtype = four_bit["dtype"]
-        if not n:  # from a directory: transformers loads the float model, then each Linear is quantized in place
+        if not n:  # a directory whose names transformers converts: loaded whole, then each Linear quantized in place
             n = quant.quantize_4bit(model, **four_bit)
         if dist.rank() == 0:
             name = str(dtype).removeprefix("torch.")

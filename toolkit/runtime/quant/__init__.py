@@ -90,14 +90,18 @@ def quantize_4bit(model: Any, *, dtype: Any, quant_type: str, device: Any) -> in
 
 
 def build_4bit(auto: Any, mc: Any, seed: int, kwargs: dict[str, Any], *, dtype: Any, quant_type: str,
-               device: Any) -> tuple[Any, int]:
+               device: Any, weights: dict[str, str] | None = None) -> tuple[Any, int]:
     """A preset at random init, quantized while it is built: (model, Linears quantized). The host never holds the
     float model: it is built on the meta device, then transformers' init walk (initialize_weights: children first,
     one seeded stream) runs module by module, giving each its memory just before its init, and each Linear becomes
     4-bit right after its own. The host holds the float weights that stay (embeddings, head, norms) and one Linear:
     about 9 GiB a rank for Llama-3-70B, where building it whole in fp32 first took 264 GiB. The same stream in the same
     order: on the CPU the weights are those of the whole-model build (tests/unit/test_qlora.py); on a GPU the
-    quantized Linears draw from the GPU's generator (seeded alike), so they differ from a host build's."""
+    quantized Linears draw from the GPU's generator (seeded alike), so they differ from a host build's.
+
+    weights (a directory's, `checkpoint_files`): each module's tensors are read from the checkpoint right after its
+    init, before a Linear is quantized, so a directory loads as boundedly as a preset builds. The init still runs
+    first: it computes what the checkpoint does not hold (rotary tables), as transformers' loader does."""
     import torch
     from transformers import PreTrainedModel
     from transformers.initialization import guard_torch_init_functions, no_init_weights
@@ -108,6 +112,8 @@ def build_4bit(auto: Any, mc: Any, seed: int, kwargs: dict[str, Any], *, dtype: 
     with torch.device("meta"), no_init_weights():
         model = auto.from_config(mc, **kwargs)
     skip = _skipped(model)
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    files: dict[str, Any] = {}
     made: dict[int, Any] = {}  # meta parameter id -> its real tensor: tied weights stay one tensor
     keep: list[Any] = []  # the meta originals, so that their ids are not reused while `made` holds them
     done = 0
@@ -138,14 +144,65 @@ def build_4bit(auto: Any, mc: Any, seed: int, kwargs: dict[str, Any], *, dtype: 
                 done += 1
         materialize(module)
         fn(module, custom)
+        if weights is not None:
+            load(module)
+
+    def load(module: Any) -> None:  # the module's own tensors from the checkpoint, cast as from_pretrained casts them
+        from safetensors import safe_open
+
+        prefix = f"{names[id(module)]}." if names[id(module)] else ""
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                key = prefix + name
+                if t is None or key not in weights:
+                    continue
+                if weights[key] not in files:
+                    files[weights[key]] = safe_open(weights[key], "pt", device="cpu")
+                t.data.copy_(files[weights[key]].get_tensor(key))
 
     torch.manual_seed(seed)
     with torch.no_grad(), guard_torch_init_functions():
         walk(model, model._initialize_weights, model.is_custom_code())
+    files.clear()
     model.tie_weights()
     if not done:
         raise ConfigError("model.load_in_4bit: the model has no nn.Linear layers to quantize")
     return model, done
+
+
+def checkpoint_files(path: str, model_keys: list[str]) -> dict[str, str] | None:
+    """Each tensor name of a directory's safetensors checkpoint -> its file, where the names are the model's own
+    (`model_keys`: its parameters, tied ones once, and persistent buffers): what build_4bit can read module by
+    module. None where they are not (no safetensors, or names transformers would convert while loading: a legacy
+    layout, fused experts); such a directory is loaded whole, then quantized."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    root = Path(path)
+    index, single = root / "model.safetensors.index.json", root / "model.safetensors"
+    if index.is_file():
+        found = {k: str(root / f) for k, f in json.loads(index.read_text())["weight_map"].items()}
+    elif single.is_file():
+        with safe_open(str(single), "pt") as f:
+            found = dict.fromkeys(f.keys(), str(single))
+    else:
+        return None
+    return found if set(model_keys) <= set(found) else None
+
+
+def model_keys(auto: Any, mc: Any, kwargs: dict[str, Any]) -> list[str]:
+    """The tensor names a checkpoint of this model holds: its parameters (tied ones once) and persistent buffers,
+    read from a copy on the meta device."""
+    import torch
+    from transformers.initialization import no_init_weights
+
+    with torch.device("meta"), no_init_weights():
+        model = auto.from_config(mc, **kwargs)
+    model.tie_weights()
+    keys = [n for n, _ in model.named_parameters()]
+    return keys + [n for n, _ in model.named_buffers() if n in model.state_dict()]
 
 
 @contextlib.contextmanager
