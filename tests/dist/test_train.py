@@ -163,7 +163,9 @@ def _optimizer_runs(tmp: Path) -> list[dict]:
 
 # QLoRA (model.load_in_4bit, docs/qlora.md): a 4-bit NF4 base (bitsandbytes on the CPU, fp32 storage) under LoRA
 QLORA_RUNS = {"qlora-z0": ("zero0", "raw"), "qlora-z3": ("zero3", "raw"), "qlora-z2-trainer": ("zero2", "trainer"),
-              "qlora-z3-dpo": ("zero3", "raw")}
+              "qlora-z3-dpo": ("zero3", "raw"), "qlora-z3-kto": ("zero3", "raw"), "qlora-z2-ipo": ("zero2", "raw"),
+              "qlora-z2-simpo": ("zero2", "raw"), "qlora-z2-orpo": ("zero2", "raw")}
+PREFERENCE = ("dpo", "kto", "ipo", "simpo", "orpo")
 
 
 def _qlora_base(tmp: Path) -> Path:
@@ -190,7 +192,8 @@ def _qlora_runs(tmp: Path) -> list[dict]:
                                        "lora.enabled=true", *extra]}
 
     runs = [run(name, stage, path, *(["train.export=true"] if name == "qlora-z3" else []),
-                *(["train.objective=dpo", "data.seq_len=24"] if name.endswith("dpo") else []))
+                *([f"train.objective={name.rsplit('-', 1)[1]}", "data.seq_len=24"]
+                  if name.endswith(PREFERENCE) else []))
             for name, (stage, path) in QLORA_RUNS.items()]
     # resumed after 2 of 4 steps on both paths: the 4-bit base is rebuilt, the adapters and their states come back
     resumes = [run(name, stage, path, extra) for name, stage, path in
@@ -657,6 +660,15 @@ def test_qlora_trains_alike_at_zero0_and_zero3_and_saves_its_adapter(runs: Path)
     dpo = _opt_losses(tmp / "qlora-z3-dpo")
     assert len(dpo) == 4 and dpo[0] == pytest.approx(math.log(2), abs=1e-4), dpo
     assert "reference: adapter" in logs["qlora-z3-dpo"]
+    # the rest of the family on the 4-bit base: KTO and IPO against the adapter-off reference start where the
+    # reference equals the policy (KTO 0.5, IPO (1 / (2 beta))^2 at beta 0.1), SimPO and ORPO need none
+    kto, ipo = _opt_losses(tmp / "qlora-z3-kto"), _opt_losses(tmp / "qlora-z2-ipo")
+    assert len(kto) == 4 and kto[0] == pytest.approx(0.5, abs=1e-4), kto
+    assert len(ipo) == 4 and ipo[0] == pytest.approx(25.0, rel=1e-4), ipo
+    assert "reference: adapter" in logs["qlora-z3-kto"] and "reference: adapter" in logs["qlora-z2-ipo"]
+    for name in ("qlora-z2-simpo", "qlora-z2-orpo"):
+        losses = _opt_losses(tmp / name)
+        assert len(losses) == 4 and all(math.isfinite(x) for x in losses), (name, losses)
     adapter = load_file(str(tmp / "qlora-z3" / "adapter" / "adapter_model.safetensors"))
     b = [v for k, v in adapter.items() if "lora_B" in k]
     assert len(b) == 4 and all(v.numel() and v.abs().sum() > 0 for v in b), {k: v.shape for k, v in adapter.items()}

@@ -170,10 +170,14 @@ def family_defaults(model_type: str, max_layers: int = 8) -> Any:
     bench/plan_families.py); raises what the family's own validation raises."""
     from transformers import CONFIG_MAPPING
 
+    from toolkit.plan.trace import small_config
+
     cfg = CONFIG_MAPPING[model_type]()
     with contextlib.suppress(Exception):  # encoder-decoders count their layers otherwise
-        # a few layers: a layout of unlike layers shows (DeepSeek-V3's 3 dense first, Jamba's 1 attention in 8)
-        cfg.num_hidden_layers = min(int(cfg.num_hidden_layers), max_layers)
+        # a few layers: a layout of unlike layers shows (DeepSeek-V3's 3 dense first, Jamba's 1 attention in 8); the
+        # per-layer lists are cut alike (Zamba's block types), as the trace cuts its copy
+        if int(cfg.num_hidden_layers) > max_layers:
+            cfg = small_config(cfg, max_layers)
     # per-layer configs refuse a global read or write (read_shape says so in one line): left as they are
     with contextlib.suppress(Exception):
         heads = cfg.num_attention_heads
@@ -237,7 +241,10 @@ def _read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
     hidden = int(_cfg(mc, "hidden_size", "n_embd"))
     # a state-space model (Mamba, RWKV) has no attention heads: no attention term in its FLOPs, nothing per head
     heads = int(_cfg(mc, "num_attention_heads", "n_head", default=0))
-    kinds = by_layer if len(set(by_layer)) > 1 else None
+    # the layer kinds the trace matches its copy's layers against: each layer's own parameters (a layer that shares a
+    # block with an earlier one, as Zamba's hybrid layers do, is of that one's kind, though counted once above)
+    own = [tuple((n, p.numel()) for n, p in layer.named_parameters()) for layer in model.get_submodule(stack)]
+    kinds = own if len(own) == layers and len(set(own)) > 1 else None
     traced, trace_error = _traced(mc, task, kinds) if trace else (None, "not traced (parameters only)")
     top_k = int(getattr(mc, "num_experts_per_tok", None) or 0)
     experts = int(getattr(mc, "num_experts", None) or getattr(mc, "num_local_experts", None) or 0) if top_k else 0

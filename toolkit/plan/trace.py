@@ -81,7 +81,7 @@ def _copy_params(mc: Any, n: int) -> int:
     from transformers.initialization import no_init_weights
 
     with torch.device("meta"), no_init_weights(), _quiet_transformers():
-        return sum(p.numel() for p in AutoModelForCausalLM.from_config(_small_config(mc, n)).parameters())
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(small_config(mc, n)).parameters())
 
 
 def _trace_all(mc: Any, n: int, kinds: list[Any] | None, *, real: bool) -> dict[str, Any]:
@@ -136,7 +136,7 @@ def _layer_count(mc: Any, kinds: list[Any] | None) -> int:
     return n
 
 
-def _small_config(mc: Any, layers: int) -> Any:
+def small_config(mc: Any, layers: int) -> Any:
     """`mc` with `layers` decoder layers; every per-layer list of the config (layer_types, a hybrid's pattern string)
     keeps the model's own interleaving, cut or repeated to the new count."""
     cfg = copy.deepcopy(mc)
@@ -148,9 +148,12 @@ def _small_config(mc: Any, layers: int) -> Any:
             cut = [value[i % full] for i in range(layers)]
             with contextlib.suppress(AttributeError):  # derived from other fields in some configs
                 setattr(cfg, name, "".join(cut) if isinstance(value, str) else type(value)(cut))
-    for name in ("mlp_only_layers",):
-        if getattr(cfg, name, None):
-            setattr(cfg, name, [i for i in getattr(cfg, name) if i < layers])
+    for name in ("num_blocks",):  # the count some configs build from beside num_hidden_layers (xLSTM)
+        if vars(cfg).get(name) == full:
+            setattr(cfg, name, layers)
+    for name, value in list(vars(cfg).items()):  # lists of layer ids (MLP-only layers, a hybrid's attention layers)
+        if (name == "mlp_only_layers" or name.endswith("layer_ids")) and isinstance(value, (list, tuple)) and value:
+            setattr(cfg, name, type(value)(i for i in value if i < layers))
     return cfg
 
 
@@ -178,7 +181,7 @@ def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, f
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers.initialization import no_init_weights
 
-    cfg = _small_config(mc, n)
+    cfg = small_config(mc, n)
     with (no_init_weights() if real else FakeTensorMode()), _quiet_transformers(), _no_packed_mask():
         model = _build(cfg, attn)
         base = getattr(model, model.base_model_prefix, model)
@@ -473,7 +476,11 @@ def _liger_like(base: Any) -> None:
         return forward
 
     def mlp_forward(mod: Any) -> Any:
-        def forward(x: Any) -> Any:
+        plain = mod.forward
+
+        def forward(x: Any, *rest: Any, **kw: Any) -> Any:
+            if rest or kw:  # an MLP that takes more than its input (Zamba 2's per-layer adapters): not one of Liger's
+                return plain(x, *rest, **kw)
             if hasattr(mod, "gate_up_proj"):
                 a, b = mod.gate_up_proj(x).chunk(2, dim=-1)
             else:
