@@ -320,7 +320,10 @@ def _embedding_width(base: Any, cfg: Any) -> int:
     size where a projection follows it (ELECTRA's, RemBERT's embedding_size)."""
     import torch
 
-    emb = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    try:
+        emb = base.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # a stack that does not say (TrOCR's decoder)
+        emb = None
     return int(emb.embedding_dim) if isinstance(emb, torch.nn.Embedding) else _hidden(cfg)
 
 
