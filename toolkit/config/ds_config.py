@@ -162,8 +162,8 @@ def gen_config(
             # With reduce_scatter off, contiguous gradients send every micro-batch's bucket through a whole
             # all-reduce plus copies (stage3.__avg_scatter_contiguous_grads); without them the gradients take the
             # reduce-scatter path. DeepSpeed 0.19 runs Muon once a step on the gathered partitions
-            # (_apply_muon_to_accumulated_grads), so either path gives the same update (tests/dist/test_train.py)
-            # and this one is faster (bench/results/optimizers/)
+            # (_apply_muon_to_accumulated_grads), so either path gives the same update (tests/dist/test_train.py);
+            # this one keeps no contiguous bucket: 0.93 GiB less on llama-1b, at the same speed (bench/results/optimizers/)
             zero["contiguous_gradients"] = False
     if offload_optimizer != "none":
         zero["offload_optimizer"] = _offload_block(offload_optimizer, nvme_path, param=False)

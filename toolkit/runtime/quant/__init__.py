@@ -112,7 +112,9 @@ def build_4bit(auto: Any, mc: Any, seed: int, kwargs: dict[str, Any], *, dtype: 
     with torch.device("meta"), no_init_weights():
         model = auto.from_config(mc, **kwargs)
     skip = _skipped(model)
-    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    names: dict[int, str] = {}  # a module's first name: the one its tensors go by in a checkpoint (model_keys)
+    for n, m in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(m), n)
     files: dict[str, Any] = {}
     made: dict[int, Any] = {}  # meta parameter id -> its real tensor: tied weights stay one tensor
     keep: list[Any] = []  # the meta originals, so that their ids are not reused while `made` holds them
