@@ -179,13 +179,14 @@ def test_a_preset_quantized_while_built_has_the_weights_of_the_whole_model_build
 
 @pytest.mark.parametrize("tied, saved", [(False, torch.bfloat16), (True, torch.float32)])
 def test_a_directory_read_module_by_module_has_the_weights_of_the_whole_load(tmp_path, tied, saved) -> None:
-    """A directory with a 4-bit base is read module by module (quant.checkpoint_files, build_4bit's weights): the
+    """A directory with a 4-bit base is read module by module (config.checkpoint.checkpoint_files, build_4bit's weights): the
     same packed weights, quantization states, float weights and logits as transformers' whole load then
     quantize_4bit, from a bf16 or fp32 checkpoint, tied or not. A checkpoint whose names are not the model's is
     loaded whole instead (None)."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from toolkit.config.checkpoint import checkpoint_files, model_keys
     from toolkit.runtime import quant
 
     mc = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -194,7 +195,7 @@ def test_a_directory_read_module_by_module_has_the_weights_of_the_whole_load(tmp
     AutoModelForCausalLM.from_config(mc, dtype=saved).save_pretrained(tmp_path / "m")
     kwargs = dict(attn_implementation="sdpa", dtype=torch.float32)
     four = dict(dtype=torch.float32, quant_type="nf4", device="cpu")
-    files = quant.checkpoint_files(str(tmp_path / "m"), quant.model_keys(AutoModelForCausalLM, mc, kwargs))
+    files = checkpoint_files(str(tmp_path / "m"), model_keys(AutoModelForCausalLM, mc, kwargs))
     assert files is not None
     read, n = quant.build_4bit(AutoModelForCausalLM, mc, 99, kwargs, **four, weights=files)
     whole = AutoModelForCausalLM.from_pretrained(tmp_path / "m", local_files_only=True, **kwargs)
@@ -210,4 +211,4 @@ def test_a_directory_read_module_by_module_has_the_weights_of_the_whole_load(tmp
     first = next(iter(state))
     state["legacy." + first] = state.pop(first)
     save_file(state, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
-    assert quant.checkpoint_files(str(tmp_path / "m"), quant.model_keys(AutoModelForCausalLM, mc, kwargs)) is None
+    assert checkpoint_files(str(tmp_path / "m"), model_keys(AutoModelForCausalLM, mc, kwargs)) is None

@@ -169,10 +169,10 @@ def _read_by_module(model: str) -> bool:
         return True
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from toolkit.runtime import quant
+    from toolkit.config.checkpoint import checkpoint_files, model_keys
 
     mc = AutoConfig.from_pretrained(model, local_files_only=True)
-    return quant.checkpoint_files(model, quant.model_keys(AutoModelForCausalLM, mc, {})) is not None
+    return checkpoint_files(model, model_keys(AutoModelForCausalLM, mc, {})) is not None
 
 
 def _completion(args: Any) -> int:

@@ -95,6 +95,7 @@ def build_model(cfg: Config, mc: Any, frozen_bf16: bool = False, attn: str | Non
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    from toolkit.config.checkpoint import checkpoint_files, model_keys
     from toolkit.runtime import quant
 
     auto = AutoModelForSequenceClassification if cfg.model.task == "seq_cls" else AutoModelForCausalLM
@@ -109,8 +110,8 @@ def build_model(cfg: Config, mc: Any, frozen_bf16: bool = False, attn: str | Non
                         device=dist.device())
     with quant.without_zero_init(cfg.model.load_in_4bit):
         # a 4-bit base is quantized while it is built or read, module by module: the float model is never whole
-        files = None if is_preset(cfg.model.name) or not cfg.model.load_in_4bit else quant.checkpoint_files(
-            cfg.model.name, quant.model_keys(auto, mc, kwargs))
+        files = None if is_preset(cfg.model.name) or not cfg.model.load_in_4bit else checkpoint_files(
+            cfg.model.name, model_keys(auto, mc, kwargs))
         if cfg.model.load_in_4bit and (is_preset(cfg.model.name) or files is not None):
             model, n = quant.build_4bit(auto, mc, cfg.train.seed, kwargs, **four_bit, weights=files)
         elif is_preset(cfg.model.name):

@@ -99,7 +99,7 @@ def build_4bit(auto: Any, mc: Any, seed: int, kwargs: dict[str, Any], *, dtype: 
     order: on the CPU the weights are those of the whole-model build (tests/unit/test_qlora.py); on a GPU the
     quantized Linears draw from the GPU's generator (seeded alike), so they differ from a host build's.
 
-    weights (a directory's, `checkpoint_files`): each module's tensors are read from the checkpoint right after its
+    weights (a directory's, toolkit/config/checkpoint.py): each module's tensors are read from the checkpoint right after its
     init, before a Linear is quantized, so a directory loads as boundedly as a preset builds. The init still runs
     first: it computes what the checkpoint does not hold (rotary tables), as transformers' loader does."""
     import torch
@@ -170,41 +170,6 @@ def build_4bit(auto: Any, mc: Any, seed: int, kwargs: dict[str, Any], *, dtype: 
     if not done:
         raise ConfigError("model.load_in_4bit: the model has no nn.Linear layers to quantize")
     return model, done
-
-
-def checkpoint_files(path: str, model_keys: list[str]) -> dict[str, str] | None:
-    """Each tensor name of a directory's safetensors checkpoint -> its file, where the names are the model's own
-    (`model_keys`: its parameters, tied ones once, and persistent buffers): what build_4bit can read module by
-    module. None where they are not (no safetensors, or names transformers would convert while loading: a legacy
-    layout, fused experts); such a directory is loaded whole, then quantized."""
-    import json
-    from pathlib import Path
-
-    from safetensors import safe_open
-
-    root = Path(path)
-    index, single = root / "model.safetensors.index.json", root / "model.safetensors"
-    if index.is_file():
-        found = {k: str(root / f) for k, f in json.loads(index.read_text())["weight_map"].items()}
-    elif single.is_file():
-        with safe_open(str(single), "pt") as f:
-            found = dict.fromkeys(f.keys(), str(single))
-    else:
-        return None
-    return found if set(model_keys) <= set(found) else None
-
-
-def model_keys(auto: Any, mc: Any, kwargs: dict[str, Any]) -> list[str]:
-    """The tensor names a checkpoint of this model holds: its parameters (tied ones once) and persistent buffers,
-    read from a copy on the meta device."""
-    import torch
-    from transformers.initialization import no_init_weights
-
-    with torch.device("meta"), no_init_weights():
-        model = auto.from_config(mc, **kwargs)
-    model.tie_weights()
-    keys = [n for n, _ in model.named_parameters()]
-    return keys + [n for n, _ in model.named_buffers() if n in model.state_dict()]
 
 
 @contextlib.contextmanager
