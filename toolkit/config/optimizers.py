@@ -100,10 +100,10 @@ def bytes_per_param(optimizer: OptimizerName, states: States, matrix: bool, stag
     """Bytes of optimizer state a trained parameter keeps on the rank that owns its partition: the master copy and
     the moments. AdamW: master + m + v; Muon's matrices: master + one momentum buffer (its other parameters are
     Adam's). fp32: 4 bytes each; bf16 master weights and states: 2. shared_master: bf16 masters on the GPU are the
-    bf16 weights themselves (toolkit/runtime/low_precision.py share_masters), so they cost nothing more. Muon's momentum at ZeRO-3 is kept in the
-    communication dtype (stage3.py _create_momentum_buffer: bf16 in a bf16 run); measured on llama-1b, one H200,
-    bench/results/optimizers/speed_llama1b: Muon saved 3.6 GiB against AdamW at ZeRO-2 (4 bytes a matrix parameter)
-    and 5.4 GiB at ZeRO-3 (6)."""
+    bf16 weights themselves (toolkit/runtime/low_precision.py share_masters), so they cost nothing more. Muon's
+    momentum at ZeRO-3 is kept in the communication dtype (stage3.py _create_momentum_buffer: bf16 in a bf16 run);
+    measured on llama-1b, one H200, bench/results/optimizers/speed_llama1b: Muon saved 3.6 GiB against AdamW at
+    ZeRO-2 (4 bytes a matrix parameter) and 5.4 GiB at ZeRO-3 (6)."""
     width = 4.0 if states == "fp32" else 2.0
     master = 0.0 if shared_master and states == "bf16" else width
     if optimizer == "muon" and matrix:

@@ -166,8 +166,8 @@ def family_defaults(model_type: str, max_layers: int = 8) -> Any:
     """A family's config at transformers' defaults with at most `max_layers` decoder layers, as a checkpoint's
     config.json would hold it: fields that a few families leave null, and whose own code then fails, are set the way
     every other family derives them (Ministral's and Hunyuan's head_dim: hidden / heads; Nemotron's key-value heads:
-    one a query head; an MoE's routing, MOE_FILLS). What the sweep of every causal LM family plans (tests/unit/test_trace.py,
-    bench/plan_families.py); raises what the family's own validation raises."""
+    one a query head; an MoE's routing, MOE_FILLS). What the sweep of every causal LM family plans
+    (tests/unit/test_trace.py, bench/plan_families.py); raises what the family's own validation raises."""
     from transformers import CONFIG_MAPPING
 
     from toolkit.plan.trace import small_config
@@ -181,10 +181,11 @@ def family_defaults(model_type: str, max_layers: int = 8) -> Any:
     # per-layer configs refuse a global read or write (read_shape says so in one line): left as they are
     with contextlib.suppress(Exception):
         heads = cfg.num_attention_heads
-        if isinstance(heads, int) and heads > 0 and "head_dim" in vars(cfg) and cfg.head_dim is None:
-            cfg.head_dim = int(cfg.hidden_size) // heads
-        if isinstance(heads, int) and heads > 0 and "num_key_value_heads" in vars(cfg) and cfg.num_key_value_heads is None:
-            cfg.num_key_value_heads = heads
+        if isinstance(heads, int) and heads > 0:
+            if "head_dim" in vars(cfg) and cfg.head_dim is None:
+                cfg.head_dim = int(cfg.hidden_size) // heads
+            if "num_key_value_heads" in vars(cfg) and cfg.num_key_value_heads is None:
+                cfg.num_key_value_heads = heads
     # an MoE whose defaults leave its routing null (DeepSeek-V2, dots1: every checkpoint sets it): 8 routed experts,
     # top-2 (Mixtral's), one shared expert, no expert groups
     for name, value in MOE_FILLS.items():

@@ -99,10 +99,11 @@ def build_4bit(auto: Any, mc: Any, seed: int, kwargs: dict[str, Any], *, dtype: 
     order: on the CPU the weights are those of the whole-model build (tests/unit/test_qlora.py); on a GPU the
     quantized Linears draw from the GPU's generator (seeded alike), so they differ from a host build's.
 
-    weights (a directory's, toolkit/config/checkpoint.py): each module's tensors are read from the checkpoint right after its
-    init, before a Linear is quantized, so a directory loads as boundedly as a preset builds. The init still runs
-    first: it computes what the checkpoint does not hold (rotary tables), as transformers' loader does."""
+    weights (a directory's, toolkit/config/checkpoint.py): each module's tensors are read from the checkpoint right
+    after its init, before a Linear is quantized, so a directory loads as boundedly as a preset builds. The init still
+    runs first: it computes what the checkpoint does not hold (rotary tables), as transformers' loader does."""
     import torch
+    from safetensors import safe_open
     from transformers import PreTrainedModel
     from transformers.initialization import guard_torch_init_functions, no_init_weights
 
@@ -150,8 +151,6 @@ def build_4bit(auto: Any, mc: Any, seed: int, kwargs: dict[str, Any], *, dtype: 
             load(module)
 
     def load(module: Any) -> None:  # the module's own tensors from the checkpoint, cast as from_pretrained casts them
-        from safetensors import safe_open
-
         prefix = f"{names[id(module)]}." if names[id(module)] else ""
         for table in (module._parameters, module._buffers):
             for name, t in table.items():
