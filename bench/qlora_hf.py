@@ -7,11 +7,13 @@ compute and storage in bf16)`, `prepare_model_for_kbit_training`, `get_peft_mode
 gives the shapes, the DeepSpeed JSON and the result file; bench/hf_trainer.py the step timer and the data:
 
     deepspeed --num_gpus 1 --master_port P bench/qlora_hf.py --model llama-3-8b --seq 2048 --micro 4 \
-        --global-batch 4 --stage 2 --warmup 1 --steps 3 --base /tmp/base --out result.json [--liger] [--grad-ckpt]
+        --global-batch 4 --stage 2 --warmup 1 --steps 3 --base /tmp/base --out result.json [--liger] [--grad-ckpt] \
+        [--ds-json ds_configs/zero2.json]
 
 LoRA r=8 (alpha 16, dropout 0) on q_proj and v_proj, as the toolkit's default `lora.*`. `--liger` sets the Trainer's
 `use_liger_kernel=True` (its documented switch); `--grad-ckpt` turns on checkpointing as PEFT's QLoRA examples do
-(reentrant). CPU: bitsandbytes' CPU kernels, fp32 compute.
+(reentrant). `--ds-json FILE` hands the Trainer that DeepSpeed JSON (the file the toolkit's run is launched with; the
+Trainer fills its "auto" values) in place of bench/bare_loop.py's. CPU: bitsandbytes' CPU kernels, fp32 compute.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ def main() -> None:
 
     base = Path(sys.argv[sys.argv.index("--base") + 1])
     del sys.argv[sys.argv.index("--base"):sys.argv.index("--base") + 2]
+    ds_json = None
+    if "--ds-json" in sys.argv:
+        ds_json = sys.argv[sys.argv.index("--ds-json") + 1]
+        del sys.argv[sys.argv.index("--ds-json"):sys.argv.index("--ds-json") + 2]
     ckpt = "--grad-ckpt" in sys.argv
     if ckpt:
         sys.argv.remove("--grad-ckpt")
@@ -52,7 +58,7 @@ def main() -> None:
         targs = TrainingArguments(
             output_dir=tmp, per_device_train_batch_size=args.micro, gradient_accumulation_steps=grad_accum,
             max_steps=total, bf16=not cpu, learning_rate=1e-4, lr_scheduler_type="constant",
-            deepspeed=ds_config(args, grad_accum, not cpu), use_liger_kernel=args.liger,
+            deepspeed=ds_json or ds_config(args, grad_accum, not cpu), use_liger_kernel=args.liger,
             logging_steps=1, report_to=[], save_strategy="no", dataloader_drop_last=True, disable_tqdm=True,
             use_cpu=cpu, gradient_checkpointing=ckpt,
             gradient_checkpointing_kwargs={"use_reentrant": True} if ckpt else None,
@@ -70,7 +76,7 @@ def main() -> None:
                                                  target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
         n_params = sum(p.numel() for p in model.parameters())
         timer = train_timed(model, targs, args, config.vocab_size, cpu)
-    variant = "hf-peft-qlora" + ("-liger" if args.liger else "") + ("-ckpt" if ckpt else "")
+    variant = "hf-peft-qlora" + ("-liger" if args.liger else "") + ("-ckpt" if ckpt else "") + ("-dsjson" if ds_json else "")
     write_result(args, variant, device, grad_accum, timer.times[args.warmup:], timer.losses, n_params, config)
     dist.barrier()
 

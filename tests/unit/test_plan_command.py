@@ -48,7 +48,7 @@ def test_options_narrow_the_search(capsys: pytest.CaptureFixture[str]) -> None:
     data = _json(capsys, "--stage", "3", "--offload", "optimizer", "--micro-batch", "4", "--grad-ckpt")
     assert {(c["stage"], c["offload"], c["micro_batch"], c["grad_ckpt"]) for c in data["candidates"]} == {
         (3, "optimizer", 4, True)}
-    assert {c["offload_ratio"] for c in data["candidates"]} == {1.0, 0.75, 0.5, 0.25}
+    assert {c["offload_ratio"] for c in data["candidates"]} == {k / 8 for k in range(1, 9)}
     lora = _json(capsys, "--lora", "--no-liger")
     assert all(not c["liger"] for c in lora["candidates"])
     assert lora["chosen"]["train_overrides"]["lora.enabled"] is True

@@ -48,7 +48,7 @@ OFFLOADS: tuple[Offload, ...] = ("none", "optimizer", "all")
 # offload_optimizer.ratio values tried at stage 3: the fraction of optimizer sub-groups on the CPU.
 # Issue 11: on one H200, Llama-2-7B with half of the states on the GPU (0.5) ran 12x faster than all
 # on the CPU; the planner looks for such splits itself.
-RATIOS = (1.0, 0.75, 0.5, 0.25)
+RATIOS = (1.0, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125)
 
 # Activations: every causal LM's decoder layer is traced from its own code (toolkit/plan/trace.py; the shape carries
 # the trace); GPT-2 and BERT keep their counted formulas (shapes.FORMULA_TYPES). What cannot be traced is refused with
