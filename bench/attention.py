@@ -3,6 +3,8 @@ which kernel the toolkit should use for packed and for unpacked causal rows.
 
     python bench/attention.py --out OUT.json      # one CUDA GPU; a table on stdout
     python bench/attention.py --rates --out OUT.json   # the planner's attention rates (toolkit/plan/attention_rates.json)
+    python bench/attention.py --rates --shapes 4:1:256,8:4:256 [--window 512] --out OUT.json   # some shapes only;
+        --window: sdpa as transformers calls it for a sliding-window layer (a boolean mask, kv heads repeated)
 
 Per shape (micro-batch x sequence): sdpa as transformers calls it (GQA through enable_gqa, no mask), sdpa
 forced to each backend (kv heads repeated, so cuDNN can take it), sdpa with the block-diagonal mask that
@@ -117,13 +119,14 @@ def _measure(b: int, s: int, rng: random.Random) -> list[dict[str, Any]]:
 # --rates: causal attention as transformers calls sdpa on unpacked rows (enable_gqa, is_causal), forward and forward +
 # backward, per (query heads, kv heads, head dim) of the shapes the planner knows, over lengths: the table behind
 # toolkit/plan/attention_rates.json. Tokens per call: at least RATE_TOKENS (micro-batches of shorter rows).
-RATE_HEADS = ((32, 8, 64), (14, 2, 64), (12, 2, 128), (16, 2, 128), (32, 8, 128), (32, 32, 128))
+RATE_HEADS = ((32, 8, 64), (14, 2, 64), (12, 2, 128), (16, 2, 128), (32, 8, 128), (32, 32, 128), (4, 1, 256), (8, 4, 256),
+              (16, 8, 256))
 RATE_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 RATE_TOKENS = 32768
 RATE_MAX_WIDTH_AT = {262144: 2048}  # heads x dim measured at this length only up to this width (device time)
 
 
-def _rate(heads: int, kv: int, dim: int, s: int) -> dict[str, Any]:
+def _rate(heads: int, kv: int, dim: int, s: int, window: int = 0) -> dict[str, Any]:
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     dev, b = torch.device("cuda"), max(1, RATE_TOKENS // s)
@@ -131,8 +134,15 @@ def _rate(heads: int, kv: int, dim: int, s: int) -> dict[str, Any]:
     k = torch.randn(b, kv, s, dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(b, kv, s, dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(b, heads, s, dim, device=dev, dtype=torch.bfloat16)
+    mask = None
+    if window:  # transformers' sdpa_attention_forward with a mask: no enable_gqa, the kv heads repeated first
+        i = torch.arange(s, device=dev)
+        mask = ((i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window))[None, None]
 
     def fwd() -> Any:
+        if mask is not None:
+            rep = heads // kv
+            return sdpa(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask)
         return sdpa(q, k, v, is_causal=True, enable_gqa=kv != heads)
 
     def both() -> None:
@@ -143,20 +153,21 @@ def _rate(heads: int, kv: int, dim: int, s: int) -> dict[str, Any]:
         ms_f = _time(fwd, reps)
     ms_b = _time(both, reps)
     full = 4.0 * heads * dim * s * b * s  # forward, causal counted as full
-    return {"heads": heads, "kv_heads": kv, "head_dim": dim, "seq": s, "micro": b,
+    return {"heads": heads, "kv_heads": kv, "head_dim": dim, "seq": s, "micro": b, **({"window": window} if window else {}),
             "fwd_ms": round(ms_f, 3), "fwd_bwd_ms": round(ms_b, 3),
             "fwd_tflops": round(full / ms_f / 1e9, 1), "fwd_bwd_tflops": round(3 * full / ms_b / 1e9, 1)}
 
 
-def _rates() -> list[dict[str, Any]]:
+def _rates(shapes: tuple[tuple[int, int, int], ...] = RATE_HEADS, window: int = 0) -> list[dict[str, Any]]:
     """Per shape and length: ms of one layer's attention forward and forward + backward, and the rate in the planner's
     own FLOP count (12 x heads x head_dim x length a token for forward + backward, 4 x for forward: causal work
-    counted as full, as toolkit/observe/metrics.py counts it)."""
+    counted as full, as toolkit/observe/metrics.py counts it; a sliding window's too, so its rate says what the
+    planner's count costs there). A masked row holds a boolean mask of length squared: measured up to 32K."""
     rows = []
-    for heads, kv, dim in RATE_HEADS:
+    for heads, kv, dim in shapes:
         for s in RATE_LENGTHS:
-            if heads * dim <= RATE_MAX_WIDTH_AT.get(s, 1 << 30):
-                rows.append(_rate(heads, kv, dim, s))
+            if heads * dim <= RATE_MAX_WIDTH_AT.get(s, 1 << 30) and (not window or s <= 32768):
+                rows.append(_rate(heads, kv, dim, s, window))
                 print(rows[-1], flush=True)
                 torch.cuda.empty_cache()
     return rows
@@ -166,12 +177,15 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--rates", action="store_true", help="the planner's rate table (RATE_HEADS x RATE_LENGTHS)")
+    p.add_argument("--shapes", default="", help="--rates: these query:kv:head_dim shapes only, comma-separated")
+    p.add_argument("--window", type=int, default=0, help="--rates: a sliding window of this many tokens (masked)")
     args = p.parse_args()
     from toolkit.runtime.attention.kernels import prepare
 
     gqa = prepare(torch.device("cuda"))  # what a training run decides before its first forward
     rng = random.Random(0)
-    rows = _rates() if args.rates else [r for b, s in SHAPES for r in _measure(b, s, rng)]
+    shapes = tuple(tuple(int(x) for x in t.split(":")) for t in args.shapes.split(",") if t) or RATE_HEADS
+    rows = _rates(shapes, args.window) if args.rates else [r for b, s in SHAPES for r in _measure(b, s, rng)]
     doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "varlen_kv_heads": gqa, "rows": rows}
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     return 0

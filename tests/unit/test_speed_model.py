@@ -92,7 +92,8 @@ def test_attention_rate_table_interpolates_and_holds_flat_outside() -> None:
     assert attention_rates.rate(64, 3000) == pytest.approx(
         attention_rates.rate(64, 2048) + (r64 - attention_rates.rate(64, 2048)) * 0.5509, rel=1e-3)  # log2 scale
     assert attention_rates.rate(128, 100) == attention_rates.rate(128, 1024)
-    assert attention_rates.rate(256, 10**7) == attention_rates.rate(128, 262144)
+    assert attention_rates.rate(512, 10**7) == attention_rates.rate(256, 262144)  # flat past the largest dim
+    assert attention_rates.rate(256, 4096) < r128  # head dim 256 (Gemma) measured: slower per FLOP than 128
     assert attention_rates.rate(128, 8192, backward=False) > attention_rates.rate(128, 8192)
 
 
@@ -170,10 +171,11 @@ def test_the_plan_says_where_its_speeds_were_not_validated() -> None:
 
 # Families traced from their own code (issue 60; bench/results/speed_model/families/README.md): the speed model's
 # error per row as measured, where it is outside 15%. ZeRO-3 with DeepSpeed's hook on every submodule (these types are
-# not eager leaves) overlaps host and GPU less than max() assumes; Gemma 3's sliding-window layers run sdpa with a mask
-# (repeated kv heads, not the flash kernel) and its head dim 256 is outside the attention rate table.
-FAMILY_SPEED_OFF = {"f-q3-4b-l12-z3-s4096-m4": 0.45, "f-g3-1b-z2-s4096-m4": 0.40, "f-g3-1b-z3-s4096-m4": 0.31,
-                    "f-g3-1b-z3-s4096-m16-ckpt": 0.75, "f-g3-1b-z3-leaves-s4096-m4": 0.40}
+# not eager leaves) overlaps host and GPU less than max() assumes. Gemma 3 (its rows since its sliding-window layers
+# take the varlen kernel's window): a step costs about 0.19 s more than its FLOPs at micro 4 and runs faster than the
+# model's narrow-width MFU at micro 16; neither is fitted from one model.
+FAMILY_SPEED_OFF = {"f-q3-4b-l12-z3-s4096-m4": 0.45, "f-g3-1b-z2-s4096-m4": 0.18, "f-g3-1b-z3-leaves-s4096-m4": 0.23,
+                    "f-g3-1b-z2-s4096-m16-ckpt": 0.19, "f-g3-1b-z3-leaves-s4096-m16-ckpt": 0.20}
 
 
 def test_traced_families_peaks_within_10_percent_and_speeds_as_recorded() -> None:
@@ -182,9 +184,9 @@ def test_traced_families_peaks_within_10_percent_and_speeds_as_recorded() -> Non
     of the measured one but Phi-3's without checkpointing on two GPUs (+11.7%, above: the same 3.7 GiB as on one GPU, a
     larger share of a smaller peak); speed within 15% but for the rows recorded above."""
     rows = json.loads((RESULTS / "families" / "families.json").read_text())["rows"]
-    assert len(rows) == 22 and all(r["rc"] == 0 for r in rows)
+    assert len(rows) == 19 and all(r["rc"] == 0 for r in rows)
     assert {r["config"]["model"] for r in rows} == {"qwen3-4b", "phi3-mini", "gemma3-1b"}
-    assert sum(r["config"]["gpus"] == 2 for r in rows) == 4
+    assert sum(r["config"]["gpus"] == 2 for r in rows) == 3
     for r in rows:
         c, m = r["config"], r["measured"]
         p = _predict(c)

@@ -1114,11 +1114,17 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     if w.fp8:  # never under LoRA (refused)
         f = fp8_flop_share(s, w.fp8, flops, c.grad_ckpt)
         dense *= (1 - f) + f / fp8_gain(s.hidden_size)
-    # packed documents: their own length (Workload.attended); width: query heads x head dim (not always the hidden)
+    # packed documents: their own length (Workload.attended); width: query heads x head dim (not always the hidden).
+    # A sliding-window layer runs the varlen kernel with its window on every path (runtime/attention): a query sees
+    # at most `window` keys, the causal work of rows 2 x window long (the planner counts causal work as full)
     width, t_att = s.num_heads * s.head_dim, w.attended
-    attention = s.num_layers * tokens * width * t_att * (
-        12.0 / attention_rates.rate(s.head_dim, t_att) + forwards * 4.0 / attention_rates.rate(
-            s.head_dim, t_att, backward=False))
+    t_win = min(t_att, 2 * s.sliding_window) if s.sliding_window else t_att
+
+    def layers_s(n: int, t: float) -> float:
+        return n * tokens * width * t * (12.0 / attention_rates.rate(s.head_dim, t) + forwards * 4.0 / attention_rates.rate(
+            s.head_dim, t, backward=False))
+
+    attention = layers_s(s.num_layers - s.sliding_layers, t_att) + layers_s(s.sliding_layers, t_win)
     micro = dense + attention
     if w.load_in_4bit:  # each quantized Linear's dequantize-then-matmul, per call
         micro += s.num_layers * len(s.linears) * (2 + c.grad_ckpt) * BNB4_CALL_S

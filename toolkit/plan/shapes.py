@@ -30,7 +30,7 @@ from typing import Any
 from toolkit.config.ds_config import ConfigError
 
 SHAPES_FILE = Path(__file__).with_name("model_shapes.json")
-SHAPE_VERSION = 5  # bump when ModelShape changes: cached and committed shapes are then read again
+SHAPE_VERSION = 6  # bump when ModelShape changes: cached and committed shapes are then read again
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,11 @@ class ModelShape:
     layers among its MoE layers, a hybrid's attention layers among its recurrent ones. Parameter counts (ZeRO's
     groups, totals, the largest layer) read every layer; the trace's bytes are the mean over them; what is read per
     Linear (LoRA's targets, FLOPs, float8) reads the most common kind."""
+
+    sliding_window: int = 0
+    """Keys a query of a sliding-window layer attends at most (Gemma 2/3, Mistral, gpt-oss); 0: none."""
+    sliding_layers: int = 0
+    """How many decoder layers attend through that window (Gemma 3: five in six; Mistral: all)."""
 
     def layers(self) -> Iterator[tuple[tuple[str, int], ...]]:
         """Every decoder layer's parameter list, in order."""
@@ -272,7 +277,19 @@ def _read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
         trace=traced,
         trace_error=trace_error,
         other_layers=tuple((i, p) for i, p in enumerate(by_layer) if p != per_layer),
+        **_sliding(mc, layers),
     )
+
+
+def _sliding(mc: Any, layers: int) -> dict[str, int]:
+    """The config's sliding window and how many layers use it: `layer_types` where the config lists them
+    (transformers 5 fills them for Gemma, Qwen2, gpt-oss), else every layer where a window is set (Mistral, Phi-3)."""
+    window = getattr(mc, "sliding_window", None)
+    if not window or getattr(mc, "use_sliding_window", True) is False:
+        return {}
+    types = getattr(mc, "layer_types", None)
+    n = sum(t == "sliding_attention" for t in types[:layers]) if types else layers
+    return {"sliding_window": int(window), "sliding_layers": int(n)} if n else {}
 
 
 def _traced(mc: Any, task: str, kinds: list[Any] | None) -> tuple[dict[str, Any] | None, str]:

@@ -303,8 +303,10 @@ def resolve_run(cfg: Config, ds: dict[str, Any], model_config: Any, world: int, 
     if experts is not None:
         liger = moe.with_experts(liger, experts, model_config.model_type)
     packed, packing_why = packing(cfg)
+    # unpacked rows of a sliding-window model: a fine-tune's own rows only (pairs and rollouts pack their own)
+    window = attention.sliding_window(model_config, cfg.data.seq_len) if t.objective == "sft" else None
     attn = attention.plan(m.attn_implementation, m.task, packed, machine.cuda, machine.cuda and machine.varlen,
-                          t.sequence_parallel)
+                          t.sequence_parallel, window)
     loss_on, loss_why = tiled_loss_on(m.tiled_loss, fused_loss=bool(liger.kwargs.get("fused_linear_cross_entropy")),
                                       tokens=cfg.data.seq_len // t.sequence_parallel, causal_lm=m.task == "causal_lm",
                                       moe=moe.is_moe(model_config))

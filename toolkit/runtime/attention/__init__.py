@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -25,9 +26,26 @@ class AttentionPlan:
     """Packed batches also say which rows hold one document, for the toolkit's attention (`data.row_split`)."""
 
 
-def plan(attn: str, task: str, packing: bool, cuda: bool, varlen_ok: bool, sequence_parallel: int = 1) -> AttentionPlan:
+def sliding_window(config: Any, seq_len: int) -> int | None:
+    """The window of the model's sliding-window layers where rows are longer than it (Gemma 3, Mistral), and the
+    varlen kernel computes what transformers' sliding mask does: not with Gemma 2's softcapping or gpt-oss's sinks
+    (interface.attention_forward refuses those). None: no such layer at this length."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    if not window or window >= seq_len or getattr(text, "use_sliding_window", True) is False:
+        return None
+    types = getattr(text, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return None
+    if getattr(text, "attn_logit_softcapping", None) or getattr(text, "model_type", "") == "gpt_oss":
+        return None
+    return int(window)
+
+
+def plan(attn: str, task: str, packing: bool, cuda: bool, varlen_ok: bool, sequence_parallel: int = 1,
+         window: int | None = None) -> AttentionPlan:
     """attn: model.attn_implementation (eager, sdpa, varlen, flash_attention_2); varlen_ok: torch's varlen
-    kernel is there (CUDA, torch 2.10+)."""
+    kernel is there (CUDA, torch 2.10+); window: `sliding_window(...)` of the model at the run's length."""
     from toolkit.runtime.attention.interface import NAME
 
     if sequence_parallel > 1:  # Ulysses wraps the toolkit's attention (sequence/ulysses.py); eager is refused
@@ -44,6 +62,14 @@ def plan(attn: str, task: str, packing: bool, cuda: bool, varlen_ok: bool, seque
     if attn == "flash_attention_2":
         how = "; packed rows through its varlen kernel" if packing else ""
         return AttentionPlan(attn, packing, f"attention: flash_attention_2 (flash-attn package){how}")
+    if not packing and window and attn in ("sdpa", "varlen") and cuda and varlen_ok:
+        # transformers gives a sliding-window layer a boolean mask, and a masked sdpa call runs neither flash's nor
+        # cuDNN's causal kernel: 180 against 660-800 TFLOP/s a layer at 4K on an H200, head dim 256
+        # (bench/results/speed_model/attention_rates_h200.json). Each unpadded row goes as one document instead.
+        return AttentionPlan(NAME, True, f"attention: rows are not packed; the sliding-window layers (window "
+                                         f"{window:,}) through torch varlen_attn with its window, each unpadded row "
+                                         "one document; the other layers and padded batches through sdpa",
+                             whole_rows=True)
     if not packing:
         return AttentionPlan("sdpa", False, "attention: sdpa (causal kernel; rows are not packed)")
     if attn == "varlen" or (cuda and varlen_ok):

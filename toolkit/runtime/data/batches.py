@@ -176,7 +176,9 @@ class Collator:
     boundaries: bool = False
     """Packed rows also carry their documents' boundaries for variable-length attention: cu_seq_lens_q/k
     (int32 offsets over the flattened batch; the padding after a row's last document is one more segment)
-    and max_length_q/k (a Python int, so no forward waits for the device to find it)."""
+    and max_length_q/k (a Python int, so no forward waits for the device to find it). Unpacked training batches
+    without padding (drop_full_mask) carry them too, each row one document and whole: a sliding-window model's
+    unpacked rows (runtime/attention.plan)."""
     whole_rows: bool = False
     """With boundaries, for the toolkit's own attention: rows that hold one document filling at least 7/8 of
     the row come first and `whole_rows` counts them (they run through sdpa's causal kernel, cuDNN's on Hopper,
@@ -209,6 +211,8 @@ class Collator:
             out["labels"] = labels
             if self.drop_full_mask and all(len(b["input_ids"]) == width for b in batch):
                 del out["attention_mask"]
+                if self.boundaries:  # unpacked rows of a sliding-window model (attention.plan): one document each
+                    out |= document_boundaries([[width]] * len(batch), width) | {"whole_rows": len(batch)}
         return out
 
 
