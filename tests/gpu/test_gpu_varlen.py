@@ -5,6 +5,7 @@
   so the compiled layer meets dynamic document counts and lengths).
   Rows that hold one document go through sdpa's causal kernel (every row, none, or some of a batch).
 - Gradients match the block-diagonal masked sdpa path (today's CPU path) within bf16 rounding.
+- Unpacked rows of a sliding-window model (Gemma 3) through the kernel's window match sdpa with transformers' mask.
 Bounds: bf16 through different kernels: per-document loss within 1e-2 absolute (losses near ln(vocab) = 6.9).
 """
 
@@ -100,3 +101,44 @@ def test_gradients_match_the_masked_sdpa_path() -> None:
         grads[attn] = torch.cat([p.grad.float().flatten() for p in model.parameters()])
     rel = (grads["varlen"] - grads["sdpa"]).norm() / grads["sdpa"].norm()
     assert rel < 2e-2, float(rel)
+
+
+def test_unpacked_rows_of_a_sliding_window_model_match_sdpa_with_its_mask() -> None:
+    """Gemma 3's sliding-window layers on unpacked rows: the varlen kernel with the window (each unpadded row one
+    document, runtime/attention.plan) against transformers' sdpa with its sliding mask (window 128, rows of 1,024):
+    the loss within 1e-2, logits and gradients within bf16 rounding (1e-2 and 2e-2 relative)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from toolkit.runtime.attention.interface import NAME, PACKED, register, watch_boundaries
+    from toolkit.runtime.attention.kernels import prepare
+    from toolkit.runtime.data.batches import Collator
+
+    def build(attn: str) -> torch.nn.Module:
+        torch.manual_seed(0)
+        cfg = Gemma3TextConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=128,
+                               layer_types=["sliding_attention", "full_attention"], max_position_embeddings=4096,
+                               use_cache=False)
+        model = Gemma3ForCausalLM(cfg).to("cuda", torch.bfloat16)
+        if attn == NAME:
+            register()
+            prepare(torch.device("cuda"))
+            watch_boundaries(model)
+        model.config._attn_implementation = attn
+        return model
+
+    rng = random.Random(0)
+    rows = [{"input_ids": (ids := [rng.randrange(4, 1024) for _ in range(1024)]), "labels": ids} for _ in range(4)]
+    batch = Collator(pad_id=0, drop_full_mask=True, boundaries=True, whole_rows=True)(rows)
+    batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    window, plain = build(NAME), build("sdpa")
+    got = window(**batch)
+    assert window.config._attn_implementation == PACKED
+    want = plain(input_ids=batch["input_ids"], labels=batch["labels"])
+    assert abs(float(got.loss) - float(want.loss)) < 1e-2
+    assert (got.logits.float() - want.logits.float()).norm() / want.logits.float().norm() < 1e-2
+    got.loss.backward()
+    want.loss.backward()
+    g = torch.cat([p.grad.float().flatten() for p in window.parameters()])
+    w = torch.cat([p.grad.float().flatten() for p in plain.parameters()])
+    assert (g - w).norm() / w.norm() < 2e-2
