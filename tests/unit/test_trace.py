@@ -120,6 +120,7 @@ MUST_PLAN = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmo
              "dots1",  # an MoE's routing left null
              "electra", "rembert",  # inputs_embeds at the embedding width, narrower than the hidden size
              "modernbert-decoder", "xlm",  # code that reads tensor values: traced on real tensors
+             "dbrx", "xmod",  # the same, after filling what their checkpoints set (DBRX's attention, X-MOD's language)
              "zamba2")  # its block-type list cut with its layers; an MLP that takes more than its input
 
 
@@ -145,7 +146,7 @@ def test_every_causal_lm_family_plans_or_is_refused_in_one_line() -> None:
             refused[model_type] = str(e)
     missing = [t for t in MUST_PLAN if t not in planned]
     assert not missing, {t: refused.get(t) for t in missing}
-    assert len(planned) >= 143, (len(planned), refused)  # 145 of 196 with transformers 5.24
+    assert len(planned) >= 145, (len(planned), refused)  # 147 of 196 with transformers 5.24
 
 
 def test_a_state_space_model_plans_from_its_own_code_with_its_speed_marked_unvalidated() -> None:

@@ -171,7 +171,7 @@ def family_defaults(model_type: str, max_layers: int = 8) -> Any:
     """A family's config at transformers' defaults with at most `max_layers` decoder layers, as a checkpoint's
     config.json would hold it: fields that a few families leave null, and whose own code then fails, are set the way
     every other family derives them (Ministral's and Hunyuan's head_dim: hidden / heads; Nemotron's key-value heads:
-    one a query head; an MoE's routing, MOE_FILLS). What the sweep of every causal LM family plans
+    one a query head; an MoE's routing, MOE_FILLS; DBRX's attention, DBRX_ATTN_FILLS; X-MOD's language). What the sweep of every causal LM family plans
     (tests/unit/test_trace.py, bench/plan_families.py); raises what the family's own validation raises."""
     from transformers import CONFIG_MAPPING
 
@@ -196,10 +196,21 @@ def family_defaults(model_type: str, max_layers: int = 8) -> Any:
     for name, value in MOE_FILLS.items():
         if name in vars(cfg) and getattr(cfg, name) is None:
             setattr(cfg, name, value)
+    # DBRX: its attention config's defaults lack the rope_theta its code reads, and a null clip_qkv makes its forward
+    # call clamp() with neither bound; DBRX's config.json sets both
+    attn = getattr(cfg, "attn_config", None)
+    if cfg.model_type == "dbrx" and attn is not None:
+        for name, value in DBRX_ATTN_FILLS.items():
+            if getattr(attn, name, None) is None:
+                setattr(attn, name, value)
+    # X-MOD runs one language's adapters a forward and refuses to run without one (set_default_language): its first
+    if getattr(cfg, "languages", None) and getattr(cfg, "default_language", "") is None:
+        cfg.default_language = cfg.languages[0]
     return cfg
 
 
 MOE_FILLS = {"n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1}
+DBRX_ATTN_FILLS = {"rope_theta": 500_000.0, "clip_qkv": 8.0}
 
 
 def _read_shape(mc: Any, *, trace: bool = True) -> ModelShape:

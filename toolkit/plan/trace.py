@@ -39,7 +39,9 @@ MIDDLE = 3  # layers traced besides a first and a last (a layer owns the storage
 
 
 DATA_DEPENDENT = ("DataDependentOutputException", "DynamicOutputShapeException")
-REAL_MAX_PARAMS = 600_000_000  # a copy traced on real CPU tensors: 1.2 GB of bf16 weights at most
+# a copy traced on real CPU tensors: 1.4 GB of bf16 weights at most (DBRX's 5-layer copy, 616M, traced in 4 s at
+# 1.8 GB of RSS; JetMoE's, 1,893M, is refused)
+REAL_MAX_PARAMS = 700_000_000
 
 
 class TraceError(RuntimeError):
@@ -109,20 +111,30 @@ def _trace_all(mc: Any, n: int, kinds: list[Any] | None, *, real: bool) -> dict[
                 out["layer"][key], out["parts"][key], out["final"][key] = r["layer"], r["parts"], r["final"]
                 if "linears" in r:
                     out["linears"] = r["linears"]
+        seqs = _eager_seqs(mc, real)
         eager = [_trace(mc, n, kinds, seq=s, liger=False, full=True, attn="eager", mask=mask, real=real)["layer"]
-                 for s in EAGER_SEQS]
+                 for s in seqs]
     except TraceError:
         raise
     except Exception as e:  # the model's own code failed on fake tensors
         raise TraceError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-    slope = (eager[1] - eager[0]) / (EAGER_SEQS[1] - EAGER_SEQS[0])
-    base = eager[0] - slope * EAGER_SEQS[0]
+    slope = (eager[1] - eager[0]) / (seqs[1] - seqs[0])
+    base = eager[0] - slope * seqs[0]
     out["eager"] = [base - out["layer"]["plain-full"], slope]
     # a family whose layers compute attention themselves (eager only): its bytes grow with the length whatever is asked
     out["attention"] = "eager" if abs(eager[0] - out["layer"]["plain-full"]) < 1 and slope > 0 else "fused"
     if real:
         out["real_tensors"] = True
     return out
+
+
+def _eager_seqs(mc: Any, real: bool) -> tuple[int, int]:
+    """The two lengths eager attention's slope is read at. Real tensors check their indices, so a model with learned
+    positions too few for the longer one (X-MOD: 512, offset by its padding index) is read at half of each instead."""
+    limit = getattr(mc, "max_position_embeddings", None)
+    if real and isinstance(limit, int) and limit < EAGER_SEQS[1] + 2:
+        return EAGER_SEQS[0] // 2, EAGER_SEQS[1] // 2
+    return EAGER_SEQS
 
 
 def _layer_count(mc: Any, kinds: list[Any] | None) -> int:
