@@ -142,30 +142,36 @@ def test_a_forward_with_boundaries_builds_no_mask_and_one_without_gets_the_real_
     torch.testing.assert_close(a[:, 2:], alone, rtol=1e-5, atol=1e-6)
 
 
-def _gemma3(window: int | None) -> torch.nn.Module:
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+def _sliding_model(family: str, window: int | None) -> torch.nn.Module:
+    """A tiny model whose first layer attends through a window (none: wider than the rows): Gemma 3 hands the window to
+    the attention function, Qwen2-MoE keeps it on the layer."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=1, head_dim=8, max_position_embeddings=64,
-                           sliding_window=window or 64, layer_types=["sliding_attention", "full_attention"],
-                           use_cache=False)
-    return Gemma3ForCausalLM(cfg).eval()
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=1, max_position_embeddings=64, sliding_window=window or 64,
+                  layer_types=["sliding_attention", "full_attention"], use_cache=False)
+    if family == "gemma3_text":
+        return Gemma3ForCausalLM(Gemma3TextConfig(head_dim=8, **common)).eval()
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(use_sliding_window=True, moe_intermediate_size=16, num_experts=4,
+                                              num_experts_per_tok=2, shared_expert_intermediate_size=16,
+                                              **common)).eval()
 
 
-def test_unpacked_rows_of_a_sliding_window_model_go_through_the_window_kernel_and_equal_sdpa() -> None:
-    """Gemma 3's sliding layers on unpacked rows longer than the window: transformers' sdpa with its sliding mask
-    against the toolkit's attention with each unpadded row one whole document (the window through the varlen
-    kernel; its CPU reference here), logits and gradients; the window changes the logits at this length."""
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen2_moe"])
+def test_unpacked_rows_of_a_sliding_window_model_go_through_the_window_kernel_and_equal_sdpa(family: str) -> None:
+    """Sliding-window layers on unpacked rows longer than the window: transformers' sdpa with its sliding mask against
+    the toolkit's attention with each unpadded row one whole document (the window through the varlen kernel; its CPU
+    reference here), logits and gradients; the window changes the logits at this length."""
     from toolkit.runtime.attention import sliding_window
 
     rows = [{"input_ids": [(7 * i + j) % 60 + 2 for j in range(12)], "labels": [0] * 12} for i in range(2)]
     batch = Collator(pad_id=0, drop_full_mask=True, boundaries=True, whole_rows=True)(rows)
     assert "attention_mask" not in batch and batch["whole_rows"] == 2
     assert batch["cu_seq_lens_q"].tolist() == [0, 12, 24]
-    plain = _gemma3(4)
+    plain = _sliding_model(family, 4)
     plain.config._attn_implementation = "sdpa"
-    toolkit = _gemma3(4)
+    toolkit = _sliding_model(family, 4)
     assert sliding_window(toolkit.config, 12) == 4 and sliding_window(toolkit.config, 4) is None
     register()
     toolkit.config._attn_implementation = NAME
@@ -177,20 +183,26 @@ def test_unpacked_rows_of_a_sliding_window_model_go_through_the_window_kernel_an
     for a, w in zip(torch.autograd.grad(got.square().sum(), list(toolkit.parameters())),
                     torch.autograd.grad(want.square().sum(), list(plain.parameters())), strict=True):
         torch.testing.assert_close(a, w, rtol=1e-4, atol=1e-5)
-    wide = _gemma3(None)
+    wide = _sliding_model(family, None)
     wide.config._attn_implementation = "sdpa"
     assert not torch.allclose(wide(input_ids=batch["input_ids"]).logits, want, atol=1e-3)
 
 
 def test_which_models_take_the_window_kernel_on_unpacked_rows() -> None:
-    from transformers import Gemma2Config, MistralConfig, Qwen2Config
+    """config/attention.kernel_window: a window the varlen kernel computes as transformers' mask does, and none where
+    it cannot (dropout, softcapping, bidirectional attention, sinks or no sdpa path, a layer that keeps no window)."""
+    from transformers import CONFIG_MAPPING, Gemma2Config, Gemma3TextConfig, MistralConfig, Qwen2Config
 
     from toolkit.runtime.attention import sliding_window
 
     assert sliding_window(MistralConfig(sliding_window=4096), 8192) == 4096
     assert sliding_window(MistralConfig(sliding_window=4096), 4096) is None  # the window spans the row: causal
     assert sliding_window(Qwen2Config(), 8192) is None  # use_sliding_window off
-    assert sliding_window(Gemma2Config(sliding_window=512), 8192) is None  # softcapping: not the varlen kernel's
+    assert sliding_window(Gemma3TextConfig(sliding_window=512), 8192) == 512
+    for cfg in (Gemma2Config(sliding_window=512), Gemma3TextConfig(sliding_window=512, attention_dropout=0.1),
+                Gemma3TextConfig(sliding_window=512, use_bidirectional_attention=True),
+                CONFIG_MAPPING["gpt_oss"](sliding_window=128), CONFIG_MAPPING["phimoe"](sliding_window=512)):
+        assert sliding_window(cfg, 8192) is None, cfg.model_type
     on = plan("sdpa", "causal_lm", False, True, varlen_ok=True, window=512)
     assert (on.implementation, on.boundaries, on.whole_rows) == (NAME, True, True) and "window 512" in on.note
     for args in (("sdpa", "causal_lm", False, False, False), ("eager", "causal_lm", False, True, True)):

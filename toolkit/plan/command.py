@@ -240,7 +240,7 @@ def _nothing_fits(preds: list[pl.Prediction], hw: pl.Hardware) -> str:
 def _describe(c: pl.Choice) -> str:
     off = {"none": "no offload", "optimizer": "optimizer offload", "all": "optimizer and parameter offload"}[c.offload]
     if c.offload != "none" and c.ratio < 1:
-        off += f" (ratio {c.ratio:g}: {c.ratio:.0%} of the optimizer states on the CPU)"
+        off += f" (ratio {c.ratio:g}: {c.ratio * 100:g}% of the optimizer states on the CPU)"
     ck = ", gradient checkpointing" if c.grad_ckpt else ""
     sizes = ", train.zero_sizes=memory" if c.zero_sizes == "memory" else ""
     return f"ZeRO-{c.stage}, {off}, micro {c.micro_batch} x accum {c.grad_accum}{ck}{sizes}"

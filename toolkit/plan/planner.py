@@ -1115,10 +1115,11 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
         f = fp8_flop_share(s, w.fp8, flops, c.grad_ckpt)
         dense *= (1 - f) + f / fp8_gain(s.hidden_size)
     # packed documents: their own length (Workload.attended); width: query heads x head dim (not always the hidden).
-    # A sliding-window layer runs the varlen kernel with its window on every path (runtime/attention): a query sees
-    # at most `window` keys, the causal work of rows 2 x window long (the planner counts causal work as full)
+    # A sliding-window layer on the varlen kernel (packed rows; unpadded rows of a fine-tune: runtime/attention) sees at
+    # most `window` keys a query, the causal work of rows 2 x window long (the planner counts causal work as full);
+    # eager attention computes the whole row
     width, t_att = s.num_heads * s.head_dim, w.attended
-    t_win = min(t_att, 2 * s.sliding_window) if s.sliding_window else t_att
+    t_win = min(t_att, 2 * s.sliding_window) if s.sliding_window and w.attn != "eager" else t_att
 
     def layers_s(n: int, t: float) -> float:
         return n * tokens * width * t * (12.0 / attention_rates.rate(s.head_dim, t) + forwards * 4.0 / attention_rates.rate(

@@ -73,7 +73,8 @@ class ModelShape:
     Linear (LoRA's targets, FLOPs, float8) reads the most common kind."""
 
     sliding_window: int = 0
-    """Keys a query of a sliding-window layer attends at most (Gemma 2/3, Mistral, gpt-oss); 0: none."""
+    """Keys a query of a sliding-window layer attends at most, where the varlen kernel takes the window (Gemma 3,
+    Mistral; config/attention.kernel_window); 0: none."""
     sliding_layers: int = 0
     """How many decoder layers attend through that window (Gemma 3: five in six; Mistral: all)."""
 
@@ -293,14 +294,13 @@ def _read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
 
 
 def _sliding(mc: Any, layers: int) -> dict[str, int]:
-    """The config's sliding window and how many layers use it: `layer_types` where the config lists them
-    (transformers 5 fills them for Gemma, Qwen2, gpt-oss), else every layer where a window is set (Mistral, Phi-3)."""
-    window = getattr(mc, "sliding_window", None)
-    if not window or getattr(mc, "use_sliding_window", True) is False:
-        return {}
-    types = getattr(mc, "layer_types", None)
-    n = sum(t == "sliding_attention" for t in types[:layers]) if types else layers
-    return {"sliding_window": int(window), "sliding_layers": int(n)} if n else {}
+    """The window and the count of sliding-window layers the varlen kernel runs at their window
+    (config/attention.kernel_window; the others, Gemma 2's and gpt-oss's, are timed as full causal layers)."""
+    from toolkit.config.attention import kernel_window, sliding_layers
+
+    window = kernel_window(mc)
+    n = sliding_layers(mc, layers) if window else 0
+    return {"sliding_window": window, "sliding_layers": n} if window and n else {}
 
 
 def _traced(mc: Any, task: str, kinds: list[Any] | None) -> tuple[dict[str, Any] | None, str]:

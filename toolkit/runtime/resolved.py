@@ -303,7 +303,8 @@ def resolve_run(cfg: Config, ds: dict[str, Any], model_config: Any, world: int, 
     if experts is not None:
         liger = moe.with_experts(liger, experts, model_config.model_type)
     packed, packing_why = packing(cfg)
-    # unpacked rows of a sliding-window model: a fine-tune's own rows only (pairs and rollouts pack their own)
+    # unpacked rows of a sliding-window model through the window kernel: a fine-tune's rows only (preference pairs
+    # and rollouts have their own collators)
     window = attention.sliding_window(model_config, cfg.data.seq_len) if t.objective == "sft" else None
     attn = attention.plan(m.attn_implementation, m.task, packed, machine.cuda, machine.cuda and machine.varlen,
                           t.sequence_parallel, window)

@@ -19,27 +19,21 @@ class AttentionPlan:
     implementation: str
     """What the model is built with: sdpa, eager, flash_attention_2, or interface.NAME."""
     boundaries: bool
-    """Packed batches carry cu_seq_lens_q/k and max_length_q/k (read by the toolkit's and flash-attn's kernels)."""
+    """Packed batches carry cu_seq_lens_q/k and max_length_q/k (read by the toolkit's and flash-attn's kernels); so do
+    unpadded unpacked batches of a sliding-window model, each row one document."""
     note: str
     """The run's line about it."""
     whole_rows: bool = False
-    """Packed batches also say which rows hold one document, for the toolkit's attention (`data.row_split`)."""
+    """Batches with boundaries also say which rows hold one document, for the toolkit's attention (`data.row_split`)."""
 
 
 def sliding_window(config: Any, seq_len: int) -> int | None:
-    """The window of the model's sliding-window layers where rows are longer than it (Gemma 3, Mistral), and the
-    varlen kernel computes what transformers' sliding mask does: not with Gemma 2's softcapping or gpt-oss's sinks
-    (interface.attention_forward refuses those). None: no such layer at this length."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    window = getattr(text, "sliding_window", None)
-    if not window or window >= seq_len or getattr(text, "use_sliding_window", True) is False:
-        return None
-    types = getattr(text, "layer_types", None)
-    if types is not None and "sliding_attention" not in types:
-        return None
-    if getattr(text, "attn_logit_softcapping", None) or getattr(text, "model_type", "") == "gpt_oss":
-        return None
-    return int(window)
+    """The window of the model's sliding-window layers where rows are longer than it (Gemma 3, Mistral) and the varlen
+    kernel can take them (config/attention.kernel_window says which). None: no such layer at this length."""
+    from toolkit.config.attention import kernel_window
+
+    window = kernel_window(config)
+    return window if window is not None and window < seq_len else None
 
 
 def plan(attn: str, task: str, packing: bool, cuda: bool, varlen_ok: bool, sequence_parallel: int = 1,

@@ -8,7 +8,8 @@ Two names, one attention function:
   ids either (`masking_utils._preprocess_mask_arguments`: a host sync every forward, `.all()` on the device).
 - `NAME`: every other batch (unpadded rows, padded eval batches, generation, packed rows from someone
   else's collator) goes to transformers' sdpa function with transformers' sdpa mask, so it computes what
-  `attn_implementation="sdpa"` computes.
+  `attn_implementation="sdpa"` computes. Unpadded rows of a sliding-window model carry boundaries instead, each
+  row one document (runtime/attention.plan), and run under `PACKED`: its sliding layers through the kernel's window.
 A pre-hook on the model picks the name for each forward from its keyword arguments (`watch_boundaries`).
 Within a packed batch, rows that hold one document (`whole_rows`, from the collator) go to sdpa's causal
 kernel instead: at 8k tokens cuDNN's causal kernel is about 1.5x faster per token than flash's varlen one
@@ -42,15 +43,18 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    # (unpacked rows reach this line only where config/attention.kernel_window found none of the below)
     if dropout and module.training:
-        raise ValueError("variable-length attention runs without attention dropout; set the model's "
+        raise ValueError("variable-length attention (packed rows) runs without attention dropout; set the model's "
                          "attention_dropout to 0 or data.packing=false")
     extras = [k for k in ("softcap", "s_aux") if kwargs.get(k) is not None]  # Gemma-2's softcapping, GPT-OSS's sinks
     if extras or not getattr(module, "is_causal", True):
         what = f"attention with {', '.join(extras)}" if extras else "bidirectional attention"
         raise ValueError(f"packed rows: this model's {what} is not what the varlen kernel computes; "
                          "set model.attn_implementation=eager (packed rows then use a mask) or data.packing=false")
-    whole, window = kwargs.get("whole_rows"), kwargs.get("sliding_window")
+    # the window as the layer's attention hands it, else as it keeps it (Qwen2-MoE and Moshi keep it, not hand it)
+    whole = kwargs.get("whole_rows")
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     if whole is None or window is not None:  # (sdpa's causal kernel has no window)
         return _varlen(query, key, value, cu, int(kwargs["max_length_q"]), scaling, window), None
     if whole == query.shape[0]:  # every row one document: the whole batch is causal attention

@@ -176,7 +176,7 @@ class Collator:
     boundaries: bool = False
     """Packed rows also carry their documents' boundaries for variable-length attention: cu_seq_lens_q/k
     (int32 offsets over the flattened batch; the padding after a row's last document is one more segment)
-    and max_length_q/k (a Python int, so no forward waits for the device to find it). Unpacked training batches
+    and max_length_q/k (a Python int, so no forward waits for the device to find it). Unpacked batches
     without padding (drop_full_mask) carry them too, each row one document and whole: a sliding-window model's
     unpacked rows (runtime/attention.plan)."""
     whole_rows: bool = False
