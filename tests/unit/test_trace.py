@@ -117,7 +117,7 @@ MUST_PLAN = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmo
              "mpt", "ctrl",  # their own attention, given a mask; embeddings scaled in place
              "mamba", "mamba2", "falcon_mamba", "rwkv",  # state-space models: no attention heads
              "ministral", "nemotron", "hunyuan_v1_dense",  # defaults that leave head_dim or key-value heads null
-             "dots1",  # an MoE's routing left null
+             "dots1", "deepseek_v2",  # an MoE's routing left null; an expert width grouped_mm refuses (1,407)
              "electra", "rembert",  # inputs_embeds at the embedding width, narrower than the hidden size
              "modernbert-decoder", "xlm",  # code that reads tensor values: traced on real tensors
              "dbrx", "xmod",  # the same, after filling what their checkpoints set (DBRX's attention, X-MOD's language)
@@ -146,7 +146,7 @@ def test_every_causal_lm_family_plans_or_is_refused_in_one_line() -> None:
             refused[model_type] = str(e)
     missing = [t for t in MUST_PLAN if t not in planned]
     assert not missing, {t: refused.get(t) for t in missing}
-    assert len(planned) >= 145, (len(planned), refused)  # 147 of 196 with transformers 5.24
+    assert len(planned) >= 146, (len(planned), refused)  # 148 of 196 with transformers 5.24
 
 
 def test_a_state_space_model_plans_from_its_own_code_with_its_speed_marked_unvalidated() -> None:

@@ -172,7 +172,8 @@ def family_defaults(model_type: str, max_layers: int = 8) -> Any:
     """A family's config at transformers' defaults with at most `max_layers` decoder layers, as a checkpoint's
     config.json would hold it: fields that a few families leave null, and whose own code then fails, are set the way
     every other family derives them (Ministral's and Hunyuan's head_dim: hidden / heads; Nemotron's key-value heads:
-    one a query head; an MoE's routing, MOE_FILLS; DBRX's attention, DBRX_ATTN_FILLS; X-MOD's language). What the sweep of every causal LM family plans
+    one a query head; an MoE's routing, MOE_FILLS, and its expert width; DBRX's attention, DBRX_ATTN_FILLS;
+    X-MOD's language). What the sweep of every causal LM family plans
     (tests/unit/test_trace.py, bench/plan_families.py); raises what the family's own validation raises."""
     from transformers import CONFIG_MAPPING
 
@@ -197,6 +198,11 @@ def family_defaults(model_type: str, max_layers: int = 8) -> Any:
     for name, value in MOE_FILLS.items():
         if name in vars(cfg) and getattr(cfg, name) is None:
             setattr(cfg, name, value)
+    # an expert width torch's grouped matmul refuses (16-byte strides: DeepSeek-V2's default 1,407) is rounded up to a
+    # multiple of 8, as every checkpoint's is (DeepSeek-V2-Lite's config.json: 1,408)
+    width = getattr(cfg, "moe_intermediate_size", None)
+    if isinstance(width, int) and width % 8:
+        cfg.moe_intermediate_size = -(-width // 8) * 8
     # DBRX: its attention config's defaults lack the rope_theta its code reads, and a null clip_qkv makes its forward
     # call clamp() with neither bound; DBRX's config.json sets both
     attn = getattr(cfg, "attn_config", None)
