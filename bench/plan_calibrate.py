@@ -86,6 +86,9 @@ class Config:
     """model.activation_offload (false for the rows measured before it existed)."""
     sp: int = 1
     """train.sequence_parallel: the ranks of a group share each sequence (global batch micro x accum x gpus / sp)."""
+    chunks: str = "1"
+    """model.liger_chunk_mem_const: 1, Liger's own chunks, for every row measured before the setting existed (its
+    auto default since 2026-11-29); rows of a calibration.json without the key ran at 1."""
 
     def choice(self) -> pl.Choice:
         return pl.Choice(self.stage, self.offload, self.ratio, self.micro, self.accum, self.ckpt, self.zero_sizes)
@@ -199,6 +202,15 @@ FAMILY_2GPU: tuple[Config, ...] = (
     Config("f-p3-l12-z2-s4096-m4-2gpu", P3, 4096, 4, 1, 2, gpus=2, layers=12),
     Config("f-g3-1b-z3-s4096-m16-ckpt-2gpu", GM3, 4096, 16, 1, 3, gpus=2, ckpt=True),
 )
+# Gemma 3's rows again at the fused loss's auto chunks of 2,048 rows (the default since 2026-11-29; the rows above ran
+# Liger's own, 128 chunks whatever the micro-batch), and llama-1b's at both: the same command holds both sides
+FAMILY_CHUNKS: tuple[Config, ...] = (
+    *(Config(f"f-g3-1b-{z}-s4096-m{m}{'-ckpt' * ck}-chunks", GM3, 4096, m, 1, stage, ckpt=ck, chunks="auto",
+             extra=extra)
+      for z, stage, extra in (("z2", 2, ()), ("z3-leaves", 3, ("train.zero3_leaves=true",)))
+      for m, ck in ((4, False), (16, True))),
+    *(Config(f"f-l-z2-s2048-m8-chunks-{c}", L, 2048, 8, 1, 2, chunks=c) for c in ("1", "auto")),
+)
 SMOKE: tuple[Config, ...] = (
     Config("tiny-z2", "tiny", 64, 2, 2, 2, gpus=2),
     Config("tiny-z3all", "tiny", 64, 2, 1, 3, "all", gpus=2),
@@ -215,7 +227,7 @@ def workload(c: Config) -> pl.Workload:
     leaves = next((e.split("=", 1)[1] for e in c.extra if e.startswith("train.zero3_leaves=")), "auto")
     return pl.Workload(shape, c.seq, c.micro * c.accum * c.gpus // c.sp, pl.Lora() if c.lora else None, c.liger,
                        fused_loss=c.fused_loss, tiled_mlp=c.tiled, activation_offload=c.act_offload,
-                       sequence_parallel=c.sp, zero3_leaves=leaves)
+                       sequence_parallel=c.sp, zero3_leaves=leaves, loss_chunks=c.chunks)
 
 
 def predict(c: Config, gpu_mem_gib: float, cpu: bool, host_mem_gib: float = 0.0) -> pl.Prediction:
@@ -243,7 +255,8 @@ def _overrides(c: Config, steps: int, run_dir: Path, plan_file: Path, smoke: boo
          f"model.gradient_checkpointing={str(c.ckpt).lower()}", f"model.liger={str(c.liger).lower()}",
          f"lora.enabled={str(c.lora).lower()}", f"model.liger_fused_loss={c.fused_loss}",
          f"train.run_dir={run_dir}", f"train.plan={plan_file}", f"model.tiled_mlp={str(c.tiled).lower()}",
-         f"model.rope_factor={c.rope:g}", f"model.activation_offload={c.act_offload}", *c.extra]
+         f"model.rope_factor={c.rope:g}", f"model.activation_offload={c.act_offload}",
+         f"model.liger_chunk_mem_const={c.chunks}", *c.extra]
     if c.layers:
         o.append(f"model.num_layers={c.layers}")
     if gpu_limit:
@@ -354,7 +367,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     configs = SMOKE if smoke else CONFIGS
     if a.only:
         wanted = a.only.split(",")
-        configs = tuple(c for c in (SMOKE if smoke else CONFIGS + LONG + VALIDATE + LEAVES + FAMILIES + FAMILY_LEAVES + FAMILY_2GPU) if c.name in wanted)
+        every = CONFIGS + LONG + VALIDATE + LEAVES + FAMILIES + FAMILY_LEAVES + FAMILY_2GPU + FAMILY_CHUNKS
+        configs = tuple(c for c in (SMOKE if smoke else every) if c.name in wanted)
         configs = tuple(sorted(configs, key=lambda c: wanted.index(c.name)))  # in the order asked
     if a.set:  # e.g. train.stop_after=1, then train.resume=latest: a run longer than one device command
         configs = tuple(dataclasses.replace(c, extra=(*c.extra, *a.set)) for c in configs)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
+from toolkit.config.ds_config import ConfigError
+from toolkit.config.schema import load_config
 from toolkit.plan.liger import choose
 
 LIGER = frozenset({"llama", "qwen2", "mistral"})
@@ -51,3 +55,30 @@ def test_under_compile_only_the_fused_loss_stays() -> None:
     assert c.external_head and "rope, rms_norm, swiglu off: train.compile" in c.describe()
     off = choose(True, stage=2, compiled=True, fused_loss="false", **kw)
     assert not off.enabled and "train.compile" in off.describe()
+
+
+def test_the_fused_loss_takes_chunks_of_2048_rows_unless_set() -> None:
+    """model.liger_chunk_mem_const=auto: the smallest chunk_mem_const whose chunks hold 2,048 rows (all the tokens if
+    fewer); Liger's own (1) gives Gemma 3's head chunks of 128 rows at 16,384 tokens. An integer is taken as it is."""
+    from toolkit.plan.liger import LOSS_CHUNK_ROWS, loss_chunk_const, loss_chunk_rows
+
+    gemma = dict(tokens=16384, hidden=1152, vocab=262144)
+    assert loss_chunk_rows(16384, 1152, 262144, 1) == 128
+    c = loss_chunk_const("auto", **gemma)
+    assert c == 16 and loss_chunk_rows(16384, 1152, 262144, c) == LOSS_CHUNK_ROWS
+    assert loss_chunk_rows(16384, 1152, 262144, loss_chunk_const("auto", **gemma) // 2) < LOSS_CHUNK_ROWS  # smallest
+    assert loss_chunk_const("auto", tokens=65536, hidden=3072, vocab=32064) == 1  # Liger's own already 8,192 rows
+    few = loss_chunk_const("auto", tokens=1000, hidden=4096, vocab=128256)
+    assert loss_chunk_rows(1000, 4096, 128256, few) == 1000  # one chunk of every token
+    assert loss_chunk_const("3", **gemma) == 3
+    on = choose(True, cuda=True, model_type="llama", task="causal_lm", stage=2, supported=LIGER)
+    assert on.chunk_mem_const == "auto" and "(loss chunks of 2,048 rows)" in on.describe()
+    set1 = choose(True, cuda=True, model_type="llama", task="causal_lm", stage=2, supported=LIGER, chunk_mem_const="1")
+    assert "(chunk_mem_const 1)" in set1.describe()
+
+
+def test_a_chunk_setting_that_is_not_auto_or_a_positive_integer_is_refused() -> None:
+    assert load_config(None, ["model.name=tiny", "model.liger_chunk_mem_const=8"]).model.liger_chunk_mem_const == "8"
+    for bad in ("0", "big", "-2"):
+        with pytest.raises(ConfigError, match=r"model\.liger_chunk_mem_const must be auto or a positive integer"):
+            load_config(None, ["model.name=tiny", f"model.liger_chunk_mem_const={bad}"])

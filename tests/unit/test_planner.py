@@ -32,8 +32,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _predict(model: str, seq: int, micro: int, accum: int, n: int, stage: int, offload: pl.Offload = "none",
              ratio: float = 1.0, sizes: str = "speed", liger: bool = True, attn: str = "sdpa", ckpt: bool = False,
-             lora: pl.Lora | None = None, gpu_mem: float = 140.0, fused: str = "auto") -> pl.Prediction:
-    w = pl.Workload(load_shape(model), seq, micro * accum * n, lora, liger, attn, fused)
+             lora: pl.Lora | None = None, gpu_mem: float = 140.0, fused: str = "auto",
+             chunks: str = "1") -> pl.Prediction:
+    # chunks: model.liger_chunk_mem_const; every row here ran before it existed, at Liger's own chunks (1)
+    w = pl.Workload(load_shape(model), seq, micro * accum * n, lora, liger, attn, fused, loss_chunks=chunks)
     return pl.predict(w, pl.Choice(stage, offload, ratio, micro, accum, ckpt, sizes), pl.Hardware(n, 1, gpu_mem))
 
 

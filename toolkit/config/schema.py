@@ -39,6 +39,11 @@ class ModelConfig:
     (toolkit/plan/liger.py). Under ZeRO-3
     lm_head.weight is registered as an external parameter of the model, so ZeRO-3 gathers it with the
     model's forward instead of blocking on it."""
+    liger_chunk_mem_const: str = "auto"
+    """auto or a positive integer: Liger's `chunk_mem_const`, which sets how many rows a chunk of the fused loss holds
+    (about micro-batch tokens x chunk_mem_const x hidden / vocabulary; 1 is Liger's default on Hopper). auto: chunks of
+    2,048 rows (all the tokens, if fewer), one bf16 logit a row and vocabulary entry at a time: Gemma 3's head loss
+    ran 2.2x faster than at Liger's default (toolkit/plan/liger.py)."""
     rope_factor: float = 1.0
     """Train beyond the model's positions: max_position_embeddings x this factor, through YaRN rope scaling from
     the model's own positions when it has none, else its own scaling's factor multiplied (Llama 3.1/3.2's
@@ -494,6 +499,7 @@ class Config:
         # YAML reads on/off/true/false as booleans, which the str field then holds as "True"/"False"
         self.model.liger_fused_loss = str(self.model.liger_fused_loss).lower()
         self.model.tiled_mlp = str(self.model.tiled_mlp).lower()
+        self.model.liger_chunk_mem_const = str(self.model.liger_chunk_mem_const).lower()
         self.model.tiled_loss = str(self.model.tiled_loss).lower()
         self.model.activation_offload = str(self.model.activation_offload).lower()
         self.moe.aux_loss_coef = str(self.moe.aux_loss_coef).lower()
@@ -505,6 +511,10 @@ class Config:
         checks = [
             (self.model.liger_fused_loss in ("auto", "true", "false"),
              f"model.liger_fused_loss must be auto, true or false, got {self.model.liger_fused_loss!r}"),
+            (self.model.liger_chunk_mem_const == "auto" or (self.model.liger_chunk_mem_const.isdigit()
+                                                             and int(self.model.liger_chunk_mem_const) >= 1),
+             f"model.liger_chunk_mem_const must be auto or a positive integer, got "
+             f"{self.model.liger_chunk_mem_const!r}"),
             (self.model.tiled_mlp in ("auto", "true", "false"),
              f"model.tiled_mlp must be auto, true or false, got {self.model.tiled_mlp!r}"),
             (self.model.tiled_loss in ("auto", "true", "false"),

@@ -13,6 +13,7 @@ class LigerChoice:
     kwargs: dict[str, bool] = field(default_factory=dict)
     reason: str = ""
     external_head: bool = False  # ZeRO-3 + fused loss: declare lm_head.weight to the model's forward
+    chunk_mem_const: str = "auto"  # model.liger_chunk_mem_const: the fused loss's chunks (loss_chunk_const)
 
     @property
     def enabled(self) -> bool:
@@ -24,6 +25,9 @@ class LigerChoice:
         on = [k for k, v in self.kwargs.items() if v]
         off = [k for k, v in self.kwargs.items() if not v]
         line = f"liger kernels on: {', '.join(on)}"
+        if self.kwargs.get("fused_linear_cross_entropy"):
+            line += (f" (loss chunks of {LOSS_CHUNK_ROWS:,} rows)" if self.chunk_mem_const == "auto" else
+                     f" (chunk_mem_const {self.chunk_mem_const})")
         return line + (f" ({', '.join(off)} off: {self.reason})" if off else "")
 
 
@@ -59,7 +63,7 @@ def moe_fused_loss(setting: str, *, moe: bool, tokens: int, logits_fit: bool) ->
 
 def choose(wanted: bool, *, cuda: bool, model_type: str, task: str, stage: int,
            supported: frozenset[str] | None, fused_loss: str = "auto", compiled: bool = False,
-           fused_off_reason: str = "", objective: str = "sft") -> LigerChoice:
+           fused_off_reason: str = "", objective: str = "sft", chunk_mem_const: str = "auto") -> LigerChoice:
     """Pure decision, so it is testable without a GPU. `supported` is None when liger-kernel is
     not installed (or not importable: it needs triton).
 
@@ -91,4 +95,34 @@ def choose(wanted: bool, *, cuda: bool, model_type: str, task: str, stage: int,
     kwargs = {"rope": layer, "rms_norm": layer, "swiglu": layer, "fused_linear_cross_entropy": fused}
     reason = ("train.compile: inductor fuses these inside the compiled decoder layers, where Liger's "
               "kernels crash it" if compiled else "" if fused else fused_off_reason or "model.liger_fused_loss=false")
-    return LigerChoice(kwargs=kwargs, reason=reason, external_head=fused and stage == 3)
+    return LigerChoice(kwargs=kwargs, reason=reason, external_head=fused and stage == 3,
+                       chunk_mem_const=str(chunk_mem_const))
+
+
+# Liger's fused loss splits a micro-batch's BT tokens into chunks of next_pow2(BT / ceil(V / (C x H))) rows, C its
+# `chunk_mem_const` (1 on Hopper), so it walks about V / H chunks whatever BT is, and each chunk reads the head's V x H
+# weight twice and reads and writes its gradient: a cost that grows with V^2 and not with the tokens. Measured on one
+# H200 (bench/fused_loss.py, bench/results/speed_model/fused_loss_h200.json): Gemma 3's head (1,152 x 262,144) at
+# 16,384 tokens took 114.8 ms in 128 chunks of 128 rows and 52.8 ms in 8 chunks of 2,048; Llama-3-8B's at the same
+# tokens 91.2 against 79.5 ms; beyond 2,048 rows a chunk no shape gained more than 3%. Liger keeps the small chunks
+# for memory, which here is one bf16 logit a row and vocabulary entry: 2,048 rows of 262,144 are 1 GiB.
+LOSS_CHUNK_ROWS = 2048
+LOSS_CHUNK_MAX_CONST = 256
+
+
+def loss_chunk_rows(tokens: int, hidden: int, vocab: int, const: int) -> int:
+    """Rows of a chunk of Liger's fused loss (liger_kernel/ops/fused_linear_cross_entropy.py, 0.8.5)."""
+    inc = -(-vocab // (const * hidden))
+    rows = 1 << max(0, (-(-tokens // inc) - 1).bit_length())
+    return min(rows, tokens)
+
+
+def loss_chunk_const(setting: str | int, *, tokens: int, hidden: int, vocab: int) -> int:
+    """Liger's chunk_mem_const for a fused loss over `tokens` rows: model.liger_chunk_mem_const as an integer, or auto: the
+    smallest power of two whose chunks hold LOSS_CHUNK_ROWS rows (all the tokens, if fewer)."""
+    if str(setting) != "auto":
+        return int(setting)
+    want, const = min(tokens, LOSS_CHUNK_ROWS), 1
+    while loss_chunk_rows(tokens, hidden, vocab, const) < want and const < LOSS_CHUNK_MAX_CONST:
+        const *= 2
+    return const

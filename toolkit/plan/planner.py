@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from toolkit.config.ds_config import SPEED_SIZES, ConfigError
-from toolkit.plan.liger import LIGER_MODEL_TYPES, moe_fused_loss
+from toolkit.plan.liger import LIGER_MODEL_TYPES, loss_chunk_const, loss_chunk_rows, moe_fused_loss
 from toolkit.plan.shapes import FORMULA_TYPES, ModelShape
 from toolkit.plan.speedups import (
     activation_offload_on,
@@ -102,16 +102,37 @@ BNB4_CALL_S = 146e-6
 
 # -- speed model constants (the order of candidates; absolute figures are rough) -------------------
 GPU_PEAK_FLOPS = 989.4e12  # H100/H200 dense bf16 (toolkit/observe/metrics.py GPU_PEAK_TFLOPS)
-# Achieved MFU of everything but attention vs tokens per micro-step t: MFU_MAX * t / (t + MFU_HALF_TOKENS), fitted to
-# llama-1b ZeRO-2 with Liger on 2x H200 with attention's time (toolkit/plan/attention_rates.py) taken out: micro 4 ->
-# 48.0k, micro 8 -> 59.3k tokens/s/GPU (anchors.md bare loop + Liger), micro 16 -> 64.5k (speed.json): 38.7%, 48.7%
-# and 53.4% MFU on the rest, the fit 39.1%, 47.9%, 53.9%.
-MFU_MAX = 0.616
-MFU_HALF_TOKENS = 4702.0
+# Achieved MFU of everything but attention and Liger's fused loss vs tokens per micro-step t: MFU_MAX * t / (t +
+# MFU_HALF_TOKENS), fitted to llama-1b ZeRO-2 with Liger on 2x H200 with attention's time
+# (toolkit/plan/attention_rates.py) and the loss's (fused_loss_s at Liger's default chunks, as they ran) taken out:
+# micro 4 -> 48.0k, micro 8 -> 59.3k tokens/s/GPU (anchors.md bare loop + Liger), micro 16 -> 64.5k (speed.json):
+# 38.2%, 47.7% and 52.3% MFU on the rest, the fit 38.4%, 47.0%, 52.8% (bench/results/speed_model/README.md, "The
+# fused loss apart").
+MFU_MAX = 0.603
+MFU_HALF_TOKENS = 4662.0
 # Below llama-1b's hidden size the rest runs slower than that fit: (hidden / 2048) ** this. Fitted to Qwen2.5-1.5B
 # (hidden 1536) on one H200, whose short rows ran at 0.81x and 0.84x of the fit (ZeRO-2 micro 4 x 4,096, ZeRO-0 micro
 # 8 x 2,048; bench/results/speed_model/README.md). Not above 2,048: no wider shape was measured against it.
 NARROW_EXPONENT = 0.65
+# Liger's fused loss, timed apart from the rest (bench/fused_loss.py on one H200, 170 rows of six heads, 2,048-65,536
+# tokens, chunk_mem_const 1-32; bench/results/speed_model/fused_loss_h200.json): each chunk of r rows costs the
+# hypotenuse of its matmuls at LOSS_FLOPS (6 r H V, a trained head) and its walk over the head's weight and gradient
+# at LOSS_BYTES_PER_S (8 V H bytes), plus LOSS_LOGIT_BYTES a logit. Fitted to all rows: 5.2% rms, within 10% but for
+# heads of under 4 ms (Phi-3's, up to -25%). A frozen head (LoRA): its two matmuls and the weight read twice, not
+# measured.
+LOSS_FLOPS = 670e12
+LOSS_BYTES_PER_S = 3.0e12
+LOSS_LOGIT_BYTES = 5.4
+
+
+def fused_loss_s(tokens: int, hidden: int, vocab: int, const: int, *, trained: bool = True) -> float:
+    """Seconds of Liger's fused linear cross-entropy, forward and backward, over `tokens` rows at chunk_mem_const."""
+    rows = loss_chunk_rows(tokens, hidden, vocab, const)
+    matmuls = (6.0 if trained else 4.0) * rows * hidden * vocab / LOSS_FLOPS
+    walk = (8.0 if trained else 4.0) * vocab * hidden / LOSS_BYTES_PER_S
+    return -(-tokens // rows) * math.hypot(matmuls, walk) + LOSS_LOGIT_BYTES * tokens * vocab / LOSS_BYTES_PER_S
+
+
 # Liger's kernels with the fused loss: bare loop llama-1b ZeRO-2 micro 4, 48.0k with vs 40.1k without
 # (anchors.md).
 LIGER_SPEEDUP = 1.20
@@ -275,6 +296,9 @@ class Workload:
     load_in_4bit: bool = False
     """model.load_in_4bit (QLoRA, toolkit/runtime/quant): the decoder layers' Linears frozen in 4-bit (BNB4_BYTES a
     weight), the head and the rest in bf16; LoRA only."""
+    loss_chunks: str = "auto"
+    """model.liger_chunk_mem_const (auto or an integer): the rows of each chunk of Liger's fused loss
+    (toolkit/plan/liger.py loss_chunk_const), its transient logits and its time (fused_loss_s)."""
     quantized_build: bool = False
     """With load_in_4bit, a preset or a directory whose checkpoint names are the model's: quantized while it is built
     or read (runtime/quant build_4bit), so the host holds the float weights that stay (embeddings, head, norms) and one
@@ -784,11 +808,13 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
             + 2 * 2.0 * h * tokens
     if flce:
         # liger fused_linear_cross_entropy: grad_input and (trained head) grad_weight are computed in
-        # forward and kept; chunks of chunk_size x V logits; the fp32 matmul per chunk for grad_weight
-        chunk = 1 << math.ceil(math.log2(max(1, math.ceil(tokens / math.ceil(vocab / h)))))
+        # forward and kept; one chunk of chunk_size x V bf16 logits at a time, its gradient written in place (measured:
+        # 2 bytes a logit beside them, bench/results/speed_model/fused_loss_h200.json "transient_gib"), and 4 bytes a
+        # trained head weight more that the validation rows' peaks at forward end hold (fitted there, not traced)
+        chunk = loss_chunk_rows(tokens, h, vocab, loss_chunk_const(w.loss_chunks, tokens=tokens, hidden=h, vocab=vocab))
         kept_head = 2.0 * vocab * h if full else 0.0  # the trained head's gradient outlives the input's
         kept_loss = 2.0 * h * tokens + kept_head
-        loss_fwd = kept_loss + 6.0 * chunk * vocab + (4.0 * vocab * h if full else 0.0)
+        loss_fwd = kept_loss + 2.0 * chunk * vocab + (4.0 * vocab * h if full else 0.0)
         loss_bwd = kept_loss
     elif pref:
         # objectives/logprobs.py: the head's input kept; in backward one chunk of CHUNK x V logits in bf16, its
@@ -1110,10 +1136,17 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     if not (fused_loss or comp):  # compiled layers fuse what Liger's kernels fuse (1.02x llama-1b, run s20)
         mfu /= LIGER_SPEEDUP
     mfu *= min(1.0, s.hidden_size / 2048) ** NARROW_EXPONENT
+    # Liger's fused loss at its own measured time (fused_loss_s): its head's FLOPs leave the rest's
+    head = fused_loss and not pref and s.task == "causal_lm"
+    if head:
+        flops -= (6.0 if w.lora is None else 4.0) * s.vocab_size * s.hidden_size
     dense = flops * tokens / (mfu * GPU_PEAK_FLOPS)
     if w.fp8:  # never under LoRA (refused)
         f = fp8_flop_share(s, w.fp8, flops, c.grad_ckpt)
         dense *= (1 - f) + f / fp8_gain(s.hidden_size)
+    if head:
+        const = loss_chunk_const(w.loss_chunks, tokens=tokens, hidden=s.hidden_size, vocab=s.vocab_size)
+        dense += fused_loss_s(tokens, s.hidden_size, s.vocab_size, const, trained=w.lora is None)
     # packed documents: their own length (Workload.attended); width: query heads x head dim (not always the hidden).
     # A sliding-window layer on the varlen kernel (packed rows; unpadded rows of a fine-tune: runtime/attention) sees at
     # most `window` keys a query, the causal work of rows 2 x window long (the planner counts causal work as full);
@@ -1407,7 +1440,8 @@ def run_settings(cfg: Any, compiled: bool, tiled_mlp: bool) -> dict[str, Any]:
             "fp8": t.fp8_recipe if t.precision == "fp8" else None,
             "tiled_mlp": tiled_mlp,
             "activation_offload": m.activation_offload, "tiled_loss": m.tiled_loss,
-            "objective": t.objective, "reference": _reference_of(cfg), "zero3_leaves": t.zero3_leaves}
+            "objective": t.objective, "reference": _reference_of(cfg), "zero3_leaves": t.zero3_leaves,
+            "loss_chunks": m.liger_chunk_mem_const}
 
 
 def _reference_of(cfg: Any) -> str:
@@ -1443,7 +1477,7 @@ def micro_batch_needs(model_config: Any, ds_config: dict[str, Any], world_size: 
                       fused_loss: str = "auto", gpus_per_node: int | None = None, compile: str = "off",
                       fp8: str | None = None, tiled_mlp: bool = False, activation_offload: str = "auto",
                       tiled_loss: str = "auto", objective: str = "sft", reference: str = "none",
-                      zero3_leaves: str = "auto") -> list[tuple[int, float]]:
+                      zero3_leaves: str = "auto", loss_chunks: str = "auto") -> list[tuple[int, float]]:
     """(micro-batch, its planned GPU need in GiB, the allocator's margin and the CUDA context in) for each divisor of
     per_rank_batch (= micro x grad_accum) predicted to fit in gpu_mem_gib per GPU for this DeepSpeed config, largest
     first; [] when none does.
@@ -1454,7 +1488,7 @@ def micro_batch_needs(model_config: Any, ds_config: dict[str, Any], world_size: 
     fused_loss: model.liger_fused_loss. compile: train.compile (off, torch, auto); fp8: the float8 recipe or None.
     tiled_mlp: model.tiled_mlp as the run resolved it; activation_offload: model.activation_offload; tiled_loss:
     model.tiled_loss. objective, reference: train.objective and pref.reference resolved (a preference run's
-    per_rank_batch counts pairs). zero3_leaves: train.zero3_leaves.
+    per_rank_batch counts pairs). zero3_leaves: train.zero3_leaves. loss_chunks: model.liger_chunk_mem_const.
     Raises ConfigError for a model type without an activation model.
     """
     shape = model_config if isinstance(model_config, ModelShape) else _shape_of(model_config)
@@ -1464,7 +1498,7 @@ def micro_batch_needs(model_config: Any, ds_config: dict[str, Any], world_size: 
     w = Workload(shape, seq_len, per_rank_batch * world_size, adapters, liger, attn, fused_loss, compile, fp8,
                  tiled_mlp=tiled_mlp, activation_offload=activation_offload, tiled_loss=tiled_loss,
                  expert_parallel=autoep_size(ds_config, world_size, shape), objective=objective, reference=reference,
-                 zero3_leaves=zero3_leaves)
+                 zero3_leaves=zero3_leaves, loss_chunks=loss_chunks)
     out = []
     for m in sorted(divisors(per_rank_batch), reverse=True):
         c = choice_from_ds(ds_config, micro_batch=m, grad_accum=per_rank_batch // m, grad_ckpt=grad_ckpt,

@@ -298,7 +298,8 @@ def resolve_run(cfg: Config, ds: dict[str, Any], model_config: Any, world: int, 
     fused = moe.fused_loss_setting(cfg, model_config, ds, world, compiled, tiled, machine.gpu_bytes)
     liger = choose(m.liger, cuda=machine.cuda, model_type=model_config.model_type, task=m.task, stage=stage,
                    supported=frozenset(machine.liger_types) if machine.liger_types is not None else None,
-                   fused_loss=fused[0], compiled=compiled, fused_off_reason=fused[1], objective=t.objective)
+                   fused_loss=fused[0], compiled=compiled, fused_off_reason=fused[1], objective=t.objective,
+                   chunk_mem_const=m.liger_chunk_mem_const)
     experts = moe.choose_path(cfg, model_config, liger)
     if experts is not None:
         liger = moe.with_experts(liger, experts, model_config.model_type)
