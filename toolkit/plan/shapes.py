@@ -17,6 +17,7 @@ Nothing here imports torch or transformers at module level.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import os
@@ -177,13 +178,13 @@ def family_defaults(model_type: str, max_layers: int = 8) -> Any:
     (tests/unit/test_trace.py, bench/plan_families.py); raises what the family's own validation raises."""
     from transformers import CONFIG_MAPPING
 
-    from toolkit.plan.trace import small_config
+    from toolkit.plan.trace import small_config, sublayers
 
     cfg = CONFIG_MAPPING[model_type]()
     with contextlib.suppress(Exception):  # encoder-decoders count their layers otherwise
         # a few layers: a layout of unlike layers shows (DeepSeek-V3's 3 dense first, Jamba's 1 attention in 8); the
         # per-layer lists are cut alike (Zamba's block types), as the trace cuts its copy
-        if int(cfg.num_hidden_layers) > max_layers:
+        if int(cfg.num_hidden_layers) // sublayers(cfg) > max_layers:
             cfg = small_config(cfg, max_layers)
     # per-layer configs refuse a global read or write (read_shape says so in one line): left as they are
     with contextlib.suppress(Exception):
@@ -213,11 +214,33 @@ def family_defaults(model_type: str, max_layers: int = 8) -> Any:
     # X-MOD runs one language's adapters a forward and refuses to run without one (set_default_language): its first
     if getattr(cfg, "languages", None) and getattr(cfg, "default_language", "") is None:
         cfg.default_language = cfg.languages[0]
+    # North's text model (cohere_compass_text) sets RoPE per layer type, and its defaults leave it empty, which its
+    # rotary embedding cannot build from: North-Micro-Vision-Instruct's text config, M-RoPE on its sliding layers and
+    # no positions on its full ones (NoPE)
+    if cfg.model_type == "cohere_compass_text" and not cfg.rope_parameters:
+        cfg.rope_parameters = copy.deepcopy(COMPASS_ROPE)
+    # LFM2-MoE's defaults leave its conv / attention layout null, which its layers index: LFM2-8B-A1B's, cut to the
+    # layer count as the trace cuts a per-layer list
+    if cfg.model_type == "lfm2_moe" and cfg.layer_types is None:
+        cfg.layer_types = [LFM2_MOE_LAYER_TYPES[i % len(LFM2_MOE_LAYER_TYPES)] for i in range(cfg.num_hidden_layers)]
+    # Qwen4-Exp's indexed-attention layers need the QSA indexer its defaults leave null, and its linear attention's
+    # output gate: the released Qwen4-Exp config's, with its RoPE on a quarter of each head (which the index head fits)
+    if cfg.model_type == "qwen4_exp_text" and all(getattr(cfg, name) is None for name in QWEN4_EXP_FILLS):
+        for name, value in QWEN4_EXP_FILLS.items():
+            setattr(cfg, name, value)
+        cfg.rope_parameters = {**cfg.rope_parameters, "partial_rotary_factor": 0.25}
+        cfg.validate_architecture()
     return cfg
 
 
 MOE_FILLS = {"n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1}
 DBRX_ATTN_FILLS = {"rope_theta": 500_000.0, "clip_qkv": 8.0}
+LFM2_MOE_LAYER_TYPES = ["conv", "conv", "full_attention", *(["conv", "conv", "conv", "full_attention"] * 4), "conv", "conv",
+                        "full_attention", "conv", "conv"]
+QWEN4_EXP_FILLS = {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 128, "indexer_budget": 2048,
+                   "indexer_compress_ratio": 4, "output_gate_type": "sigmoid"}
+COMPASS_ROPE = {"full_attention": None, "sliding_attention": {"rope_type": "default", "rope_theta": 50_000.0,
+                                                              "mrope_section": [24, 20, 20], "mrope_interleaved": True}}
 
 
 def _read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
@@ -251,7 +274,14 @@ def _read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
             continue
         seen.add(id(p))
         params.append((name, p.numel()))
-    layers = int(_cfg(mc, "num_hidden_layers", "n_layer"))
+    stacks = [k for k, sub in (getattr(mc, "sub_configs", None) or {}).items()
+              if getattr(getattr(mc, k, None), "num_hidden_layers", None)]
+    if getattr(mc, "num_hidden_layers", None) is None and len(stacks) > 1:
+        raise ConfigError(f"{mc.model_type!r} is built of {len(stacks)} layer stacks of their own widths and layer counts "
+                          f"({', '.join(stacks)}): toolkit plan models one stack of decoder layers")
+    from toolkit.plan.trace import sublayers
+
+    layers = int(_cfg(mc, "num_hidden_layers", "n_layer")) // sublayers(mc)  # the decoder layers the model builds
     stack, by_layer = _split_layers(params, layers)
     per_layer = Counter(by_layer).most_common(1)[0][0]
     first = next(i for i, (n, _) in enumerate(params) if n.startswith(f"{stack}.0."))
@@ -269,14 +299,16 @@ def _read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
     # block with an earlier one, as Zamba's hybrid layers do, is of that one's kind, though counted once above)
     own = [tuple((n, p.numel()) for n, p in layer.named_parameters()) for layer in model.get_submodule(stack)]
     kinds = own if len(own) == layers and len(set(own)) > 1 else None
-    traced, trace_error = _traced(mc, task, kinds) if trace else (None, "not traced (parameters only)")
+    # the kinds whose later layers share their block with the first (their parameters counted there)
+    shared = frozenset(own[i] for i in range(layers) if kinds and sum(n for _, n in own[i]) > sum(n for _, n in by_layer[i]))
+    traced, trace_error = _traced(mc, task, kinds, shared) if trace else (None, "not traced (parameters only)")
     top_k = int(getattr(mc, "num_experts_per_tok", None) or 0)
     experts = int(getattr(mc, "num_experts", None) or getattr(mc, "num_local_experts", None) or 0) if top_k else 0
     return ModelShape(
         model_type=str(mc.model_type),
         vocab_size=int(mc.vocab_size),
         hidden_size=hidden,
-        intermediate_size=int(_cfg(mc, "intermediate_size", "n_inner", default=None) or 4 * hidden),
+        intermediate_size=_mean_width(_cfg(mc, "intermediate_size", "n_inner", default=None) or 4 * hidden),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(getattr(mc, "num_key_value_heads", None) or heads),
@@ -309,16 +341,23 @@ def _sliding(mc: Any, layers: int) -> dict[str, int]:
     return {"sliding_window": window, "sliding_layers": n} if window and n else {}
 
 
-def _traced(mc: Any, task: str, kinds: list[Any] | None) -> tuple[dict[str, Any] | None, str]:
+def _traced(mc: Any, task: str, kinds: list[Any] | None, shared: frozenset[Any]) -> tuple[dict[str, Any] | None, str]:
     """The activation trace of a causal LM outside FORMULA_TYPES, or why there is none."""
     if task != "causal_lm" or str(mc.model_type) in FORMULA_TYPES:
         return None, ""
     from toolkit.plan.trace import TraceError, trace_layers
 
     try:
-        return trace_layers(mc, kinds), ""
+        return trace_layers(mc, kinds, shared), ""
     except TraceError as e:
         return None, f"its layers could not be traced on fake tensors ({e})"
+
+
+def _mean_width(value: Any) -> int:
+    """A width, or the mean of one given per layer (Gemma 3n's MLP widths: what the layers' FLOPs sum to)."""
+    if isinstance(value, (list, tuple)):
+        return round(sum(value) / len(value))
+    return int(value)
 
 
 def _cfg(mc: Any, *names: str, default: Any = ...) -> Any:
@@ -341,7 +380,9 @@ def _split_layers(params: list[tuple[str, int]], layers: int) -> tuple[str, list
     for stack, by_index in stacks.items():
         if sorted(by_index) == list(range(layers)):
             return stack, [tuple(by_index[i]) for i in range(layers)]
-    raise ConfigError(f"cannot find the {layers} decoder layers in the model's parameter names")
+    found = ", ".join(f"{stack} ({len(by_index)})" for stack, by_index in stacks.items())
+    raise ConfigError(f"cannot find the {layers} decoder layers in the model's parameter names (its layer lists: "
+                      f"{found or 'none'})")
 
 
 # -- where shapes come from -----------------------------------------------------------------------

@@ -23,6 +23,10 @@ the copy is small (REAL_MAX_PARAMS), it is traced on real, uninitialized CPU ten
 
 Pitfalls handled (the note's): transformers treats fake tensors as tracing and builds a 4-D mask for an unpacked batch
 (`find_packed_sequence_indices` is answered None while tracing); the meta device is never used (no fused attention).
+And: every parameter is bf16, as DeepSpeed's bf16 makes it, whatever dtype a family creates it in (`_bf16_params`); a
+module that converts its own parameters while built gets new ones (`_fake_conversion`); weights are never initialized
+(an init that reads values cannot run on fake tensors); the parameters and buffers stay alive through the forward, so
+no storage made later is taken for one a family replaced (CTRL's positional table, cast in its forward).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ EAGER_SEQS = (256, 512)  # eager attention's S x S term: two lengths give its sl
 MIDDLE = 3  # layers traced besides a first and a last (a layer owns the storages its code makes: the first counts)
 
 
+# (token ids, attention, attention mask given): the ways a family's stack is run, the first that runs
+WAYS = tuple((ids, attn, mask) for ids in (False, True) for attn, mask in (("sdpa", False), ("sdpa", True), ("eager", True)))
 DATA_DEPENDENT = ("DataDependentOutputException", "DynamicOutputShapeException")
 # a copy traced on real CPU tensors: 1.4 GB of bf16 weights at most (DBRX's 5-layer copy, 616M, traced in 4 s at
 # 1.8 GB of RSS; JetMoE's, 1,893M, is refused)
@@ -48,19 +54,20 @@ class TraceError(RuntimeError):
     """The model's code could not run on fake tensors (a data-dependent shape, a custom kernel)."""
 
 
-def trace_layers(mc: Any, kinds: list[Any] | None = None) -> dict[str, Any]:
+def trace_layers(mc: Any, kinds: list[Any] | None = None, shared: frozenset[Any] = frozenset()) -> dict[str, Any]:
     """Trace a causal LM described by the HF config `mc` (a copy with a few layers is built on fake tensors).
 
     kinds: each decoder layer's parameter list (name, numel) in the full model, where its layers differ (DeepSeek-V3's
     dense first layers, a hybrid's attention and recurrent layers): the copy then holds every kind, and each figure is
     the mean over the full model's layers (kinds' bytes weighted by their counts), so num_layers x layer is the stack.
+    shared: the kinds whose later layers share parameters with the first of them (Zamba's hybrid layers).
 
     Returns {"version", "layer": {variant: bytes/token}, "parts": {variant: {child: bytes/token}},
     "final": {variant: bytes/token}, "linears": [[name, in_features, group, kept_by_frozen]], "eager": [a, b]}
     where variant is "<plain|liger>-<full|frozen>" and eager attention adds a + b x seq_len bytes a token; "attention":
     "eager" where the family has no fused path (its bytes were traced at TRACE_SEQ and grow by b a token per token).
     """
-    n = _layer_count(mc, kinds)
+    n = _layer_count(mc, kinds, shared)
     try:
         return _trace_all(mc, n, kinds, real=False)
     except TraceError as e:
@@ -90,30 +97,32 @@ def _trace_all(mc: Any, n: int, kinds: list[Any] | None, *, real: bool) -> dict[
     out: dict[str, Any] = {"version": TRACE_VERSION, "layer": {}, "parts": {}, "final": {}}
     try:
         # how this family runs on fake tensors: as most do, or with an attention mask given, or only with its own
-        # (eager) attention, whose mask MPT builds itself
+        # (eager) attention, whose mask MPT builds itself; each from its embeddings, or else from token ids, where the
+        # stack takes no embeddings (CPM-Ant) or its layers read the ids too (DeepSeek-V4's hash-routed experts)
         failed: Exception | None = None
-        for attn, mask in (("sdpa", False), ("sdpa", True), ("eager", True)):
+        for ids, attn, mask in WAYS:
             try:
-                first = _trace(mc, n, kinds, seq=TRACE_SEQ, liger=False, full=True, attn=attn, mask=mask, real=real)
+                first = _trace(mc, n, kinds, seq=TRACE_SEQ, liger=False, full=True, attn=attn, mask=mask, real=real,
+                               ids=ids)
                 break
             except TraceError:
                 raise
             except Exception as e:
                 failed = failed or e  # the first way's failure says most
-                if attn == "eager":
+                if (ids, attn, mask) == WAYS[-1]:
                     raise failed from None
         for liger in (False, True):
             for full in (True, False):
                 key = f"{'liger' if liger else 'plain'}-{'full' if full else 'frozen'}"
                 r = first if (liger, full) == (False, True) else _trace(
                     mc, n, kinds, seq=TRACE_SEQ, liger=liger, full=full, attn=attn, linears=not liger and not full,
-                    mask=mask, real=real)
+                    mask=mask, real=real, ids=ids)
                 out["layer"][key], out["parts"][key], out["final"][key] = r["layer"], r["parts"], r["final"]
                 if "linears" in r:
                     out["linears"] = r["linears"]
         seqs = _eager_seqs(mc, real)
-        eager = [_trace(mc, n, kinds, seq=s, liger=False, full=True, attn="eager", mask=mask, real=real)["layer"]
-                 for s in seqs]
+        eager = [_trace(mc, n, kinds, seq=s, liger=False, full=True, attn="eager", mask=mask, real=real,
+                        ids=ids)["layer"] for s in seqs]
     except TraceError:
         raise
     except Exception as e:  # the model's own code failed on fake tensors
@@ -137,29 +146,52 @@ def _eager_seqs(mc: Any, real: bool) -> tuple[int, int]:
     return EAGER_SEQS
 
 
-def _layer_count(mc: Any, kinds: list[Any] | None) -> int:
+def _layer_count(mc: Any, kinds: list[Any] | None, shared: frozenset[Any] = frozenset()) -> int:
     """Layers to build: MIDDLE + 2, at least two of every layer type of the config's own pattern, and where the layers'
-    parameters differ, as many as the full model needs to show each kind once."""
+    parameters differ, as many as the full model needs to show each kind once, and twice each kind whose later layers
+    share a block with its first (Zamba's hybrid layers: a model with one has nothing to tie its block to)."""
     types = getattr(mc, "layer_types", None)
     cycle = len(dict.fromkeys(types)) if types else 1
     n = 2 + max(MIDDLE, 2 * cycle)
     if kinds and len(set(kinds)) > 1:
         n = max(n, 1 + max(kinds.index(k) for k in set(kinds)))
+        for k in shared:
+            n = max(n, 1 + [i for i, x in enumerate(kinds) if x == k][1])
     return n
 
 
+def sublayers(mc: Any) -> int:
+    """What num_hidden_layers counts in each decoder layer the model builds: 1, or LongCat-Flash's 2 (its two
+    attention sublayers a layer: num_hidden_layers is a property, twice its num_layers)."""
+    per = getattr(type(mc), "num_hidden_layers", None)
+    count = vars(mc).get("num_layers")
+    if isinstance(per, property) and isinstance(count, int) and count > 0:
+        return max(1, int(mc.num_hidden_layers) // count)
+    return 1
+
+
 def small_config(mc: Any, layers: int) -> Any:
-    """`mc` with `layers` decoder layers; every per-layer list of the config (layer_types, a hybrid's pattern string)
-    keeps the model's own interleaving, cut or repeated to the new count."""
+    """`mc` with `layers` decoder layers (as the model builds them: sublayers); every per-layer list of the config (layer_types, a hybrid's pattern string,
+    Gemma 3n's MLP widths) keeps the model's own interleaving, cut or repeated to the new count."""
     cfg = copy.deepcopy(mc)
     full = int(cfg.num_hidden_layers)
-    cfg.num_hidden_layers = layers
+    cfg.num_hidden_layers = layers = layers * sublayers(cfg)
     for name, value in list(vars(cfg).items()):
-        per_layer = isinstance(value, (list, tuple, str)) and any(w in name for w in ("layer", "pattern", "block"))
+        per_layer = isinstance(value, (list, tuple, str)) and any(
+            w in name for w in ("layer", "pattern", "block", "intermediate_size"))  # Gemma 3n's MLP widths
         if per_layer and len(value) == full and full > 1:
             cut = [value[i % full] for i in range(layers)]
             with contextlib.suppress(AttributeError):  # derived from other fields in some configs
                 setattr(cfg, name, "".join(cut) if isinstance(value, str) else type(value)(cut))
+    # the last layers that reuse an earlier layer's keys and values (Gemma 3n's num_kv_shared_layers): as many in
+    # proportion, leaving before them a layer of every type (a shared layer reads the last one of its type)
+    shared = vars(cfg).get("num_kv_shared_layers")
+    if isinstance(shared, int) and shared > 0 and full > layers:
+        types = list(getattr(cfg, "layer_types", None) or [])
+        k = max(1, round(shared * layers / full))
+        while k > 1 and types and set(types[:layers - k]) != set(types):
+            k -= 1
+        cfg.num_kv_shared_layers = k
     for name in ("num_blocks",):  # the count some configs build from beside num_hidden_layers (xLSTM)
         if vars(cfg).get(name) == full:
             setattr(cfg, name, layers)
@@ -188,14 +220,17 @@ def _build(cfg: Any, attn: str) -> Any:
 
 
 def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, full: bool, attn: str,
-           linears: bool = False, mask: bool = False, real: bool = False) -> dict[str, Any]:
+           linears: bool = False, mask: bool = False, real: bool = False, ids: bool = False) -> dict[str, Any]:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers.initialization import no_init_weights
 
-    cfg = small_config(mc, n)
-    with (no_init_weights() if real else FakeTensorMode()), _quiet_transformers(), _no_packed_mask():
-        model = _build(cfg, attn)
+    cfg = _training_config(small_config(mc, n))
+    with no_init_weights(), (contextlib.nullcontext() if real else FakeTensorMode()), _quiet_transformers(), \
+            _no_packed_mask():
+        with _fake_conversion():
+            model = _build(cfg, attn)
+        _bf16_params(model)
         base = getattr(model, model.base_model_prefix, model)
         layers = _decoder_layers(base, n)
         for p in model.parameters():
@@ -206,7 +241,9 @@ def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, f
         params |= {b.untyped_storage()._cdata for b in model.buffers()}
         where: list[tuple[int, str] | None] = [None]
         owner: dict[int, tuple[tuple[int, str] | str, int]] = {}
-        keep: list[Any] = []
+        # the parameters and buffers alive to the end: a buffer the forward replaces (CTRL's positional table, cast to
+        # the embeddings' dtype) would free its storage, and a storage made later at its address be taken for it
+        keep: list[Any] = [*model.parameters(), *model.buffers()]
         done = [False]
         created: dict[int, int | str] = {}  # storage -> the layer whose code made it ("stack", "final": outside them)
 
@@ -244,14 +281,19 @@ def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, f
                 if isinstance(mod, torch.nn.Linear):
                     hooks.append(mod.register_forward_pre_hook(
                         lambda m, a, name=name: _note_input(seen_linears, keep, name, m, a[0])))
-        embeds = (torch.randn if real else torch.empty)(1, seq, _embedding_width(base, cfg), dtype=torch.bfloat16,
-                                                        requires_grad=True)
-        keep.append(embeds)  # the embedding's output: the stack's, kept where a layer's norm saves it (Liger's)
+        if ids:  # the stack embeds token ids itself: its embedding's output is made a leaf, as inputs_embeds is
+            tokens = torch.randint(1, int(cfg.vocab_size), (1, seq))
+            _embed_as_leaf(base, keep)
+        else:
+            embeds = (torch.randn if real else torch.empty)(1, seq, _embedding_width(base, cfg), dtype=torch.bfloat16,
+                                                            requires_grad=True)
+            keep.append(embeds)  # the embedding's output: the stack's, kept where a layer's norm saves it (Liger's)
         with _flash_like_sdpa(), _creators(created, where, done, keep), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            # a copy that is not a leaf: some families scale their embeddings in place (CTRL)
             given = {"attention_mask": torch.ones(1, seq, dtype=torch.long)} if mask else {}
-            base(inputs_embeds=embeds.clone(), use_cache=False, **given)
+            # a copy that is not a leaf: some families scale their embeddings in place (CTRL)
+            given |= {"input_ids": tokens} if ids else {"inputs_embeds": embeds.clone()}
+            base(use_cache=False, **given)
         for h in hooks:
             h.remove()
     per_layer = [0 for _ in range(n)]
@@ -279,6 +321,82 @@ def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, f
         r["linears"] = [[name, fin, groups.setdefault(key, len(groups)), key in owner]
                         for name, fin, key in seen_linears]
     return r
+
+
+def _training_config(cfg: Any) -> Any:
+    """The copy as a training run configures it: a family that selects its kernels by a mode (xLSTM's "inference",
+    its default, whose fp32 states a bf16 model cannot run) is traced in its training mode."""
+    if getattr(cfg, "mode", None) == "inference" and hasattr(cfg, "inference_state_dtype"):
+        cfg.mode = "train"
+    return cfg
+
+
+def _bf16_params(model: Any) -> None:
+    """Every floating parameter in bf16, the buffers as built: what DeepSpeed's bf16 makes of the module
+    (engine._cast_module_mixed_precision). A family that makes a parameter in fp32 whatever dtype it is built in
+    (XLNet's torch.FloatTensor, DeepSeek-V4's hyper-connections' .to(float32)) runs it in bf16; tied ones stay tied."""
+    import torch
+
+    done: dict[int, tuple[Any, Any]] = {}
+    for mod in model.modules():
+        for key, p in list(mod._parameters.items()):
+            if p is None or not p.is_floating_point() or p.dtype == torch.bfloat16:
+                continue
+            if id(p) not in done:
+                with torch.no_grad():
+                    done[id(p)] = (p, torch.nn.Parameter(p.to(torch.bfloat16), requires_grad=p.requires_grad))
+            mod._parameters[key] = done[id(p)][1]
+
+
+@contextlib.contextmanager
+def _fake_conversion() -> Iterator[None]:
+    """A module that converts its own parameters while it is built (DeepSeek-V4's and HY-V4's hyper-connections:
+    .to(float32)) cannot on fake tensors: torch swaps a fake parameter in place, which the weak reference the fake
+    mode holds to it refuses. Such a parameter is replaced by a new one instead, as torch does for plain tensors under
+    overwrite_module_params_on_conversion."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    orig = torch.nn.Module._apply
+
+    def _apply(self: Any, fn: Any, recurse: bool = True) -> Any:
+        if recurse:
+            for child in self.children():
+                child._apply(fn)
+        if not any(isinstance(p, FakeTensor) for p in self._parameters.values()):
+            return orig(self, fn, recurse=False)
+        for key, p in list(self._parameters.items()):
+            if p is not None:
+                with torch.no_grad():
+                    new = fn(p)
+                if new is not p:
+                    self._parameters[key] = torch.nn.Parameter(new, requires_grad=p.requires_grad)
+        for key, b in list(self._buffers.items()):
+            if b is not None:
+                self._buffers[key] = fn(b)
+        return self
+
+    torch.nn.Module._apply = _apply
+    try:
+        yield
+    finally:
+        torch.nn.Module._apply = orig
+
+
+def _embed_as_leaf(base: Any, keep: list) -> None:
+    """The input embedding run without autograd and its output made a leaf that needs a gradient: what the layers see
+    is what they see from inputs_embeds (nothing of the embedding is counted, as with inputs_embeds)."""
+    import torch
+
+    emb = base.get_input_embeddings()
+    plain = emb.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            out = plain(*args, **kwargs)
+        keep.append(out)
+        return out.requires_grad_()
+    emb.forward = forward
 
 
 @contextlib.contextmanager
@@ -487,6 +605,10 @@ def _liger_like(base: Any) -> None:
         def forward(x: Any, *rest: Any, **kw: Any) -> Any:
             if rest or kw:  # a gated norm (Mamba-style): not one of Liger's
                 return plain(x, *rest, **kw)
+            with torch.no_grad():
+                shape = plain(x).shape
+            if shape != x.shape:  # not a norm of its input (HY-V4's unweighted one returns the rstd): not Liger's
+                return plain(x)
             return RMSNormLike.apply(x, lambda y: torch.empty_like(y))
         return forward
 
