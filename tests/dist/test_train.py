@@ -388,6 +388,8 @@ def test_zero3_export_reloads_with_the_engines_logits(runs: Path, path: str) -> 
 
     with safe_open(str(d / "export" / "model.safetensors"), "pt") as f:
         assert all(f.get_slice(k).get_shape() and 0 not in f.get_slice(k).get_shape() for k in f.keys())  # noqa: SIM118 (safe_open is not iterable)
+    # trained without a KV cache (runtime/model.py), exported with one for inference
+    assert json.loads((d / "export" / "config.json").read_text())["use_cache"] is True
     reload_logits(d, "export")
 
 

@@ -29,7 +29,7 @@ class ModelConfig:
     rows use sdpa with a block-diagonal mask. varlen: the toolkit's attention on any device (on CPU a
     per-document reference, for tests)."""
     gradient_checkpointing: bool = False
-    """Recompute activations in backward; turns use_cache off."""
+    """Recompute activations in backward."""
     liger: bool = True
     """Liger kernels (fused linear cross-entropy, RMSNorm, SwiGLU, RoPE) on CUDA for the families Liger
     supports. The run prints what was applied and why not."""

@@ -14,6 +14,7 @@ in optimizer steps, which the Trainer and the raw loop count in different places
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,8 @@ class StepProfiler:
         if torch.cuda.is_available():
             acts.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.synchronize()  # the window starts with an empty queue
-        self.prof = torch.profiler.profile(activities=acts)
+        # TOOLKIT_PROFILE_STACK=1: Python call stacks in the trace (bench/profile_syncs.py names who synchronizes)
+        self.prof = torch.profiler.profile(activities=acts, with_stack=os.environ.get("TOOLKIT_PROFILE_STACK") == "1")
         self.prof.start()
         self.t0 = time.perf_counter()
 

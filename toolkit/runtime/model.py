@@ -14,7 +14,7 @@ from typing import Any
 
 from toolkit.config.ds_config import ConfigError
 from toolkit.config.models import PRESETS, SPECIAL_IDS, extend_positions, positions_hint
-from toolkit.config.schema import Config, packing
+from toolkit.config.schema import Config
 
 
 def is_preset(name: str) -> bool:
@@ -44,11 +44,14 @@ def model_config(cfg: Config) -> Any:
         mc = AutoConfig.from_pretrained(path, local_files_only=True)
     if cfg.model.task == "seq_cls":  # a reward model (train.objective=reward) scores a sequence with one output
         mc.num_labels = 1 if cfg.train.objective == "reward" else cfg.model.num_labels
-    # No KV cache in training forwards under checkpointing or packing: transformers only reads packed position
-    # ids as separate sequences when no cache is passed (masking_utils._preprocess_mask_arguments), and a
-    # training forward builds one whenever config.use_cache is on. The toolkit's generate asks for its cache
-    # (generation/batched.py: generate's default follows the config).
-    mc.use_cache = not (cfg.model.gradient_checkpointing or packing(cfg)[0])
+    # No KV cache in training forwards: a forward builds one whenever config.use_cache is on, and nothing of it
+    # serves training. Under packing transformers reads packed position ids as separate sequences only when no cache
+    # is passed (masking_utils._preprocess_mask_arguments); and a DynamicCache initializes each layer's cache with a
+    # copy that synchronizes the stream: 22 a step for Gemma-3-1B at micro 4, a step bound by the host, 1.15x without
+    # them (bench/profile_syncs.py; bench/results/speed_model/README.md). The toolkit's generate asks
+    # for its cache (generation/batched.py), and an exported model's config says use_cache again
+    # (faults/checkpoint.export_model).
+    mc.use_cache = False
     if cfg.model.rope_factor != 1:
         if getattr(mc, "max_position_embeddings", None) is None:
             raise ConfigError(f"model.rope_factor: a {mc.model_type} model has no rotary positions to extend")

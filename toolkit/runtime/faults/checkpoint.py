@@ -71,8 +71,17 @@ def export_model(engine: Any, out_dir: Path, tokenizer: Any | None = None) -> Pa
         tmp = out_dir.with_name(out_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         module = engine.module
-        # PeftModel.save_pretrained keeps only the adapter weights of the full state dict.
-        module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        # training ran without a KV cache (runtime/model.py); the exported model's inference wants its own
+        config = getattr(module, "config", None)
+        trained_with = getattr(config, "use_cache", None)
+        if trained_with is False:
+            config.use_cache = True
+        try:
+            # PeftModel.save_pretrained keeps only the adapter weights of the full state dict.
+            module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        finally:
+            if trained_with is False:
+                config.use_cache = False
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         shutil.rmtree(out_dir, ignore_errors=True)
