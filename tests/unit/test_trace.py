@@ -4,6 +4,7 @@ installed transformers either planned or refused in one line saying why."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -128,7 +129,8 @@ MUST_PLAN = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmo
              "xlstm",  # traced in its training mode (its default inference kernels keep fp32 states)
              "gemma3n_text",  # its key-value-sharing layers and per-layer MLP widths cut with its layers
              "cohere_compass_text", "lfm2_moe",  # what their checkpoints set (North's RoPE per layer type, LFM2's layout)
-             "phi4_multimodal")  # built without weight init on fake tensors (its vision tower's init reads values)
+             "phi4_multimodal",  # built without weight init on fake tensors (its vision tower's init reads values)
+             "gemma4_text", "gemma4_unified_text")  # head dims set per layer (per_layer_config): read per layer
 
 
 def test_every_causal_lm_family_plans_or_is_refused_in_one_line() -> None:
@@ -153,7 +155,7 @@ def test_every_causal_lm_family_plans_or_is_refused_in_one_line() -> None:
             refused[model_type] = str(e)
     missing = [t for t in MUST_PLAN if t not in planned]
     assert not missing, {t: refused.get(t) for t in missing}
-    assert len(planned) >= 156, (len(planned), refused)  # 158 of 196 with transformers 5.24
+    assert len(planned) >= 158, (len(planned), refused)  # 160 of 196 with transformers 5.24
 
 
 def test_a_state_space_model_plans_from_its_own_code_with_its_speed_marked_unvalidated() -> None:
@@ -180,3 +182,17 @@ def test_a_trace_on_real_tensors_counts_what_the_fake_trace_counts() -> None:
     fake, real = tr._trace_all(mc, n, None, real=False), tr._trace_all(mc, n, None, real=True)
     assert real.pop("real_tensors") is True
     assert real == fake
+
+
+def test_heads_set_per_layer_are_read_per_layer() -> None:
+    """Gemma 4 sets head dim 512 in its full-attention layers (per_layer_config), 256 in its sliding ones: the shape
+    holds each layer's heads, and its full layers' attention is timed at their own width (a uniform 256 would plan it
+    faster). A config that sets other attributes per layer is refused in one line naming them."""
+    s = read_shape(family_defaults("gemma4_text", max_layers=6))
+    assert s.head_dim == 256 and [d for _, d, _ in s.layer_heads] == [256] * 5 + [512]
+    assert [w for _, _, w in s.layer_heads] == [True] * 5 + [False]
+    w, c, hw = pl.Workload(s, 4096, 8), pl.Choice(2, "none", 1.0, 1, 8, False, "speed"), pl.Hardware(1, 1, 80.0)
+    uniform = dataclasses.replace(s, layer_heads=tuple((h, 256, win) for h, _, win in s.layer_heads))
+    assert pl.predict(w, c, hw).step_time_s > pl.predict(dataclasses.replace(w, shape=uniform), c, hw).step_time_s
+    with pytest.raises(ConfigError, match=r"'dots3_note_text' sets kv_lora_rank, qk_nope_head_dim per layer"):
+        read_shape(family_defaults("dots3_note_text"))

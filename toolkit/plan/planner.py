@@ -1154,11 +1154,14 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     width, t_att = s.num_heads * s.head_dim, w.attended
     t_win = min(t_att, 2 * s.sliding_window) if s.sliding_window and w.attn != "eager" else t_att
 
-    def layers_s(n: int, t: float) -> float:
-        return n * tokens * width * t * (12.0 / attention_rates.rate(s.head_dim, t) + forwards * 4.0 / attention_rates.rate(
-            s.head_dim, t, backward=False))
+    def layers_s(n: int, t: float, width: int = width, head_dim: int = s.head_dim) -> float:
+        return n * tokens * width * t * (12.0 / attention_rates.rate(head_dim, t) + forwards * 4.0 / attention_rates.rate(
+            head_dim, t, backward=False))
 
-    attention = layers_s(s.num_layers - s.sliding_layers, t_att) + layers_s(s.sliding_layers, t_win)
+    if s.layer_heads:  # heads or head dims set per layer (Gemma 4): each layer at its own
+        attention = sum(layers_s(1, t_win if windowed else t_att, heads * dim, dim) for heads, dim, windowed in s.layer_heads)
+    else:
+        attention = layers_s(s.num_layers - s.sliding_layers, t_att) + layers_s(s.sliding_layers, t_win)
     micro = dense + attention
     if w.load_in_4bit:  # each quantized Linear's dequantize-then-matmul, per call
         micro += s.num_layers * len(s.linears) * (2 + c.grad_ckpt) * BNB4_CALL_S

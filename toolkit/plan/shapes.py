@@ -31,7 +31,7 @@ from typing import Any
 from toolkit.config.ds_config import ConfigError
 
 SHAPES_FILE = Path(__file__).with_name("model_shapes.json")
-SHAPE_VERSION = 6  # bump when ModelShape changes: cached and committed shapes are then read again
+SHAPE_VERSION = 7  # bump when ModelShape changes: cached and committed shapes are then read again
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,11 @@ class ModelShape:
     Mistral; config/attention.kernel_window); 0: none."""
     sliding_layers: int = 0
     """How many decoder layers attend through that window (Gemma 3: five in six; Mistral: all)."""
+    layer_heads: tuple[tuple[int, int, bool], ...] = ()
+    """Where a config sets head counts or head dims per layer (transformers' per_layer_config; Gemma 4: head dim 512 in
+    its full-attention layers, 256 in its sliding ones): each layer's (query heads, head dim, attends through the
+    window); the attention term reads these. Empty where every layer has num_heads x head_dim; where set, num_heads,
+    num_kv_heads and head_dim are the config's base values, which most of its layers take."""
 
     def layers(self) -> Iterator[tuple[tuple[str, int], ...]]:
         """Every decoder layer's parameter list, in order."""
@@ -138,6 +143,7 @@ class ModelShape:
         for key in ("prefix_params", "layer_params", "suffix_params", "linears"):
             d[key] = tuple(tuple(x) for x in d[key])
         d["other_layers"] = tuple((int(i), tuple(tuple(x) for x in layer)) for i, layer in d.get("other_layers", ()))
+        d["layer_heads"] = tuple((int(h), int(dim), bool(win)) for h, dim, win in d.get("layer_heads", ()))
         return cls(**d)
 
 
@@ -157,16 +163,30 @@ ENCODERS = frozenset({"bert"})
 FORMULA_TYPES = frozenset({"gpt2", "bert"})
 
 
+# what a config may set per layer (transformers' per_layer_config) and still plan: the attention term reads each
+# layer's heads (ModelShape.layer_heads); the parameters, the trace and the FLOPs are read from the layers themselves
+PER_LAYER_READ = frozenset({"head_dim", "num_attention_heads", "num_key_value_heads"})
+
+
 def read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
     """Build the model described by the HF config `mc` on the meta device and read its parameters: a causal LM,
     or for an encoder (BERT) the sequence classifier the toolkit trains (model.task=seq_cls)."""
-    try:
+    varying = set(getattr(mc, "per_layer_attributes", None) or ())
+    if varying - PER_LAYER_READ:
+        raise ConfigError(f"{mc.model_type!r} sets {', '.join(sorted(varying - PER_LAYER_READ))} per layer "
+                          f"(per_layer_config): toolkit plan reads only {', '.join(sorted(PER_LAYER_READ))} per layer")
+    if not varying:
         return _read_shape(mc, trace=trace)
-    except Exception as e:  # transformers' heterogeneous configs refuse a global width or head count
-        if type(e).__name__ != "AmbiguousGlobalPerLayerAttributeError":
-            raise
-        raise ConfigError(f"{mc.model_type!r} sets its widths or head counts per layer (per_layer_config): toolkit "
-                          "plan models one width and head count for every layer") from None
+    # a global read of a per-layer attribute is refused (AmbiguousGlobalPerLayerAttributeError): the base values are
+    # read as the config's own, and each layer's from its layer config (_layer_heads)
+    from toolkit.plan.trace import quiet_transformers
+
+    mc.allow_global_per_layer_attribute_access = True
+    try:
+        with quiet_transformers():  # its warning at each such read: this one reads them knowingly
+            return _read_shape(mc, trace=trace)
+    finally:
+        mc.allow_global_per_layer_attribute_access = False
 
 
 def family_defaults(model_type: str, max_layers: int = 8) -> Any:
@@ -328,7 +348,25 @@ def _read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
         trace_error=trace_error,
         other_layers=tuple((i, p) for i, p in enumerate(by_layer) if p != per_layer),
         **_sliding(mc, layers),
+        layer_heads=_layer_heads(mc, layers, hidden),
     )
+
+
+def _layer_heads(mc: Any, layers: int, hidden: int) -> tuple[tuple[int, int, bool], ...]:
+    """Each layer's (query heads, head dim, through the window) where the config sets them per layer, else ()."""
+    if not getattr(mc, "per_layer_attributes", None):
+        return ()
+    from toolkit.config.attention import kernel_window
+
+    types = getattr(mc, "layer_types", None) or []
+    window = bool(kernel_window(mc))
+    out = []
+    for i in range(layers):
+        lc = mc.per_layer_config[i]
+        heads = int(lc.num_attention_heads)
+        out.append((heads, int(getattr(lc, "head_dim", None) or hidden // heads),
+                    window and i < len(types) and types[i] == "sliding_attention"))
+    return tuple(out)
 
 
 def _sliding(mc: Any, layers: int) -> dict[str, int]:

@@ -89,7 +89,7 @@ def _copy_params(mc: Any, n: int) -> int:
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    with torch.device("meta"), no_init_weights(), _quiet_transformers():
+    with torch.device("meta"), no_init_weights(), quiet_transformers():
         return sum(p.numel() for p in AutoModelForCausalLM.from_config(small_config(mc, n)).parameters())
 
 
@@ -226,7 +226,7 @@ def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, f
     from transformers.initialization import no_init_weights
 
     cfg = _training_config(small_config(mc, n))
-    with no_init_weights(), (contextlib.nullcontext() if real else FakeTensorMode()), _quiet_transformers(), \
+    with no_init_weights(), (contextlib.nullcontext() if real else FakeTensorMode()), quiet_transformers(), \
             _no_packed_mask():
         with _fake_conversion():
             model = _build(cfg, attn)
@@ -494,7 +494,7 @@ def _no_packed_mask() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
+def quiet_transformers() -> Iterator[None]:
     """transformers' warnings about the config, and fake-tensor's traceback of an op that fails (the trace says why
     in one line)."""
     import logging as std
