@@ -29,8 +29,9 @@ SHAPES = ((16, 2048), (4, 8192), (1, 32768))
 HEADS, KV, DIM = 32, 8, 64
 
 
-def _time(fn: Any, reps: int = 20) -> float:
-    for _ in range(5 if reps >= 10 else 1):
+def _time(fn: Any, reps: int = 20, warmups: int | None = None) -> float:
+    """Median milliseconds of `reps` calls after `warmups` (5, or 1 for fewer than 10 reps), CUDA events."""
+    for _ in range((5 if reps >= 10 else 1) if warmups is None else warmups):
         fn()
     times = []
     for _ in range(reps):

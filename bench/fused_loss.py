@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,18 +29,11 @@ TOKENS = (2048, 4096, 8192, 16384, 32768, 65536)
 BUDGETS = (1, 2, 4, 8, 16, 32)
 
 
-def _time(fn: Any, reps: int = 5) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times) / 1e3
+def _time(fn: Any) -> float:
+    """Median seconds of 5 calls after 2 warm-ups (bench/attention.py's timer)."""
+    from attention import _time as median_ms  # bench/attention.py: this script's directory is on sys.path
+
+    return median_ms(fn, reps=5, warmups=2) / 1e3
 
 
 def chunks(bt: int, h: int, v: int, c: int) -> tuple[int, int]:
