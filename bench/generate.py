@@ -153,11 +153,11 @@ def main() -> int:
             extra = {"cache_implementation": "static"} if name == "ceiling_static" else {}
             with torch.no_grad(), plain_linear():
                 plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new, do_sample=False,
-                               pad_token_id=0, **extra)  # warm-up: the same call (a static cache compiles here)
+                               pad_token_id=0, use_cache=True, **extra)  # warm-up: the same call (a static cache compiles here)
                 sync()
                 t0 = time.perf_counter()
                 res = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new, do_sample=False,
-                                     pad_token_id=0, **extra)
+                                     pad_token_id=0, use_cache=True, **extra)  # training configs have it off
                 sync()
             s = time.perf_counter() - t0
             tokens = len(share) * (res.shape[1] - width)

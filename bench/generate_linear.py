@@ -61,7 +61,7 @@ def main() -> int:
     def gen(m: Any, n: int) -> Any:
         with torch.no_grad():
             return m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0,
-                              synced_gpus=False)
+                              synced_gpus=False, use_cache=True)  # a training config has it off (runtime/model.py)
 
     def timeit(label: str, m: Any, n: int = 32) -> None:
         gen(m, 4)

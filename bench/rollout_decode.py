@@ -58,6 +58,7 @@ def _generate(a: argparse.Namespace, kind: str, rest: list[str], cache: str, mod
         with torch.no_grad():
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.new,
                            min_new_tokens=a.new, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0,
+                           use_cache=True,  # a training config has it off (runtime/model.py)
                            **({"cache_implementation": "static"} if cache == "static" else {}))
     if a.device == "cuda":
         torch.cuda.synchronize()

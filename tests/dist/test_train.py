@@ -390,6 +390,8 @@ def test_zero3_export_reloads_with_the_engines_logits(runs: Path, path: str) -> 
         assert all(f.get_slice(k).get_shape() and 0 not in f.get_slice(k).get_shape() for k in f.keys())  # noqa: SIM118 (safe_open is not iterable)
     # trained without a KV cache (runtime/model.py), exported with one for inference
     assert json.loads((d / "export" / "config.json").read_text())["use_cache"] is True
+    generation = d / "export" / "generation_config.json"
+    assert not generation.is_file() or json.loads(generation.read_text()).get("use_cache", True) is True
     reload_logits(d, "export")
 
 

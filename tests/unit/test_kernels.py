@@ -72,7 +72,11 @@ def test_the_fused_loss_takes_chunks_of_2048_rows_unless_set() -> None:
     assert loss_chunk_rows(1000, 4096, 128256, few) == 1000  # one chunk of every token
     assert loss_chunk_const("3", **gemma) == 3
     on = choose(True, cuda=True, model_type="llama", task="causal_lm", stage=2, supported=LIGER)
-    assert on.chunk_mem_const == "auto" and "(loss chunks of 2,048 rows)" in on.describe()
+    assert on.chunk_mem_const == "auto" and "(loss chunks of 2,048 rows where a micro-batch has them)" in on.describe()
+    # gpt-oss's forward asks 8 itself: auto takes at least that, an integer replaces it
+    assert loss_chunk_const("auto", floor=8, **gemma) == 16 and loss_chunk_const("auto", floor=8, tokens=65536,
+                                                                                  hidden=2880, vocab=201088) == 8
+    assert loss_chunk_const("1", floor=8, **gemma) == 1
     set1 = choose(True, cuda=True, model_type="llama", task="causal_lm", stage=2, supported=LIGER, chunk_mem_const="1")
     assert "(chunk_mem_const 1)" in set1.describe()
 

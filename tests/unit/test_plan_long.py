@@ -151,7 +151,7 @@ def _probe(doc: dict) -> tuple[pl.Workload, pl.Choice, pl.Hardware, str]:
     shape = replace(shape, max_positions=int(shape.max_positions * float(arg.get("rope", 8))))
     gpus, sp = int(arg.get("gpus", 1)), int(arg.get("sp", 1))
     w = pl.Workload(shape, 1024 * sp, gpus // sp, pl.Lora() if "--lora" in argv else None, True,
-                    activation_offload="false", sequence_parallel=sp)
+                    activation_offload="false", sequence_parallel=sp, loss_chunks="1")  # as it ran: Liger's chunks
     choice = pl.Choice(int(arg.get("stage", 2)), "none", 1.0, 1, 1, True, "speed")
     hw = pl.Hardware(gpus, 1, float(arg["gpu-limit"]) + pl.CUDA_CONTEXT_GIB, float(arg.get("host-mem", 0)) or None)
     return w, choice, hw, arg.get("tiled-mlp", "auto")

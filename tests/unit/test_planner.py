@@ -146,7 +146,8 @@ def test_predictions_match_the_big_runs() -> None:
         w = pl.Workload(load_shape(over["model.name"]), over["data.seq_len"],
                         c["micro_batch"] * c["grad_accum"] * len(ranks), None,
                         c["liger"], "sdpa", "true" if c["fused_loss"] else "false", over.get("train.compile", "auto"),
-                        over.get("train.fp8_recipe") if over.get("train.precision") == "fp8" else None)
+                        over.get("train.fp8_recipe") if over.get("train.precision") == "fp8" else None,
+                        loss_chunks="1")  # the runs had Liger's own loss chunks
         p = pl.predict(w, pl.Choice(c["stage"], c["offload"], c["offload_ratio"], c["micro_batch"], c["grad_accum"],
                                     c["grad_ckpt"], c["zero_sizes"]), pl.Hardware(len(ranks), 1, 139.0))
         # The planner does not model what compiling adds to the host: inductor's compiled code and caches measured
@@ -390,7 +391,8 @@ MEASURED_ISSUE25 = [
 def test_compile_fp8_gpt2_and_bert_predictions_match_what_ran() -> None:
     mem, speed = [], []
     for where, model, seq, micro, accum, n, stage, off, sizes, liger, comp, fp8, peak, tps in MEASURED_ISSUE25:
-        w = pl.Workload(load_shape(model), seq, micro * accum * n, None, liger, "sdpa", "auto", comp, fp8)
+        w = pl.Workload(load_shape(model), seq, micro * accum * n, None, liger, "sdpa", "auto", comp, fp8,
+                        loss_chunks="1")  # the runs had Liger's own loss chunks
         p = pl.predict(w, pl.Choice(stage, off, 1.0, micro, accum, False, sizes), pl.Hardware(n, 1, 140.0))
         mem.append(((p.peak_allocated_gib - peak) / peak, where))
         if tps:

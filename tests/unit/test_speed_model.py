@@ -203,7 +203,7 @@ def test_traced_families_peaks_within_10_percent_and_speeds_as_recorded() -> Non
 
 
 def test_the_fused_loss_time_fits_its_measured_rows() -> None:
-    """planner.fused_loss_s against bench/fused_loss.py's 170 rows (six heads, 2,048-65,536 tokens, chunk_mem_const
+    """planner.fused_loss_s against bench/fused_loss.py's 180 rows (six heads, 2,048-65,536 tokens, chunk_mem_const
     1-32, one H200): within 12% of every row of at least 4 ms (Phi-3's smaller heads run a launch-bound few ms), and
     the auto chunks within 6% of the fastest measured chunking of each shape and length where the bench ran them (auto
     asks more than chunk_mem_const 32 of the shortest micro-batches of the widest vocabularies)."""

@@ -196,3 +196,12 @@ def test_heads_set_per_layer_are_read_per_layer() -> None:
     assert pl.predict(w, c, hw).step_time_s > pl.predict(dataclasses.replace(w, shape=uniform), c, hw).step_time_s
     with pytest.raises(ConfigError, match=r"'dots3_note_text' sets kv_lora_rank, qk_nope_head_dim per layer"):
         read_shape(family_defaults("dots3_note_text"))
+    # what a run reads from the config (MFU's attention width, generation's KV cache): per layer, not refused
+    from transformers import CONFIG_MAPPING
+
+    from toolkit.observe.metrics import attention_width
+    from toolkit.runtime.generation.gather import decode_shape
+
+    full = CONFIG_MAPPING["gemma4_text"]()  # 30 layers, 5 of them full attention at head dim 512
+    assert attention_width(full) == round((25 * 8 * 256 + 5 * 8 * 512) / 30)
+    assert decode_shape(full).head_dim * 30 >= 25 * 256 + 5 * 512

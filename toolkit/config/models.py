@@ -135,3 +135,12 @@ def positions_hint(limit: int) -> str:
     """How to train past `limit` positions, for the one line that refuses a longer sequence."""
     return (f"extend them with model.rope_factor (e.g. {limit * 4:,} positions: model.rope_factor=4, rope scaling "
             "from the model's own), or take a model with more (the presets llama-3.2-1b and llama-3.1-8b: 131,072)")
+
+
+def per_layer(config: Any, name: str, layers: int) -> list[Any]:
+    """`name` for each of `layers` decoder layers: read from each layer's config where transformers' per_layer_config
+    sets it per layer (Gemma 4's head_dim), whose global read it refuses; else the config's own value for every
+    layer (None where the config has none)."""
+    if name in (getattr(config, "per_layer_attributes", None) or ()):
+        return [getattr(config.per_layer_config[i], name, None) for i in range(layers)]
+    return [getattr(config, name, None)] * layers

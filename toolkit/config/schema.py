@@ -41,7 +41,7 @@ class ModelConfig:
     model's forward instead of blocking on it."""
     liger_chunk_mem_const: str = "auto"
     """auto or a positive integer: Liger's `chunk_mem_const`, which sets how many rows a chunk of the fused loss holds
-    (about micro-batch tokens x chunk_mem_const x hidden / vocabulary; 1 is Liger's default on Hopper). auto: chunks of
+    (about micro-batch tokens x chunk_mem_const x hidden / vocabulary; 1 is Liger's default). auto: chunks of
     2,048 rows (all the tokens, if fewer), one bf16 logit a row and vocabulary entry at a time: Gemma 3's head loss
     ran 2.2x faster than at Liger's default (toolkit/plan/liger.py)."""
     rope_factor: float = 1.0

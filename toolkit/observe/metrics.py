@@ -58,11 +58,17 @@ def flops_per_token(
 
 def attention_width(config: Any) -> int | None:
     """The query width attention runs at (heads x head dim: the 12·L·H·T term's H). Most models' hidden size;
-    not Qwen3-MoE's (32 heads of 128 over a hidden size of 2048)."""
+    not Qwen3-MoE's (32 heads of 128 over a hidden size of 2048); the mean over the layers where a config sets them
+    per layer."""
+    from toolkit.config.models import per_layer
+
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd", None)
-    heads, dim = getattr(text, "num_attention_heads", None), getattr(text, "head_dim", None)
-    return int(heads * dim) if heads and dim else (int(hidden) if hidden else None)
+    layers = int(getattr(text, "num_hidden_layers", None) or 1)
+    widths = [h * d for h, d in zip(per_layer(text, "num_attention_heads", layers), per_layer(text, "head_dim", layers),
+                                    strict=True) if h and d]
+    # heads or head dims set per layer (Gemma 4): the mean width, which sums to the layers' attention FLOPs
+    return round(sum(widths) / len(widths)) if len(widths) == layers else (int(hidden) if hidden else None)
 
 
 def count_params(model: Any) -> tuple[int, int]:

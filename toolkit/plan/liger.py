@@ -26,8 +26,8 @@ class LigerChoice:
         off = [k for k, v in self.kwargs.items() if not v]
         line = f"liger kernels on: {', '.join(on)}"
         if self.kwargs.get("fused_linear_cross_entropy"):
-            line += (f" (loss chunks of {LOSS_CHUNK_ROWS:,} rows)" if self.chunk_mem_const == "auto" else
-                     f" (chunk_mem_const {self.chunk_mem_const})")
+            line += (f" (loss chunks of {LOSS_CHUNK_ROWS:,} rows where a micro-batch has them)"
+                     if self.chunk_mem_const == "auto" else f" (chunk_mem_const {self.chunk_mem_const})")
         return line + (f" ({', '.join(off)} off: {self.reason})" if off else "")
 
 
@@ -100,12 +100,13 @@ def choose(wanted: bool, *, cuda: bool, model_type: str, task: str, stage: int,
 
 
 # Liger's fused loss splits a micro-batch's BT tokens into chunks of next_pow2(BT / ceil(V / (C x H))) rows, C its
-# `chunk_mem_const` (1 on Hopper), so it walks about V / H chunks whatever BT is, and each chunk reads the head's V x H
+# `chunk_mem_const` (1 by default), so it walks about V / H chunks whatever BT is, and each chunk reads the head's V x H
 # weight twice and reads and writes its gradient: a cost that grows with V^2 and not with the tokens. Measured on one
 # H200 (bench/fused_loss.py, bench/results/speed_model/fused_loss_h200.json): Gemma 3's head (1,152 x 262,144) at
 # 16,384 tokens took 114.8 ms in 128 chunks of 128 rows and 52.8 ms in 8 chunks of 2,048; Llama-3-8B's at the same
-# tokens 91.2 against 79.5 ms; beyond 2,048 rows a chunk no shape gained more than 3%. Liger keeps the small chunks
-# for memory, which here is one bf16 logit a row and vocabulary entry: 2,048 rows of 262,144 are 1 GiB.
+# tokens 91.2 against 79.4 ms; beyond 2,048 rows a chunk the best of the larger chunks gained at most 5.4% (Phi-3's
+# head at 16,384 tokens), most under 3%. Liger keeps the small chunks for memory, which here is one bf16 logit a row and
+# vocabulary entry: 2,048 rows of 262,144 are 1 GiB.
 LOSS_CHUNK_ROWS = 2048
 LOSS_CHUNK_MAX_CONST = 256
 
@@ -117,12 +118,18 @@ def loss_chunk_rows(tokens: int, hidden: int, vocab: int, const: int) -> int:
     return min(rows, tokens)
 
 
-def loss_chunk_const(setting: str | int, *, tokens: int, hidden: int, vocab: int) -> int:
+# chunk_mem_const a Liger model forward passes itself (liger_kernel/transformers/model/gpt_oss.py, 0.8.5): auto takes
+# at least this; an integer setting replaces it
+LOSS_CHUNK_FLOORS = {"gpt_oss": 8}
+
+
+def loss_chunk_const(setting: str | int, *, tokens: int, hidden: int, vocab: int, floor: int = 1) -> int:
     """Liger's chunk_mem_const for a fused loss over `tokens` rows: model.liger_chunk_mem_const as an integer, or auto: the
-    smallest power of two whose chunks hold LOSS_CHUNK_ROWS rows (all the tokens, if fewer)."""
+    smallest power of two, at least `floor` (what the model's forward asks, LOSS_CHUNK_FLOORS), whose chunks hold
+    LOSS_CHUNK_ROWS rows (all the tokens, if fewer)."""
     if str(setting) != "auto":
         return int(setting)
-    want, const = min(tokens, LOSS_CHUNK_ROWS), 1
+    want, const = min(tokens, LOSS_CHUNK_ROWS), max(1, floor)
     while loss_chunk_rows(tokens, hidden, vocab, const) < want and const < LOSS_CHUNK_MAX_CONST:
         const *= 2
     return const

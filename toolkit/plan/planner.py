@@ -31,7 +31,13 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from toolkit.config.ds_config import SPEED_SIZES, ConfigError
-from toolkit.plan.liger import LIGER_MODEL_TYPES, loss_chunk_const, loss_chunk_rows, moe_fused_loss
+from toolkit.plan.liger import (
+    LIGER_MODEL_TYPES,
+    LOSS_CHUNK_FLOORS,
+    loss_chunk_const,
+    loss_chunk_rows,
+    moe_fused_loss,
+)
 from toolkit.plan.shapes import FORMULA_TYPES, ModelShape
 from toolkit.plan.speedups import (
     activation_offload_on,
@@ -114,11 +120,11 @@ MFU_HALF_TOKENS = 4662.0
 # (hidden 1536) on one H200, whose short rows ran at 0.81x and 0.84x of the fit (ZeRO-2 micro 4 x 4,096, ZeRO-0 micro
 # 8 x 2,048; bench/results/speed_model/README.md). Not above 2,048: no wider shape was measured against it.
 NARROW_EXPONENT = 0.65
-# Liger's fused loss, timed apart from the rest (bench/fused_loss.py on one H200, 170 rows of six heads, 2,048-65,536
+# Liger's fused loss, timed apart from the rest (bench/fused_loss.py on one H200, 180 rows of six heads, 2,048-65,536
 # tokens, chunk_mem_const 1-32; bench/results/speed_model/fused_loss_h200.json): each chunk of r rows costs the
 # hypotenuse of its matmuls at LOSS_FLOPS (6 r H V, a trained head) and its walk over the head's weight and gradient
-# at LOSS_BYTES_PER_S (8 V H bytes), plus LOSS_LOGIT_BYTES a logit. Fitted to all rows: 5.2% rms, within 10% but for
-# heads of under 4 ms (Phi-3's, up to -25%). A frozen head (LoRA): its two matmuls and the weight read twice, not
+# at LOSS_BYTES_PER_S (8 V H bytes), plus LOSS_LOGIT_BYTES a logit. Fitted to all rows: 4.9% rms, within 12% of every
+# row of at least 4 ms; the four under it (Phi-3's head at 2,048 tokens) 19-22% low. A frozen head (LoRA): its two matmuls and the weight read twice, not
 # measured.
 LOSS_FLOPS = 670e12
 LOSS_BYTES_PER_S = 3.0e12
@@ -811,7 +817,8 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
         # forward and kept; one chunk of chunk_size x V bf16 logits at a time, its gradient written in place (measured:
         # 2 bytes a logit beside them, bench/results/speed_model/fused_loss_h200.json "transient_gib"), and 4 bytes a
         # trained head weight more that the validation rows' peaks at forward end hold (fitted there, not traced)
-        chunk = loss_chunk_rows(tokens, h, vocab, loss_chunk_const(w.loss_chunks, tokens=tokens, hidden=h, vocab=vocab))
+        chunk = loss_chunk_rows(tokens, h, vocab, loss_chunk_const(w.loss_chunks, tokens=tokens, hidden=h, vocab=vocab,
+                                                                   floor=LOSS_CHUNK_FLOORS.get(s.model_type, 1)))
         kept_head = 2.0 * vocab * h if full else 0.0  # the trained head's gradient outlives the input's
         kept_loss = 2.0 * h * tokens + kept_head
         loss_fwd = kept_loss + 2.0 * chunk * vocab + (4.0 * vocab * h if full else 0.0)
@@ -944,7 +951,7 @@ def _rollout_bytes(w: Workload, c: Choice, stage: int, p_all: int) -> float:
 
     s = w.shape
     decode = DecodeShape(layers=s.num_layers, hidden=s.hidden_size, intermediate=s.intermediate_size,
-                         heads=s.num_heads, kv_heads=s.num_kv_heads, head_dim=s.head_dim, vocab=s.vocab_size)
+                         heads=s.num_heads, kv_heads=s.num_kv_heads, head_dim=s.mean_head_dim, vocab=s.vocab_size)
     prompt = -(-(w.seq_len - w.completion_len) // STATIC_WIDTH) * STATIC_WIDTH
     batch = min(c.micro_batch * c.grad_accum * w.generations, MAX_BATCH)
     gathered = 2.0 * p_all if stage == 3 else 0.0
@@ -1145,7 +1152,8 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
         f = fp8_flop_share(s, w.fp8, flops, c.grad_ckpt)
         dense *= (1 - f) + f / fp8_gain(s.hidden_size)
     if head:
-        const = loss_chunk_const(w.loss_chunks, tokens=tokens, hidden=s.hidden_size, vocab=s.vocab_size)
+        const = loss_chunk_const(w.loss_chunks, tokens=tokens, hidden=s.hidden_size, vocab=s.vocab_size,
+                                 floor=LOSS_CHUNK_FLOORS.get(s.model_type, 1))
         dense += fused_loss_s(tokens, s.hidden_size, s.vocab_size, const, trained=w.lora is None)
     # packed documents: their own length (Workload.attended); width: query heads x head dim (not always the hidden).
     # A sliding-window layer on the varlen kernel (packed rows; unpadded rows of a fine-tune: runtime/attention) sees at

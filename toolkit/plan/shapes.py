@@ -84,6 +84,14 @@ class ModelShape:
     window); the attention term reads these. Empty where every layer has num_heads x head_dim; where set, num_heads,
     num_kv_heads and head_dim are the config's base values, which most of its layers take."""
 
+    @property
+    def mean_head_dim(self) -> int:
+        """head_dim, or where the config sets it per layer (layer_heads) the mean over the layers, rounded up: a KV
+        cache of num_layers x num_kv_heads x this holds every layer's."""
+        if not self.layer_heads:
+            return self.head_dim
+        return -(-sum(d for _, d, _ in self.layer_heads) // len(self.layer_heads))
+
     def layers(self) -> Iterator[tuple[tuple[str, int], ...]]:
         """Every decoder layer's parameter list, in order."""
         other = dict(self.other_layers)
@@ -181,12 +189,13 @@ def read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
     # read as the config's own, and each layer's from its layer config (_layer_heads)
     from toolkit.plan.trace import quiet_transformers
 
+    allowed = mc.allow_global_per_layer_attribute_access
     mc.allow_global_per_layer_attribute_access = True
     try:
         with quiet_transformers():  # its warning at each such read: this one reads them knowingly
             return _read_shape(mc, trace=trace)
     finally:
-        mc.allow_global_per_layer_attribute_access = False
+        mc.allow_global_per_layer_attribute_access = allowed
 
 
 def family_defaults(model_type: str, max_layers: int = 8) -> Any:

@@ -71,17 +71,18 @@ def export_model(engine: Any, out_dir: Path, tokenizer: Any | None = None) -> Pa
         tmp = out_dir.with_name(out_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         module = engine.module
-        # training ran without a KV cache (runtime/model.py); the exported model's inference wants its own
-        config = getattr(module, "config", None)
-        trained_with = getattr(config, "use_cache", None)
-        if trained_with is False:
-            config.use_cache = True
+        # training ran without a KV cache (runtime/model.py), and transformers copied that into the generation config
+        # when the model was built; the exported model's inference wants its cache in both
+        off = [c for c in (getattr(module, "config", None), getattr(module, "generation_config", None))
+               if getattr(c, "use_cache", None) is False]
+        for c in off:
+            c.use_cache = True
         try:
             # PeftModel.save_pretrained keeps only the adapter weights of the full state dict.
             module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
         finally:
-            if trained_with is False:
-                config.use_cache = False
+            for c in off:
+                c.use_cache = False
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         shutil.rmtree(out_dir, ignore_errors=True)

@@ -102,8 +102,8 @@ def generate_local(
         if dist.rank() == 0:
             print("warning: eval.unsafe_no_sync=true: synced_gpus is off under ZeRO-3; ranks that finish at "
                   "different steps will hang", file=sys.stderr, flush=True)
-    # use_cache=True: a model trained on packed rows or with checkpointing has config.use_cache off (model.py), and
-    # generate takes its default from the config: without it every new token recomputed the whole sequence
+    # use_cache=True: a model in training has config.use_cache off (model.py), and generate takes its default from
+    # the config: without it every new token recomputed the whole sequence
     # (a GRPO rollout of 256 tokens ran at 42 ms a token on an H200, 3.8 ms with the cache, bench/results/grpo/)
     kw: dict[str, Any] = dict(max_new_tokens=cfg.max_new_tokens, do_sample=False, pad_token_id=pad_id,
                               synced_gpus=sync, temperature=None, top_p=None, top_k=None, use_cache=True)

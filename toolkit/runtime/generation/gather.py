@@ -45,15 +45,20 @@ class Choice:
 
 def decode_shape(mc: Any) -> DecodeShape:
     mc = mc.get_text_config() if hasattr(mc, "get_text_config") else mc  # composite (vision-language) configs
+    from toolkit.config.models import per_layer
+
     hidden = int(getattr(mc, "hidden_size", None) or mc.n_embd)
     heads = int(getattr(mc, "num_attention_heads", None) or mc.n_head)
+    layers = int(getattr(mc, "num_hidden_layers", None) or mc.n_layer)
+    # head dims set per layer (Gemma 4's full-attention layers at 512): the mean, so the KV cache sums right
+    dims = [d or hidden // heads for d in per_layer(mc, "head_dim", layers)]
     return DecodeShape(
-        layers=int(getattr(mc, "num_hidden_layers", None) or mc.n_layer),
+        layers=layers,
         hidden=hidden,
         intermediate=int(getattr(mc, "intermediate_size", None) or getattr(mc, "n_inner", None) or 4 * hidden),
         heads=heads,
         kv_heads=int(getattr(mc, "num_key_value_heads", None) or heads),
-        head_dim=int(getattr(mc, "head_dim", None) or hidden // heads),
+        head_dim=-(-sum(dims) // layers),
         vocab=int(mc.vocab_size),
     )
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from toolkit.config.ds_config import ConfigError
 from toolkit.runtime.data.batches import document_boundaries
 from toolkit.runtime.data.corpus import IGNORE_INDEX
 
@@ -130,6 +131,9 @@ def start(size: int, model_config: Any, micro_batch: int) -> SequenceParallel:
     stop()  # an earlier run in this process (tests share launches): its groups and wrapper go first
     mpu.initialize_sequence_parallel(sequence_parallel_size=size)
     text = model_config.get_text_config()
+    if getattr(text, "per_layer_attributes", None):  # DeepSpeed's Ulysses takes one head count and one head dim
+        raise ConfigError(f"train.sequence_parallel: this model sets {', '.join(sorted(text.per_layer_attributes))} "
+                          "per layer (per_layer_config); DeepSpeed's Ulysses attention takes one for every layer")
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     ulysses = UlyssesSPAttentionHF(attn=attention_forward, batch_size=micro_batch,
                                    attn_head_count=text.num_attention_heads, attn_head_size=head_dim,

@@ -17,13 +17,14 @@ same losses. `model.liger_fused_loss=false` turns it off.
 The fused loss's chunks: Liger sizes them for memory (`chunk_mem_const` 1 on Hopper: about vocabulary / hidden chunks
 whatever the micro-batch), and each chunk re-reads the head's weight and its gradient, so a large vocabulary pays
 that walk at every micro-step (Gemma 3's head: 114.8 ms at 16,384 tokens against 52.8 ms in chunks of 2,048 rows;
-toolkit/plan/liger.py). Liger takes `chunk_mem_const` per call but the model's patched forward passes none, so the
-toolkit wraps Liger's functional entry point once per process with the run's model.liger_chunk_mem_const.
+toolkit/plan/liger.py). Liger takes `chunk_mem_const` per call but its patched forwards pass none (gpt-oss's passes 8),
+so the toolkit wraps Liger's functional entry point once per process with the run's model.liger_chunk_mem_const.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 from toolkit.plan.liger import LigerChoice, loss_chunk_const
@@ -58,19 +59,24 @@ def apply(model: Any, choice: LigerChoice) -> None:
 
 def chunk_fused_loss(setting: str) -> None:
     """Every later call of Liger's fused linear cross-entropy (the patched models' loss reaches it through
-    liger_kernel.transformers.functional, looked up at each call) takes chunk_mem_const from `setting`
-    (toolkit/plan/liger.loss_chunk_const for the call's own tokens, hidden size and vocabulary) where the caller
-    asks for less; a second call replaces the first's setting."""
+    liger_kernel.transformers.functional, looked up at each call) takes chunk_mem_const from `setting`: an integer as
+    it is, auto as toolkit/plan/liger.loss_chunk_const gives it for the call's own tokens, hidden size and vocabulary,
+    at least what the caller asks (gpt-oss's forward asks 8). A second call replaces the first's setting. A Liger
+    without the argument (before 0.8.5) keeps its own chunks."""
     from liger_kernel.transformers import functional
 
-    inner = getattr(functional.liger_fused_linear_cross_entropy, "__wrapped__",
-                    functional.liger_fused_linear_cross_entropy)
+    current = functional.liger_fused_linear_cross_entropy
+    inner = getattr(current, "_toolkit_inner", current)
+    if "chunk_mem_const" not in inspect.signature(inner).parameters:
+        return
 
     @functools.wraps(inner)  # Liger's loss filters its kwargs by this signature (loss_utils.LigerForCausalLMLoss)
     def chunked(input: Any, weight: Any, *args: Any, **kwargs: Any) -> Any:
-        want = loss_chunk_const(setting, tokens=int(input.numel() // input.shape[-1]), hidden=int(weight.shape[1]),
-                                vocab=int(weight.shape[0]))
-        kwargs["chunk_mem_const"] = max(want, int(kwargs.get("chunk_mem_const") or 1))
+        asked = int(kwargs.get("chunk_mem_const") or 1)
+        kwargs["chunk_mem_const"] = loss_chunk_const(setting, tokens=int(input.numel() // input.shape[-1]),
+                                                     hidden=int(weight.shape[1]), vocab=int(weight.shape[0]),
+                                                     floor=asked)
         return inner(input, weight, *args, **kwargs)
 
+    chunked._toolkit_inner = inner  # type: ignore[attr-defined]
     functional.liger_fused_linear_cross_entropy = chunked
