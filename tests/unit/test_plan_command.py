@@ -215,3 +215,23 @@ def test_issue_50s_case_plans_no_offload(tmp_path: Path, capsys: pytest.CaptureF
     chosen = json.loads(capsys.readouterr().out)["chosen"]
     assert (chosen["stage"], chosen["offload"]) == (0, "none"), chosen
     assert chosen["why"].startswith("no offload: one fits")
+
+
+def test_the_loss_chunk_setting_is_planned_and_written_to_the_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--liger-chunk-mem-const: Liger's own chunks (1) plan Gemma 3's 262K-vocabulary step slower than auto's 2,048-row
+    chunks (its fused loss walks 128 chunks, bench/results/speed_model/fused_loss_h200.json); the setting reaches the
+    run's overrides and the plan's inputs."""
+    args = ["plan", "--model", "gemma3-1b", "--gpus", "1", "--seq", "4096", "--global-batch", "4", "--stage", "2",
+            "--micro-batch", "4", "--json"]
+    speeds = {}
+    for setting in ("auto", "1"):
+        assert main([*args, "--liger-chunk-mem-const", setting, "-o", str(tmp_path / setting)]) == 0
+        plan = json.loads((tmp_path / setting / "plan.json").read_text())
+        speeds[setting] = plan["chosen"]["tokens_per_s_per_gpu"]
+        assert plan["inputs"]["loss_chunks"] == setting
+    capsys.readouterr()
+    assert speeds["auto"] > 1.15 * speeds["1"]
+    from toolkit.config.schema import load_config
+
+    assert load_config(str(tmp_path / "1" / "train.yaml"), []).model.liger_chunk_mem_const == "1"
+    assert "liger_chunk_mem_const" not in (tmp_path / "auto" / "train.yaml").read_text()

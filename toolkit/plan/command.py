@@ -64,6 +64,8 @@ def train_overrides(args: Any, p: pl.Prediction, out_dir: Path | None) -> dict[s
                          "lora.enabled": bool(args.lora)}
     if args.fused_loss != "auto":
         o["model.liger_fused_loss"] = args.fused_loss
+    if args.liger_chunk_mem_const != "auto":
+        o["model.liger_chunk_mem_const"] = args.liger_chunk_mem_const
     if args.compile != "auto":
         o["train.compile"] = args.compile
     if args.zero3_leaves != "auto":
@@ -157,7 +159,8 @@ def _workload(args: Any) -> tuple[pl.Workload, pl.Hardware]:
                     reference=pl.reference_mode(args.objective, args.reference, lora is not None),
                     generations=args.generations, completion_len=_completion(args), zero3_leaves=args.zero3_leaves,
                     optimizer=args.optimizer, states=args.optimizer_states, load_in_4bit=args.load_in_4bit,
-                    quantized_build=args.load_in_4bit and _read_by_module(args.model))
+                    quantized_build=args.load_in_4bit and _read_by_module(args.model),
+                    loss_chunks=args.liger_chunk_mem_const)
     hw = pl.Hardware(args.gpus, args.nodes, args.gpu_mem, args.host_mem)
     return w, hw
 
@@ -173,6 +176,15 @@ def _read_by_module(model: str) -> bool:
 
     mc = AutoConfig.from_pretrained(model, local_files_only=True)
     return checkpoint_files(model, model_keys(AutoModelForCausalLM, mc, {})) is not None
+
+
+def _chunk_setting(value: str) -> str:
+    """--liger-chunk-mem-const: auto or a positive integer, as model.liger_chunk_mem_const takes it."""
+    import argparse
+
+    if value != "auto" and not (value.isdigit() and int(value) >= 1):
+        raise argparse.ArgumentTypeError(f"auto or a positive integer, got {value!r}")
+    return value
 
 
 def _completion(args: Any) -> int:
@@ -372,7 +384,8 @@ def plan_json(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predic
                    "world_size": hw.world, "gpu_mem_gib": hw.gpu_mem_gib, "host_mem_gib": hw.host_mem_gib,
                    "lora": None if w.lora is None else {"r": w.lora.r, "targets": list(w.lora.targets)},
                    "load_in_4bit": w.load_in_4bit,
-                   "liger": w.liger, "fused_loss": w.fused_loss, "attn": w.attn, "compile": w.compile,
+                   "liger": w.liger, "fused_loss": w.fused_loss, "loss_chunks": w.loss_chunks, "attn": w.attn,
+                   "compile": w.compile,
                    "zero3_leaves": w.zero3_leaves,
                    "fp8": w.fp8, "task": w.shape.task, "doc_len": w.doc_len, "optimizer": w.optimizer,
                    "optimizer_states": w.states,
@@ -418,7 +431,8 @@ def command(args: Any) -> str:
                                  ("--tiled-mlp", args.tiled_mlp, "auto"),
                                  ("--tiled-loss", args.tiled_loss, "auto"),
                                  ("--activation-offload", args.activation_offload, "auto"),
-                                 ("--rope-factor", f"{args.rope_factor:g}", "1"), ("--fused-loss", args.fused_loss, "auto"), ("--attn", args.attn, "sdpa"),
+                                 ("--rope-factor", f"{args.rope_factor:g}", "1"), ("--fused-loss", args.fused_loss, "auto"),
+                                 ("--liger-chunk-mem-const", args.liger_chunk_mem_const, "auto"), ("--attn", args.attn, "sdpa"),
                                  ("--compile", args.compile, "auto"), ("--zero3-leaves", args.zero3_leaves, "auto"),
                                  ("--precision", args.precision, "bf16"),
                                  ("--optimizer", args.optimizer, "adamw"),
@@ -537,6 +551,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--no-liger", action="store_true", help="plan without Liger's kernels (model.liger=false)")
     p.add_argument("--fused-loss", choices=("auto", "true", "false"), default="auto",
                    help="model.liger_fused_loss (auto, true: Liger's fused loss where Liger applies; false: off)")
+    p.add_argument("--liger-chunk-mem-const", type=_chunk_setting, default="auto", metavar="auto|N",
+                   help="model.liger_chunk_mem_const: the fused loss's chunks (auto: 2,048 rows; 1: Liger's own)")
     p.add_argument("--attn", choices=("sdpa", "eager", "flash_attention_2"), default="sdpa")
     p.add_argument("--sequence-parallel", type=int, default=1, metavar="N",
                    help="train.sequence_parallel: each row over N ranks (activations / N; global batch counts groups)")
