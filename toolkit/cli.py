@@ -12,6 +12,7 @@ from typing import Any
 
 from toolkit import __version__
 from toolkit.config.ds_config import CONSUMERS, DEFAULT_TARGETS  # pure dict code: no torch, fast
+from toolkit.config.models import text_config
 
 OFFLOADS = ("none", "cpu", "nvme")
 PRECISIONS = ("bf16", "fp16", "fp32", "auto")
@@ -89,7 +90,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         from toolkit.runtime.model import model_config
 
         text = model_config(load_config(None, [f"model.name={args.model}"]))
-        text = text.get_text_config() if hasattr(text, "get_text_config") else text
+        text = text_config(text)
         q = getattr(text, "num_attention_heads", None)
         args.heads = (q, getattr(text, "num_key_value_heads", q)) if q else None
     return run_check(args)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from toolkit.config.models import text_config
+
 # transformers 5.24 model types whose attention keeps no window of its own to hand the attention function (neither a
 # `sliding_window=` keyword nor a `sliding_window` attribute; a scan of their modeling files): their sliding layers
 # stay on transformers' mask
@@ -19,7 +21,7 @@ def kernel_window(config: Any) -> int | None:
     mask does; None where it has no such layers or the kernel cannot take them: attention dropout (the kernel has
     none), Gemma 2's softcapping, bidirectional attention (EmbeddingGemma), attention sinks and every model without an
     sdpa path (gpt-oss, Gemma 2: transformers runs them eager or through flash-attn)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     window = getattr(text, "sliding_window", None)
     if not window or getattr(text, "use_sliding_window", True) is False:
         return None
@@ -36,7 +38,7 @@ def kernel_window(config: Any) -> int | None:
 def sliding_layers(config: Any, layers: int) -> int:
     """How many of the first `layers` decoder layers attend through the window: those `layer_types` lists as sliding
     (transformers 5 fills the list for Gemma, Qwen2, gpt-oss), else every layer (Mistral, Phi-3)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     types = getattr(text, "layer_types", None)
     return sum(t == "sliding_attention" for t in types[:layers]) if types else layers
 

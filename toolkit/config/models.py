@@ -144,3 +144,9 @@ def per_layer(config: Any, name: str, layers: int) -> list[Any]:
     if name in (getattr(config, "per_layer_attributes", None) or ()):
         return [getattr(config.per_layer_config[i], name, None) for i in range(layers)]
     return [getattr(config, name, None)] * layers
+
+
+def text_config(config: Any) -> Any:
+    """The language model's config: a composite (vision-language) config's text config, else the config itself (None
+    stays None)."""
+    return config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config

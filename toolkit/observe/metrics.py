@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from toolkit.config.models import per_layer, text_config
 from toolkit.launch import dist
 from toolkit.observe import trackers
 from toolkit.observe.tables import _fmt
@@ -60,9 +61,7 @@ def attention_width(config: Any) -> int | None:
     """The query width attention runs at (heads x head dim: the 12·L·H·T term's H). Most models' hidden size;
     not Qwen3-MoE's (32 heads of 128 over a hidden size of 2048); the mean over the layers where a config sets them
     per layer."""
-    from toolkit.config.models import per_layer
-
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd", None)
     layers = int(getattr(text, "num_hidden_layers", None) or 1)
     widths = [h * d for h, d in zip(per_layer(text, "num_attention_heads", layers), per_layer(text, "head_dim", layers),
@@ -78,7 +77,7 @@ def count_params(model: Any) -> tuple[int, int]:
     import torch
 
     cfg = getattr(model, "config", None)
-    text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+    text = text_config(cfg)
     count = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
     top_k = getattr(text, "num_experts_per_tok", None)
     share: dict[int, float] = {}

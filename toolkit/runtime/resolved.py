@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from toolkit.config.ds_config import ConfigError, zero_stage
+from toolkit.config.models import text_config
 from toolkit.config.schema import Config, packing
 from toolkit.launch import dist
 from toolkit.plan.experts import ExpertsChoice
@@ -312,7 +313,7 @@ def resolve_run(cfg: Config, ds: dict[str, Any], model_config: Any, world: int, 
     loss_on, loss_why = tiled_loss_on(m.tiled_loss, fused_loss=bool(liger.kwargs.get("fused_linear_cross_entropy")),
                                       tokens=cfg.data.seq_len // t.sequence_parallel, causal_lm=m.task == "causal_lm",
                                       moe=moe.is_moe(model_config))
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    text = text_config(model_config)
     micro = t.micro_batch_size
     offloading = _activation_offload(cfg, text, hidden_size(text), micro, machine)
     ranks = world // t.sequence_parallel

@@ -25,6 +25,7 @@ from toolkit.config.ds_config import (
     resolve,
     zero_stage,
 )
+from toolkit.config.models import text_config
 from toolkit.config.schema import Config
 from toolkit.launch import dist
 from toolkit.observe import trackers
@@ -216,7 +217,7 @@ def _check_vocabulary(cfg: Config, mc: Any) -> None:
     from toolkit.runtime.model import build_tokenizer
 
     tok = build_tokenizer(cfg)
-    vocab = getattr(mc.get_text_config() if hasattr(mc, "get_text_config") else mc, "vocab_size", None)
+    vocab = getattr(text_config(mc), "vocab_size", None)
     if cfg.train.objective == "grpo":  # text and chat prompts need the tokenizer, ids the model's vocabulary
         from toolkit.runtime.rl import prompts
 
@@ -260,7 +261,7 @@ def _check_sequence_parallel(cfg: Config, mc: Any, ds: dict[str, Any], world: in
     from toolkit.config.checks.sequence import problems
 
     t = cfg.train
-    text = mc.get_text_config() if hasattr(mc, "get_text_config") else mc
+    text = text_config(mc)
     heads = getattr(text, "num_attention_heads", None)
     found = problems(t.sequence_parallel, world, zero_stage(ds), heads, getattr(text, "num_key_value_heads", heads),
                      cfg.data.seq_len, cfg.model.attn_implementation, cfg.model.task, t.micro_batch_size)

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from toolkit.config.models import per_layer, text_config
 from toolkit.launch import dist
 from toolkit.plan.generation import MAX_BATCH, DecodeShape, batch_that_fits, bytes_per_sequence
 from toolkit.runtime.generation.guard import unwrap
@@ -44,9 +45,7 @@ class Choice:
 
 
 def decode_shape(mc: Any) -> DecodeShape:
-    mc = mc.get_text_config() if hasattr(mc, "get_text_config") else mc  # composite (vision-language) configs
-    from toolkit.config.models import per_layer
-
+    mc = text_config(mc)  # composite (vision-language) configs
     hidden = int(getattr(mc, "hidden_size", None) or mc.n_embd)
     heads = int(getattr(mc, "num_attention_heads", None) or mc.n_head)
     layers = int(getattr(mc, "num_hidden_layers", None) or mc.n_layer)

@@ -19,6 +19,7 @@ import torch
 
 from toolkit.config.checks import expert_parallel
 from toolkit.config.ds_config import ConfigError
+from toolkit.config.models import text_config
 from toolkit.plan import experts
 from toolkit.plan import liger as liger_rules
 from toolkit.plan.experts import ExpertsChoice
@@ -45,7 +46,7 @@ def experts_of(model: torch.nn.Module) -> Experts | None:
     if not blocks:
         return None
     cfg = getattr(model, "config", None)
-    text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+    text = text_config(cfg)
     first = blocks[0]
     per_expert = isinstance(first.experts, torch.nn.ModuleList)
     count = len(first.experts) if per_expert else int(
@@ -90,7 +91,7 @@ def leaves_at_init(model: torch.nn.Module, ds: dict[str, Any]) -> list[torch.nn.
 
 
 def is_moe(model_config: Any) -> bool:
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    text = text_config(model_config)
     return bool(getattr(text, "num_experts", 0) or getattr(text, "num_local_experts", 0)
                 or getattr(text, "n_routed_experts", 0))
 

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from toolkit.config.models import text_config
+
 IGNORE = -100
 # config attributes of families whose forward changes the head's output after it (a soft-cap: Gemma 2/3; a scale:
 # Cohere, Granite, HyperCLOVA X; a multiplier: Falcon-H1): those take the whole logits
@@ -121,7 +123,7 @@ class SelectedHead:
     @staticmethod
     def of(model: Any, chunk: int = DEFAULT_CHUNK) -> SelectedHead | None:
         config = getattr(model, "config", None)
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text = text_config(config)
         if any(getattr(c, k, None) not in (None, 1, 1.0) for c in (config, text) for k in SCALED_HEADS):
             return None
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
