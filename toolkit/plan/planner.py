@@ -124,11 +124,18 @@ NARROW_EXPONENT = 0.65
 # tokens, chunk_mem_const 1-32; bench/results/speed_model/fused_loss_h200.json): each chunk of r rows costs the
 # hypotenuse of its matmuls at LOSS_FLOPS (6 r H V, a trained head) and its walk over the head's weight and gradient
 # at LOSS_BYTES_PER_S (8 V H bytes), plus LOSS_LOGIT_BYTES a logit. Fitted to all rows: 4.9% rms, within 12% of every
-# row of at least 4 ms; the four under it (Phi-3's head at 2,048 tokens) 19-22% low. A frozen head (LoRA): its two matmuls and the weight read twice, not
-# measured.
+# row of at least 4 ms; the four under it (Phi-3's head at 2,048 tokens) 19-22% low. A frozen head (LoRA): its two
+# matmuls and the weight read twice, not measured.
 LOSS_FLOPS = 670e12
 LOSS_BYTES_PER_S = 3.0e12
 LOSS_LOGIT_BYTES = 5.4
+
+
+def loss_const(w: Workload, tokens: int) -> int:
+    """The chunk_mem_const a run of this workload gives Liger's fused loss over `tokens` rows (runtime/speed/kernels)."""
+    s = w.shape
+    return loss_chunk_const(w.loss_chunks, tokens=tokens, hidden=s.hidden_size, vocab=s.vocab_size,
+                            floor=LOSS_CHUNK_FLOORS.get(s.model_type, 1))
 
 
 def fused_loss_s(tokens: int, hidden: int, vocab: int, const: int, *, trained: bool = True) -> float:
@@ -817,8 +824,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
         # forward and kept; one chunk of chunk_size x V bf16 logits at a time, its gradient written in place (measured:
         # 2 bytes a logit beside them, bench/results/speed_model/fused_loss_h200.json "transient_gib"), and 4 bytes a
         # trained head weight more that the validation rows' peaks at forward end hold (fitted there, not traced)
-        chunk = loss_chunk_rows(tokens, h, vocab, loss_chunk_const(w.loss_chunks, tokens=tokens, hidden=h, vocab=vocab,
-                                                                   floor=LOSS_CHUNK_FLOORS.get(s.model_type, 1)))
+        chunk = loss_chunk_rows(tokens, h, vocab, loss_const(w, tokens))
         kept_head = 2.0 * vocab * h if full else 0.0  # the trained head's gradient outlives the input's
         kept_loss = 2.0 * h * tokens + kept_head
         loss_fwd = kept_loss + 2.0 * chunk * vocab + (4.0 * vocab * h if full else 0.0)
@@ -1152,9 +1158,7 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
         f = fp8_flop_share(s, w.fp8, flops, c.grad_ckpt)
         dense *= (1 - f) + f / fp8_gain(s.hidden_size)
     if head:
-        const = loss_chunk_const(w.loss_chunks, tokens=tokens, hidden=s.hidden_size, vocab=s.vocab_size,
-                                 floor=LOSS_CHUNK_FLOORS.get(s.model_type, 1))
-        dense += fused_loss_s(tokens, s.hidden_size, s.vocab_size, const, trained=w.lora is None)
+        dense += fused_loss_s(tokens, s.hidden_size, s.vocab_size, loss_const(w, tokens), trained=w.lora is None)
     # packed documents: their own length (Workload.attended); width: query heads x head dim (not always the hidden).
     # A sliding-window layer on the varlen kernel (packed rows; unpadded rows of a fine-tune: runtime/attention) sees at
     # most `window` keys a query, the causal work of rows 2 x window long (the planner counts causal work as full);

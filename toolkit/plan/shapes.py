@@ -333,6 +333,7 @@ def _read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
     traced, trace_error = _traced(mc, task, kinds, shared) if trace else (None, "not traced (parameters only)")
     top_k = int(getattr(mc, "num_experts_per_tok", None) or 0)
     experts = int(getattr(mc, "num_experts", None) or getattr(mc, "num_local_experts", None) or 0) if top_k else 0
+    sliding = _sliding(mc, layers)
     return ModelShape(
         model_type=str(mc.model_type),
         vocab_size=int(mc.vocab_size),
@@ -356,26 +357,22 @@ def _read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
         trace=traced,
         trace_error=trace_error,
         other_layers=tuple((i, p) for i, p in enumerate(by_layer) if p != per_layer),
-        **_sliding(mc, layers),
-        layer_heads=_layer_heads(mc, layers, hidden),
+        **sliding,
+        layer_heads=_layer_heads(mc, layers, hidden, windowed=bool(sliding)),
     )
 
 
-def _layer_heads(mc: Any, layers: int, hidden: int) -> tuple[tuple[int, int, bool], ...]:
+def _layer_heads(mc: Any, layers: int, hidden: int, *, windowed: bool) -> tuple[tuple[int, int, bool], ...]:
     """Each layer's (query heads, head dim, through the window) where the config sets them per layer, else ()."""
     if not getattr(mc, "per_layer_attributes", None):
         return ()
-    from toolkit.config.attention import kernel_window
+    from toolkit.config.models import per_layer
 
     types = getattr(mc, "layer_types", None) or []
-    window = bool(kernel_window(mc))
-    out = []
-    for i in range(layers):
-        lc = mc.per_layer_config[i]
-        heads = int(lc.num_attention_heads)
-        out.append((heads, int(getattr(lc, "head_dim", None) or hidden // heads),
-                    window and i < len(types) and types[i] == "sliding_attention"))
-    return tuple(out)
+    heads = per_layer(mc, "num_attention_heads", layers)
+    dims = per_layer(mc, "head_dim", layers)
+    return tuple((int(h), int(d or hidden // h), windowed and i < len(types) and types[i] == "sliding_attention")
+                 for i, (h, d) in enumerate(zip(heads, dims, strict=True)))
 
 
 def _sliding(mc: Any, layers: int) -> dict[str, int]:

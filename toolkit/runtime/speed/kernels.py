@@ -14,7 +14,7 @@ model's forward. Measured on 2 H200s, llama-1b seq 2048 (bench/results/zero3_tun
 from 45.9k (micro 8, no fused loss) to 63.4k tokens/s per GPU (micro 16 with it), 0.97x ZeRO-2, with the
 same losses. `model.liger_fused_loss=false` turns it off.
 
-The fused loss's chunks: Liger sizes them for memory (`chunk_mem_const` 1 on Hopper: about vocabulary / hidden chunks
+The fused loss's chunks: Liger sizes them for memory (`chunk_mem_const` 1 by default: about vocabulary / hidden chunks
 whatever the micro-batch), and each chunk re-reads the head's weight and its gradient, so a large vocabulary pays
 that walk at every micro-step (Gemma 3's head: 114.8 ms at 16,384 tokens against 52.8 ms in chunks of 2,048 rows;
 toolkit/plan/liger.py). Liger takes `chunk_mem_const` per call but its patched forwards pass none (gpt-oss's passes 8),
