@@ -211,6 +211,14 @@ FAMILY_CHUNKS: tuple[Config, ...] = (
       for m, ck in ((4, False), (16, True))),
     *(Config(f"f-l-z2-s2048-m8-chunks-{c}", L, 2048, 8, 1, 2, chunks=c) for c in ("1", "auto")),
 )
+# A second narrow shape for the width term of the speed model (issue 60): Qwen2-0.5B (hidden 896) at ZeRO-2, seq 4,096,
+# 4K to 64K tokens a micro-step, one micro-step a step (and micro 4 with four), the defaults of 2026-11-29 (the fused
+# loss's auto chunks, no training cache)
+NARROW: tuple[Config, ...] = (
+    *(Config(f"n-q05-z2-s4096-m{m}", Q, 4096, m, 1, 2, chunks="auto") for m in (1, 2, 4, 8, 16)),
+    Config("n-q05-z2-s4096-m4-a4", Q, 4096, 4, 4, 2, chunks="auto"),
+    Config("n-q05-z3-leaves-s4096-m4", Q, 4096, 4, 1, 3, chunks="auto", extra=("train.zero3_leaves=true",)),
+)
 SMOKE: tuple[Config, ...] = (
     Config("tiny-z2", "tiny", 64, 2, 2, 2, gpus=2),
     Config("tiny-z3all", "tiny", 64, 2, 1, 3, "all", gpus=2),
@@ -367,7 +375,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     configs = SMOKE if smoke else CONFIGS
     if a.only:
         wanted = a.only.split(",")
-        every = CONFIGS + LONG + VALIDATE + LEAVES + FAMILIES + FAMILY_LEAVES + FAMILY_2GPU + FAMILY_CHUNKS
+        every = CONFIGS + LONG + VALIDATE + LEAVES + FAMILIES + FAMILY_LEAVES + FAMILY_2GPU + FAMILY_CHUNKS + NARROW
         configs = tuple(c for c in (SMOKE if smoke else every) if c.name in wanted)
         configs = tuple(sorted(configs, key=lambda c: wanted.index(c.name)))  # in the order asked
     if a.set:  # e.g. train.stop_after=1, then train.resume=latest: a run longer than one device command

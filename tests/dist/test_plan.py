@@ -65,7 +65,7 @@ def test_plan_dir_passes_check_and_trains_on_two_cpu_ranks(tmp_path: Path) -> No
 def test_plan_calibrate_smoke_runs_every_mode(tmp_path: Path) -> None:
     env = _env()
     cal = subprocess.run([sys.executable, "bench/plan_calibrate.py", "run", "--smoke", "--out", str(tmp_path / "cal"),
-                          "--port", str(free_port())], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                          "--port", str(free_port(span=4))], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert cal.returncode == 0, cal.stdout[-3000:] + cal.stderr[-3000:]
     result = json.loads((tmp_path / "cal" / "calibration.json").read_text())
     assert [r["config"]["name"] for r in result["rows"]] == ["tiny-z2", "tiny-z3all"]
