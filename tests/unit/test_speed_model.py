@@ -28,8 +28,9 @@ KNOWN_OFF = {
     ("validation.json", "lv-l-z3-s2048-m8-ckpt-1gpu-false"): (0.21, 0.05),
     # GPT-2 (hidden 768): the GPU's work is as predicted (profiled: ZeRO-0 busy 118 ms a step against 114 predicted,
     # ZeRO-2 65 against 64), but the step waits on the host: ZeRO-2's GPU was busy 45% of it (2,900 kernel launches,
-    # DeepSpeed's per-parameter checks), ZeRO-0's optimizer step syncs 157 times; accumulation shares that out
-    ("validation.json", "v-g2-z2-s1024-m16"): (0.50, 0.05),
+    # DeepSpeed's per-parameter checks), ZeRO-0's optimizer step syncs 157 times; accumulation shares that out. The
+    # host's step below ZeRO-3 (HOST_LAYER_S, fitted on Qwen2-0.5B) takes ZeRO-2's row from +45.7% to -16.7%
+    ("validation.json", "v-g2-z2-s1024-m16"): (0.20, 0.05),
     ("validation.json", "v-g2-z0-s1024-m32"): (0.35, 0.05),
     ("validation.json", "v-g2-z0-s1024-m32-a2"): (0.20, 0.05),
     ("validation.json", "v-g2-z2-s1024-m16-a4"): (0.20, 0.05),
@@ -173,13 +174,13 @@ def test_the_plan_says_where_its_speeds_were_not_validated() -> None:
 
 # Families traced from their own code (issue 60; bench/results/speed_model/families/README.md): the speed model's
 # error per row as measured, where it is outside 15%. ZeRO-3 with DeepSpeed's hook on every submodule (these types are
-# not eager leaves) overlaps host and GPU less than max() assumes. Gemma 3 at micro 4 is bound by the host at ZeRO-2
-# (profiled: the GPU busy 0.245 s of a 0.36 s step at the fused loss's auto chunks, with transformers' training cache
-# then; 0.33 s without it), which the model does not count below ZeRO-3; with leaf layers at micro 16 it runs faster
-# than the narrow-width MFU of a 1,152-wide model says.
+# not eager leaves) overlaps host and GPU less than max() assumes. Gemma 3 at micro 4 waits on the host (profiled: the
+# GPU busy 0.245 s of a 0.36 s step at the fused loss's auto chunks, with transformers' training cache then; 0.33 s
+# without it) more than the host's step below ZeRO-3 (HOST_LAYER_S, fitted on Qwen2-0.5B's 24 layers) says, and its
+# speed there varies between runs of the same code: 48,543, 51,751 and 56,027 tokens/s at ZeRO-2 (+19.3%, +11.9%,
+# +3.4%; bench/results/speed_model/narrow/README.md).
 FAMILY_SPEED_OFF = {"f-q3-4b-l12-z3-s4096-m4": 0.47, "f-g3-1b-z3-leaves-s4096-m4": 0.23,
-                    "f-g3-1b-z3-leaves-s4096-m16-ckpt": 0.17, "f-g3-1b-z2-s4096-m4-chunks": 0.20,
-                    "f-g3-1b-z3-leaves-s4096-m16-ckpt-chunks": 0.17}
+                    "f-g3-1b-z2-s4096-m4-chunks": 0.20}
 
 
 def test_traced_families_peaks_within_10_percent_and_speeds_as_recorded() -> None:
@@ -200,6 +201,24 @@ def test_traced_families_peaks_within_10_percent_and_speeds_as_recorded() -> Non
             assert abs(p.peak_allocated_gib / rank["peak_allocated_gib"] - 1) <= allowed, (c["name"], p.peak_allocated_gib)
         speed = p.tokens_per_s_per_gpu / m["tokens_per_s_per_gpu"] - 1
         assert abs(speed) <= FAMILY_SPEED_OFF.get(c["name"], 0.15), (c["name"], speed)
+
+
+def test_narrow_rows_within_15_percent_and_the_host_step_below_zero3() -> None:
+    """Qwen2-0.5B (hidden 896, 24 layers) at ZeRO-2, 4K to 64K tokens a micro-step, one H200: the steps of micro 1 to 4
+    take the host's time (0.19-0.20 s), which the planner counts below ZeRO-3 (HOST_LAYER_S, HOST_STEP_S); every row
+    within 15% and its peak within 5%. Without the host's step micro 1 read +187% (bench/results/speed_model/narrow/)."""
+    rows = [r for r in json.loads((RESULTS / "narrow" / "calibration.json").read_text())["rows"]
+            if r["config"]["name"].startswith("n-q05-")]
+    assert len(rows) == 7 and all(r["rc"] == 0 for r in rows)
+    for r in rows:
+        c, m = r["config"], r["measured"]
+        p = _predict(c)
+        assert abs(p.tokens_per_s_per_gpu / m["tokens_per_s_per_gpu"] - 1) <= 0.15, (c["name"], p.tokens_per_s_per_gpu)
+        assert abs(p.peak_allocated_gib / m["per_rank"]["0"]["peak_allocated_gib"] - 1) <= 0.05, c["name"]
+    micro1 = next(r for r in rows if r["config"]["name"] == "n-q05-z2-s4096-m1")
+    shape = load_shape("qwen2-0.5b")
+    host = shape.num_layers * pl.HOST_LAYER_S + pl.HOST_STEP_S
+    assert _predict(micro1["config"]).tokens_per_s_per_gpu == pytest.approx(4096 / host, rel=1e-6)
 
 
 def test_the_fused_loss_time_fits_its_measured_rows() -> None:

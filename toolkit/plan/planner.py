@@ -120,6 +120,15 @@ MFU_HALF_TOKENS = 4662.0
 # (hidden 1536) on one H200, whose short rows ran at 0.81x and 0.84x of the fit (ZeRO-2 micro 4 x 4,096, ZeRO-0 micro
 # 8 x 2,048; bench/results/speed_model/README.md). Not above 2,048: no wider shape was measured against it.
 NARROW_EXPONENT = 0.65
+# Below ZeRO-3 the host's work of a step is each micro-step's decoder layers (kernel launches, autograd, DeepSpeed's
+# gradient hooks: HOST_LAYER_S a layer, forward and backward; checkpointing's recompute half as much again) and the
+# optimizer step's (HOST_STEP_S); a step takes at least that. Fitted to Qwen2-0.5B (24 layers) at ZeRO-2 on one H200,
+# whose steps took 0.192, 0.197 and 0.201 s at micro 1, 2 and 4 x 4,096 (GPU work predicted 0.06-0.18 s) and 0.160 s
+# a micro-step at micro 4 with four (bench/results/speed_model/narrow/). ZeRO-3 counts its own host time (leaves,
+# hooks), which these runs include. Full fine-tunes only: under LoRA, llama-1b's 16 layers at ZeRO-2 took 0.130 s a
+# step in all (micro 4 x 2,048, bench/results/qlora/), under the 0.139 s these constants would say.
+HOST_LAYER_S = 6.5e-3
+HOST_STEP_S = 0.035
 # Liger's fused loss, timed apart from the rest (bench/fused_loss.py on one H200, 180 rows of six heads, 2,048-65,536
 # tokens, chunk_mem_const 1-32; bench/results/speed_model/fused_loss_h200.json): each chunk of r rows costs the
 # hypotenuse of its matmuls at LOSS_FLOPS (6 r H V, a trained head) and its walk over the head's weight and gradient
@@ -1132,8 +1141,8 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     p_run, t_run = s.active_params, min(t_all, s.active_params)
     flops = 4.0 * p_run + 2.0 * t_run  # toolkit/observe/metrics.py flops_per_token, attention apart
     forwards = 0  # attention forwards beyond the step's own forward and backward
-    if c.grad_ckpt:
-        flops += 2.0 * p_run  # one more forward
+    if c.grad_ckpt:  # one more forward of the decoder layers (checkpointed), not of the embedding or the head
+        flops += 2.0 * (p_run - sum(n for _, n in (*s.prefix_params, *s.suffix_params)))
         forwards += 1
     if tiled_loss:  # each tile's logits computed again in backward
         flops += 2.0 * s.hidden_size * s.vocab_size
@@ -1199,6 +1208,8 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     if split_by_hooks(w, c.stage):  # measured against eager with the same hooks
         micro /= ZERO3_COMPILED_SPEED
     step = c.grad_accum * micro
+    if c.stage < 3 and w.lora is None:  # the host's work of the step, which the GPU waits on where it is longer
+        step = max(step, c.grad_accum * s.num_layers * (2 + c.grad_ckpt) / 2 * HOST_LAYER_S + HOST_STEP_S)
     if w.optimizer == "muon" and w.lora is None:  # LoRA's adapters are r-wide: their Newton-Schulz is negligible
         step += muon_step_s(s, c.stage, hw.world)
     if offload_opt:
