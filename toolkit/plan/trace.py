@@ -288,8 +288,8 @@ def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, f
             embeds = (torch.randn if real else torch.empty)(1, seq, _embedding_width(base, cfg), dtype=torch.bfloat16,
                                                             requires_grad=True)
             keep.append(embeds)  # the embedding's output: the stack's, kept where a layer's norm saves it (Liger's)
-        with _flash_like_sdpa(), _creators(created, where, done, keep), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with _flash_like_sdpa(), _liger_rope(layers) if liger else contextlib.nullcontext(), \
+                _creators(created, where, done, keep), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             given = {"attention_mask": torch.ones(1, seq, dtype=torch.long)} if mask else {}
             # a copy that is not a leaf: some families scale their embeddings in place (CTRL)
             given |= {"input_ids": tokens} if ids else {"inputs_embeds": embeds.clone()}
@@ -572,6 +572,51 @@ def _flash_like_sdpa() -> Iterator[None]:
         yield
     finally:
         F.scaled_dot_product_attention = orig
+
+
+@contextlib.contextmanager
+def _liger_rope(layers: list[Any]) -> Iterator[None]:
+    """The layers' module-level `apply_rotary_pos_emb` as Liger replaces it (liger_rotary_pos_emb): q and k come back
+    in (batch, seq, heads, head dim) memory, and only cos and sin are saved. The attention output takes q's layout, so
+    where transformers' own RoPE returns q in (batch, heads, seq, head dim) memory (Phi-3's partial-rotary cat) the
+    output is copied for o_proj and the trace counted that copy, which a Liger run does not make: 6,144 bytes a token
+    a layer of Phi-3-mini (bench/results/speed_model/families/phi3_anatomy.json: what was alive at a GPU run's
+    peak)."""
+    import inspect
+    import sys
+
+    import torch
+
+    class RopeLike(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, q: Any, k: Any, *tables: Any) -> Any:
+            ctx.save_for_backward(*tables)
+            # new storages in (batch, seq, heads, dim) memory, as Liger's in-place kernel leaves its contiguous copies
+            return tuple(torch.empty_like(t.transpose(1, 2), memory_format=torch.contiguous_format).transpose(1, 2)
+                         for t in (q, k))
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:  # never run: the trace is forward only
+            raise NotImplementedError
+
+    def rope(q: Any, k: Any, *args: Any, **kwargs: Any) -> Any:  # (q, k, cos, sin, ...): Liger saves cos and sin
+        return RopeLike.apply(q, k, *[t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)][:2])
+
+    def liger_form(fn: Any) -> bool:  # Liger's takes (q, k, cos, sin, ...); a family rotating one tensor a call keeps its own
+        try:
+            return list(inspect.signature(fn).parameters)[:2] == ["q", "k"]
+        except (TypeError, ValueError):
+            return False
+
+    modules = {sys.modules[type(layer).__module__] for layer in layers}
+    saved = {m: m.apply_rotary_pos_emb for m in modules if liger_form(getattr(m, "apply_rotary_pos_emb", None))}
+    for m in saved:
+        m.apply_rotary_pos_emb = rope
+    try:
+        yield
+    finally:
+        for m, fn in saved.items():
+            m.apply_rotary_pos_emb = fn
 
 
 def _liger_like(base: Any) -> None:
