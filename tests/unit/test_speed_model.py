@@ -167,6 +167,7 @@ def test_the_plan_says_where_its_speeds_were_not_validated() -> None:
     assert pl.speed_caveat(pl.Workload(load_shape("llama-1b"), 2048, 8), hw1) is None
     narrow = pl.speed_caveat(pl.Workload(load_shape("gpt2-124m"), 1024, 8), hw1)
     assert narrow is not None and "hidden 768" in narrow
+    assert pl.speed_caveat(pl.Workload(load_shape("qwen2-0.5b"), 4096, 16), hw1) is None  # measured: narrow/
     wide = pl.speed_caveat(pl.Workload(load_shape("llama-1b"), 2048, 16), pl.Hardware(8, 2, 139.0, None))
     assert wide is not None and "16 GPUs on 2 node(s) were not measured" in wide
     assert pl.speed_caveat(pl.Workload(load_shape("llama-1b"), 2048, 12), pl.Hardware(3, 1, 139.0, None)) is not None
