@@ -172,8 +172,10 @@ FORMULA_TYPES = frozenset({"gpt2", "bert"})
 
 
 # what a config may set per layer (transformers' per_layer_config) and still plan: the attention term reads each
-# layer's heads (ModelShape.layer_heads); the parameters, the trace and the FLOPs are read from the layers themselves
-PER_LAYER_READ = frozenset({"head_dim", "num_attention_heads", "num_key_value_heads"})
+# layer's heads (ModelShape.layer_heads), and MLA's query-key width from its qk_nope_head_dim (dots3); the parameters,
+# the trace and the FLOPs are read from the layers themselves (all that MLA's kv_lora_rank changes)
+PER_LAYER_READ = frozenset({"head_dim", "num_attention_heads", "num_key_value_heads", "kv_lora_rank",
+                            "qk_nope_head_dim"})
 
 
 def read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
@@ -370,7 +372,10 @@ def _layer_heads(mc: Any, layers: int, hidden: int, *, windowed: bool) -> tuple[
 
     types = getattr(mc, "layer_types", None) or []
     heads = per_layer(mc, "num_attention_heads", layers)
-    dims = per_layer(mc, "head_dim", layers)
+    if "qk_nope_head_dim" in mc.per_layer_attributes:  # MLA: a query meets a key over its nope and rope parts (dots3)
+        dims = [int(d) + int(mc.qk_rope_head_dim) for d in per_layer(mc, "qk_nope_head_dim", layers)]
+    else:
+        dims = per_layer(mc, "head_dim", layers)
     return tuple((int(h), int(d or hidden // h), windowed and i < len(types) and types[i] == "sliding_attention")
                  for i, (h, d) in enumerate(zip(heads, dims, strict=True)))
 

@@ -19,7 +19,8 @@ on fake tensors), and eager attention's bytes per token at two lengths (its S x 
 
 Code that reads its tensors' values (MoE routing counts, unpadding by `.item()`) cannot run on fake tensors; where
 the copy is small (REAL_MAX_PARAMS), it is traced on real, uninitialized CPU tensors instead, counted the same way
-(tests/unit/test_trace.py holds the two counts equal on a Llama).
+(tests/unit/test_trace.py holds the two counts equal on a Llama). An MoE whose copy is larger is traced at two small
+expert counts and read at its own on the line through them (`_fewer_experts`; JetMoE).
 
 Pitfalls handled (the note's): transformers treats fake tensors as tracing and builds a 4-D mask for an unpacked batch
 (`find_packed_sequence_indices` is answered None while tracing); the meta device is never used (no fused attention).
@@ -46,7 +47,7 @@ MIDDLE = 3  # layers traced besides a first and a last (a layer owns the storage
 WAYS = tuple((ids, attn, mask) for ids in (False, True) for attn, mask in (("sdpa", False), ("sdpa", True), ("eager", True)))
 DATA_DEPENDENT = ("DataDependentOutputException", "DynamicOutputShapeException")
 # a copy traced on real CPU tensors: 1.4 GB of bf16 weights at most (DBRX's 5-layer copy, 616M, traced in 4 s at
-# 1.8 GB of RSS; JetMoE's, 1,893M, is refused)
+# 1.8 GB of RSS; JetMoE's, 1,893M, is traced with fewer experts: _fewer_experts)
 REAL_MAX_PARAMS = 700_000_000
 
 
@@ -77,10 +78,65 @@ def trace_layers(mc: Any, kinds: list[Any] | None = None, shared: frozenset[Any]
             raise
         params = _copy_params(mc, n)
         if params > REAL_MAX_PARAMS:
+            fewer = _fewer_experts(mc, n, kinds)
+            if fewer is not None:
+                return fewer
             raise TraceError(f"{e}; its code reads its tensors' values, and a copy of {n} layers ({params / 1e6:,.0f}M "
                              f"parameters) is too large to trace on real CPU tensors (at most "
-                             f"{REAL_MAX_PARAMS / 1e6:,.0f}M)") from None
+                             f"{REAL_MAX_PARAMS / 1e6:,.0f}M; a copy with fewer experts is made only of an MoE of alike layers, "
+                             "ungrouped, and where it fits)") from None
     return _trace_all(mc, n, kinds, real=True)
+
+
+def _fewer_experts(mc: Any, n: int, kinds: list[Any] | None) -> dict[str, Any] | None:
+    """An MoE too large to trace on real tensors, traced at two small expert counts, top-k and top-k + 1, and read at
+    its own count on the line through them; None where it has no such count or those copies are still too large.
+
+    Why a line: a token is routed to top-k experts whatever their number, so what the experts save sums to the same
+    bytes a token (sum of their token counts = tokens x top-k); what grows with the count is the router's (logits,
+    probabilities, one-hot masks), E values a token each. The copies also take a small vocabulary: from
+    inputs_embeds, the layers never see it (test_trace holds both against a full trace)."""
+    name = next((k for k in EXPERT_COUNTS if isinstance(vars(mc).get(k), int)), None)
+    top_k = next((vars(mc)[k] for k in TOP_K if isinstance(vars(mc).get(k), int)), 0)
+    if name is None or not 0 < top_k < getattr(mc, name) - 1 or (vars(mc).get("n_group") or 1) > 1 or kinds:
+        # no expert count, too few to cut, experts in groups (the count must divide by them), or unlike layers: checked
+        # on JetMoE's alike ones only (Qwen4-Exp's hybrid copies grew the process 2.2 GB a trace until it was killed)
+        return None
+    counts = (top_k, top_k + 1)
+    traces = []
+    for count in counts:
+        cfg = _small_vocab(copy.deepcopy(mc))
+        setattr(cfg, name, count)
+        if _copy_params(cfg, n) > REAL_MAX_PARAMS:
+            return None
+        traces.append(_trace_all(cfg, n, None, real=True))
+    t = (getattr(mc, name) - counts[0]) / (counts[1] - counts[0])
+    out = traces[0] | {k: _on_line(traces[0][k], traces[1][k], t) for k in ("layer", "parts", "final", "eager")}
+    out["experts_traced"] = list(counts)
+    return out
+
+
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")  # the routed experts' count, by family
+TOP_K = ("num_experts_per_tok", "moe_topk", "top_k")
+SMALL_VOCAB = 1024
+
+
+def _on_line(a: Any, b: Any, t: float) -> Any:
+    """a + t (b - a), through dicts (a child one trace lacks is 0 there) and lists of numbers."""
+    if isinstance(a, dict):
+        return {k: _on_line(a.get(k, 0.0), b.get(k, 0.0), t) for k in a | b}
+    if isinstance(a, list):
+        return [_on_line(x, y, t) for x, y in zip(a, b, strict=True)]
+    return a + t * (b - a)
+
+
+def _small_vocab(cfg: Any) -> Any:
+    """`cfg` with SMALL_VOCAB tokens, or as many as its special token ids need: the trace runs its stack from
+    embeddings (or embeds ids without autograd), so the vocabulary is only the embedding's and head's parameters."""
+    ids = [int(i) for k, v in vars(cfg).items() if k.endswith("_token_id") and v is not None
+           for i in (v if isinstance(v, (list, tuple)) else [v])]
+    cfg.vocab_size = min(int(cfg.vocab_size), max([SMALL_VOCAB, *(i + 1 for i in ids)]))
+    return cfg
 
 
 def _copy_params(mc: Any, n: int) -> int:
