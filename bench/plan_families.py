@@ -5,7 +5,7 @@
 Every model type transformers maps to a causal LM, at its config's defaults with at most 8 decoder layers (the layers are
 traced on fake tensors, so the widths cost nothing), planned at ZeRO-2 on one 80 GiB GPU, 8 x 1,024 tokens. Written:
 the types that plan, each refused one with its one-line reason, the types whose own defaults fail validation.
-tests/unit/test_trace.py runs the same sweep.
+tests/unit/test_trace.py runs the same sweep (toolkit/plan/families.py), in shards.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import argparse
 import collections
 import json
 import sys
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,32 +22,11 @@ sys.path.insert(0, str(ROOT))
 
 def sweep() -> dict:
     from transformers import __version__
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from toolkit.config.ds_config import ConfigError
-    from toolkit.plan import planner as pl
-    from toolkit.plan.shapes import family_defaults, read_shape
+    from toolkit.plan.families import causal_lm_types
+    from toolkit.plan.families import sweep as sweep_types
 
-    planned: dict[str, float] = {}
-    refused: dict[str, str] = {}
-    invalid: list[str] = []
-    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                cfg = family_defaults(model_type)
-        except Exception:
-            invalid.append(model_type)
-            continue
-        try:
-            s = read_shape(cfg)
-            p = pl.predict(pl.Workload(s, 1024, 8), pl.Choice(2, "none", 1.0, 1, 8, False, "speed"),
-                           pl.Hardware(1, 1, 80.0))
-            planned[model_type] = round(p.peak_allocated_gib, 2)
-        except ConfigError as e:
-            refused[model_type] = str(e)
-    return {"transformers": __version__, "types": len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), "planned": planned,
-            "refused": refused, "defaults_invalid": invalid}
+    return {"transformers": __version__, "types": len(causal_lm_types())} | sweep_types()
 
 
 def main() -> int:
