@@ -195,13 +195,13 @@ FAMILY_LEAVES: tuple[Config, ...] = tuple(
            extra=("train.zero3_leaves=true",))
     for tag, model, layers in (("q3-4b-l12", Q3_4, 12), ("p3-l12", P3, 12), ("g3-1b", GM3, 0))
     for m, ck in ((4, False), (16, True)))
-# two GPUs of one host, each rank its micro-batch (ZeRO-3 at train.zero3_leaves=auto: leaf layers for these types)
-FAMILY_2GPU: tuple[Config, ...] = (
-    Config("f-q3-4b-l12-z3-s4096-m4-2gpu", Q3_4, 4096, 4, 1, 3, gpus=2, layers=12),
-    Config("f-q3-4b-l12-z2-s4096-m16-ckpt-2gpu", Q3_4, 4096, 16, 1, 2, gpus=2, ckpt=True, layers=12),
-    Config("f-p3-l12-z2-s4096-m4-2gpu", P3, 4096, 4, 1, 2, gpus=2, layers=12),
-    Config("f-g3-1b-z3-s4096-m16-ckpt-2gpu", GM3, 4096, 16, 1, 3, gpus=2, ckpt=True),
-)
+# two GPUs of one host, each rank its micro-batch, at today's defaults (ZeRO-3 at train.zero3_leaves=auto: leaf layers
+# for these types; the fused loss's auto chunks): every family, ZeRO-2 and ZeRO-3, with and without checkpointing
+FAMILY_2GPU: tuple[Config, ...] = tuple(
+    Config(f"f-{tag}-z{stage}-s4096-m{m}{'-ckpt' * ck}-2gpu", model, 4096, m, 1, stage, gpus=2, ckpt=ck,
+           layers=layers, chunks="auto")
+    for tag, model, layers in (("q3-4b-l12", Q3_4, 12), ("p3-l12", P3, 12), ("g3-1b", GM3, 0))
+    for stage in (2, 3) for m, ck in ((4, False), (16, True)))
 # Gemma 3's rows again at the fused loss's auto chunks of 2,048 rows (the default since 2026-11-29; the rows above ran
 # Liger's own, 128 chunks whatever the micro-batch), and llama-1b's at both: the same command holds both sides
 FAMILY_CHUNKS: tuple[Config, ...] = (
@@ -218,6 +218,10 @@ NARROW: tuple[Config, ...] = (
     *(Config(f"n-q05-z2-s4096-m{m}", Q, 4096, m, 1, 2, chunks="auto") for m in (1, 2, 4, 8, 16)),
     Config("n-q05-z2-s4096-m4-a4", Q, 4096, 4, 4, 2, chunks="auto"),
     Config("n-q05-z3-leaves-s4096-m4", Q, 4096, 4, 1, 3, chunks="auto", extra=("train.zero3_leaves=true",)),
+    # the same host-bound steps on two GPUs of one host (2026-11-29, fifth session)
+    *(Config(f"n-q05-z2-s4096-m{m}-2gpu", Q, 4096, m, 1, 2, gpus=2, chunks="auto") for m in (1, 2, 4)),
+    *(Config(f"n-q05-z3-leaves-s4096-m{m}-2gpu", Q, 4096, m, 1, 3, gpus=2, chunks="auto",
+             extra=("train.zero3_leaves=true",)) for m in (1, 4)),
 )
 SMOKE: tuple[Config, ...] = (
     Config("tiny-z2", "tiny", 64, 2, 2, 2, gpus=2),

@@ -177,11 +177,17 @@ ZERO3_HOOK_S = 1.43e-3
 # one the 48 calls take 0.34 s, under the GPU's 0.39 (measured 0.369). On 4 H100s the same micro 2 took 0.261 s a
 # micro-step (8.2 ms a call; 5.1 ms on 2 of those H100s, 6.7 on one): the 4-rank value, which also gives micro 8 with
 # checkpointing on 4 within 3% (bench/results/speed_model/README.md). 3 ranks and more than 4 were not measured.
+# Beyond one rank a call's time grows with the layer's parameter tensors (llama-1b's 9, ZERO3_LEAF_TENSORS), each
+# gathered from its partitions and released: on 2 H200s Qwen2-0.5B's 12 took 6.9-7.1 ms a call, Gemma-3-1B's 13 took
+# 9.1-9.7 (bench/results/speed_model/narrow/README.md). On one rank the three took 6.1-7.0 ms whatever their tensors.
 ZERO3_LEAF_S = {1: 7.0e-3, 2: 4.75e-3, 4: 8.2e-3}  # by world size: the largest measured size at or below it
+ZERO3_LEAF_TENSORS = 9
 
 
-def _leaf_s(world: int) -> float:
-    return ZERO3_LEAF_S[max(n for n in ZERO3_LEAF_S if n <= world)]
+def _leaf_s(world: int, tensors: int) -> float:
+    """Host seconds of one call of a leaf layer of `tensors` parameter tensors (ZERO3_LEAF_S: llama-1b's 9)."""
+    per_call = ZERO3_LEAF_S[max(n for n in ZERO3_LEAF_S if n <= world)]
+    return per_call if world == 1 else per_call * tensors / ZERO3_LEAF_TENSORS
 # train.zero_sizes=memory (h^2 buckets, ~2-layer live limit) against the speed sizes: llama-1b ZeRO-3
 # lost 35% of its tokens/s, GPT-2 ZeRO-2 a quarter (ds_config.py SPEED_SIZES comment).
 MEMORY_SIZES_SPEED = {3: 0.65, 2: 0.75, 1: 0.75, 0: 1.0}
@@ -1191,7 +1197,7 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
         # the gathers ride inside the hooks' host time as fitted (one and two GPUs); not measured across nodes
         host = _hook_time_s(w, c, hw, offload_param)
     elif c.stage == 3:
-        host = s.num_layers * (2 + c.grad_ckpt) * _leaf_s(hw.world)
+        host = s.num_layers * (2 + c.grad_ckpt) * _leaf_s(hw.world, len(s.layer_params))
         if hw.world > 1:  # one rank gathers from no other: Mistral-7B (8 layers) at ZeRO-3 ran at ZeRO-2's speed
             micro += ZERO3_S_PER_GPARAM * p_all / 1e9
         if offload_param:
@@ -1203,7 +1209,7 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
         from toolkit.plan.speedups import reference_leaves
 
         as_leaves = reference_leaves(w.zero3_leaves, model_type=s.model_type, objective=w.objective)
-        host += s.num_layers * (_leaf_s(hw.world) if as_leaves else _modules(s)[0] * ZERO3_HOOK_S)
+        host += s.num_layers * (_leaf_s(hw.world, len(s.layer_params)) if as_leaves else _modules(s)[0] * ZERO3_HOOK_S)
     micro = max(micro, host)
     if split_by_hooks(w, c.stage):  # measured against eager with the same hooks
         micro /= ZERO3_COMPILED_SPEED
