@@ -3,6 +3,7 @@
     python bench/speed.py run --gpus 2 --out OUT [--only llama-1b-seq2048] [--variants bare,raw] [--steps 5]
     python bench/speed.py run --include localhost:2,3 --out OUT ...   (these GPUs only: runs side by side)
     python bench/speed.py table OUT/*.json --command "..." > bench/results/speed.md  (+ speed.json)
+    python bench/speed.py markdown bench/results/speed.json   (the table of speed.json as it stands)
 
 Every variant runs in its own process through the real `deepspeed` launcher, and every variant of a
 workload trains the same global batch per optimizer step (32 sequences, whatever the GPU count); how
@@ -434,6 +435,12 @@ def scaling(args: argparse.Namespace) -> int:
     return 0
 
 
+def markdown(args: argparse.Namespace) -> int:
+    """The markdown table of a table JSON (what `table` prints), without the files it came from."""
+    print(_markdown(json.loads(Path(args.json).read_text())))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -471,8 +478,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="where rows measured in DIR came from (repeatable): rows record DIR as measured_in")
     c = sub.add_parser("scaling", help="scaling efficiency, 1 GPU to N, from a table JSON")
     c.add_argument("json")
+    m = sub.add_parser("markdown", help="the markdown table of a table JSON")
+    m.add_argument("json")
     a = p.parse_args(argv)
-    return {"run": run, "table": table, "scaling": scaling}[a.cmd](a)
+    return {"run": run, "table": table, "scaling": scaling, "markdown": markdown}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -121,3 +121,11 @@ def test_weak_scaling_rows_count_their_own_global_batch(speed, tmp_path: Path) -
     assert rows["raw-32pergpu"]["tokens_per_s_per_gpu"] == 64 * 64 / 2  # 64 sequences of 64 tokens a second, 2 GPUs
     assert rows["raw-32pergpu"]["global_batch"] == 64 and "global_batch" not in rows["raw"]
     assert rows["raw"]["tokens_per_s_per_gpu"] == speed.GLOBAL_BATCH * 64
+
+
+def test_the_committed_speed_page_is_the_table_of_speed_json(speed, capsys) -> None:
+    """bench/results/speed.md opens with what `speed.py markdown` renders from speed.json, so the page cannot drift
+    from the rows (it had: s55's, s56moe's and s71's rows were missing from it)."""
+    assert speed.main(["markdown", str(ROOT / "bench" / "results" / "speed.json")]) == 0
+    table = capsys.readouterr().out.rstrip("\n")
+    assert (ROOT / "bench" / "results" / "speed.md").read_text().startswith(table + "\n\n")
