@@ -134,7 +134,8 @@ MUST_PLAN = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmo
              "phi4_multimodal",  # built without weight init on fake tensors (its vision tower's init reads values)
              "gemma4_text", "gemma4_unified_text",  # head dims set per layer (per_layer_config): read per layer
              "dots3_note_text",  # MLA ranks set per layer: read from the layers, its query-key width per layer
-             "jetmoe")  # reads tensor values, 1.9B parameters: traced on real tensors with fewer experts
+             "jetmoe",  # reads tensor values, 1.9B parameters: traced on real tensors with fewer experts
+             "qwen4_exp_text")  # the same, of unlike layers: each copy weighed by its layer kinds
 
 
 SWEEP = Path(__file__).resolve().parents[2] / "bench" / "results" / "speed_model" / "families" / "sweep.json"
@@ -143,7 +144,7 @@ SWEEP = Path(__file__).resolve().parents[2] / "bench" / "results" / "speed_model
 def test_every_causal_lm_family_plans_or_is_refused_in_one_line() -> None:
     """Every model type transformers maps to a causal LM, at its config's defaults with at most 8 layers
     (toolkit/plan/families.py; fake tensors: the widths cost nothing), ZeRO-2, one 80 GiB GPU, 8 x 1,024 tokens: the
-    rest end in a ConfigError of one line. Every type the committed sweep plans (162 of 196 with transformers 5.24)
+    rest end in a ConfigError of one line. Every type the committed sweep plans (163 of 196 with transformers 5.24)
     still plans, the issue's families among them."""
     from transformers import __version__
 
@@ -156,7 +157,7 @@ def test_every_causal_lm_family_plans_or_is_refused_in_one_line() -> None:
         assert not missing, {t: r["refused"].get(t) for t in missing}
     missing = [t for t in MUST_PLAN if t not in r["planned"]]
     assert not missing, {t: r["refused"].get(t) for t in missing}
-    assert len(r["planned"]) >= 160, (len(r["planned"]), r["refused"])  # 162 of 196 with transformers 5.24
+    assert len(r["planned"]) >= 161, (len(r["planned"]), r["refused"])  # 163 of 196 with transformers 5.24
 
 
 def test_a_state_space_model_plans_from_its_own_code_with_its_speed_marked_unvalidated() -> None:
@@ -199,6 +200,27 @@ def test_an_moe_traced_with_fewer_experts_counts_what_its_own_count_saves() -> N
                                   num_experts_per_tok=2)
     n = tr._layer_count(mc, None)
     line, full = tr._fewer_experts(mc, n, None), tr._trace_all(mc, n, None, real=True)
+    assert line.pop("experts_traced") == [2, 3]
+    assert line == full
+
+
+def test_an_moe_of_unlike_layers_traced_with_fewer_experts_counts_what_its_own_count_saves() -> None:
+    """The same for an MoE whose layers differ (Qwen4-Exp: linear-attention layers and indexed-attention ones, whose
+    indexer reads values): each copy weighs its layers by the full model's kinds as that copy builds them
+    (trace._kinds_as_built), and the line gives the bytes of its own 8-expert trace. The sweep's Qwen4-Exp plans so
+    (its copies at 10 and 11 of its 512 experts)."""
+    from toolkit.plan import trace as tr
+
+    mc = family_defaults("qwen4_exp_text")
+    for k, v in dict(vocab_size=4096, hidden_size=128, head_dim=32, num_attention_heads=4, num_key_value_heads=2,
+                     linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
+                     linear_num_value_heads=4, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                     num_experts=8, num_experts_per_tok=2, hc_lowrank=16, ple_embed_dim=128).items():
+        setattr(mc, k, v)
+    kinds = tr._kinds_as_built(mc, [None] * mc.num_hidden_layers)
+    assert len(set(kinds)) == 2
+    n = tr._layer_count(mc, kinds)
+    line, full = tr._fewer_experts(mc, n, kinds), tr._trace_all(mc, n, kinds, real=True)
     assert line.pop("experts_traced") == [2, 3]
     assert line == full
 

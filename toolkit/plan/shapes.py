@@ -31,7 +31,7 @@ from typing import Any
 from toolkit.config.ds_config import ConfigError
 
 SHAPES_FILE = Path(__file__).with_name("model_shapes.json")
-SHAPE_VERSION = 8  # bump when ModelShape changes: cached and committed shapes are then read again
+SHAPE_VERSION = 9  # bump when ModelShape or what plans changes: cached and committed shapes are then read again
 
 
 @dataclass(frozen=True)

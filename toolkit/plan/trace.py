@@ -20,7 +20,7 @@ on fake tensors), and eager attention's bytes per token at two lengths (its S x 
 Code that reads its tensors' values (MoE routing counts, unpadding by `.item()`) cannot run on fake tensors; where
 the copy is small (REAL_MAX_PARAMS), it is traced on real, uninitialized CPU tensors instead, counted the same way
 (tests/unit/test_trace.py holds the two counts equal on a Llama). An MoE whose copy is larger is traced at two small
-expert counts and read at its own on the line through them (`_fewer_experts`; JetMoE).
+expert counts and read at its own on the line through them (`_fewer_experts`; JetMoE, Qwen4-Exp).
 
 Pitfalls handled (the note's): transformers treats fake tensors as tracing and builds a 4-D mask for an unpacked batch
 (`find_packed_sequence_indices` is answered None while tracing); the meta device is never used (no fused attention).
@@ -83,8 +83,8 @@ def trace_layers(mc: Any, kinds: list[Any] | None = None, shared: frozenset[Any]
                 return fewer
             raise TraceError(f"{e}; its code reads its tensors' values, and a copy of {n} layers ({params / 1e6:,.0f}M "
                              f"parameters) is too large to trace on real CPU tensors (at most "
-                             f"{REAL_MAX_PARAMS / 1e6:,.0f}M; a copy with fewer experts is made only of an MoE of alike layers, "
-                             "ungrouped, and where it fits)") from None
+                             f"{REAL_MAX_PARAMS / 1e6:,.0f}M; a copy with fewer experts is made only of an MoE with ungrouped "
+                             "experts, where it fits)") from None
     return _trace_all(mc, n, kinds, real=True)
 
 
@@ -98,9 +98,8 @@ def _fewer_experts(mc: Any, n: int, kinds: list[Any] | None) -> dict[str, Any] |
     inputs_embeds, the layers never see it (test_trace holds both against a full trace)."""
     name = next((k for k in EXPERT_COUNTS if isinstance(vars(mc).get(k), int)), None)
     top_k = next((vars(mc)[k] for k in TOP_K if isinstance(vars(mc).get(k), int)), 0)
-    if name is None or not 0 < top_k < getattr(mc, name) - 1 or (vars(mc).get("n_group") or 1) > 1 or kinds:
-        # no expert count, too few to cut, experts in groups (the count must divide by them), or unlike layers: checked
-        # on JetMoE's alike ones only (Qwen4-Exp's hybrid copies grew the process 2.2 GB a trace until it was killed)
+    if name is None or not 0 < top_k < getattr(mc, name) - 1 or (vars(mc).get("n_group") or 1) > 1:
+        # no expert count, too few to cut, or experts in groups (the count must divide by them)
         return None
     counts = (top_k, top_k + 1)
     traces = []
@@ -109,11 +108,27 @@ def _fewer_experts(mc: Any, n: int, kinds: list[Any] | None) -> dict[str, Any] |
         setattr(cfg, name, count)
         if _copy_params(cfg, n) > REAL_MAX_PARAMS:
             return None
-        traces.append(_trace_all(cfg, n, None, real=True))
+        traces.append(_trace_all(cfg, n, _kinds_as_built(cfg, kinds), real=True))
     t = (getattr(mc, name) - counts[0]) / (counts[1] - counts[0])
     out = traces[0] | {k: _on_line(traces[0][k], traces[1][k], t) for k in ("layer", "parts", "final", "eager")}
     out["experts_traced"] = list(counts)
     return out
+
+
+def _kinds_as_built(cfg: Any, kinds: list[Any] | None) -> list[Any] | None:
+    """The full model's layer kinds (unlike layers: each one's parameter list) as `cfg`, the same model with fewer
+    experts, builds them (on the meta device: no memory), for the trace to weigh its copy's layers by."""
+    if not kinds:
+        return None
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    with torch.device("meta"), no_init_weights(), quiet_transformers():
+        model = AutoModelForCausalLM.from_config(cfg)
+    base = getattr(model, model.base_model_prefix, model)
+    return [tuple((name, p.numel()) for name, p in layer.named_parameters())
+            for layer in _decoder_layers(base, len(kinds))]
 
 
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")  # the routed experts' count, by family
@@ -316,7 +331,9 @@ def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, f
                     if isinstance(by, int) else by
                 owner[key] = (tag, st.nbytes())
                 keep.append(t)
-            return t
+            # what autograd stores in place of the tensor: nothing (the trace never runs backward). A saved output
+            # would tie its node to itself in a cycle through C++ that Python's collector cannot see
+            return None
 
         hooks = []
         for i, layer in enumerate(layers):
@@ -345,13 +362,17 @@ def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, f
                                                             requires_grad=True)
             keep.append(embeds)  # the embedding's output: the stack's, kept where a layer's norm saves it (Liger's)
         with _flash_like_sdpa(), _liger_rope(layers) if liger else contextlib.nullcontext(), \
-                _creators(created, where, done, keep), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                _creators(created, where, done, keep), torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
             given = {"attention_mask": torch.ones(1, seq, dtype=torch.long)} if mask else {}
             # a copy that is not a leaf: some families scale their embeddings in place (CTRL)
             given |= {"input_ids": tokens} if ids else {"inputs_embeds": embeds.clone()}
             base(use_cache=False, **given)
         for h in hooks:
             h.remove()
+        # the graph holds this hook (pack) and the hook holds `keep`, whose tensors hold the graph: a cycle through C++
+        # that Python's collector cannot free. On real tensors every trace kept its copy's memory (2.3 GB a trace of
+        # Qwen4-Exp's, until the process was killed): emptied here, the graph goes with the tensors
+        keep.clear()
     per_layer = [0 for _ in range(n)]
     parts: list[dict[str, int]] = [{} for _ in range(n)]
     final = 0
@@ -377,6 +398,10 @@ def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, f
         r["linears"] = [[name, fin, groups.setdefault(key, len(groups)), key in owner]
                         for name, fin, key in seen_linears]
     return r
+
+
+def _never_unpacked(_: None) -> Any:
+    raise TraceError("a saved tensor was read back during the traced forward (the trace stores none)")
 
 
 def _training_config(cfg: Any) -> Any:
@@ -655,8 +680,12 @@ def _liger_rope(layers: list[Any]) -> Iterator[None]:
         def backward(ctx: Any, *grads: Any) -> Any:  # never run: the trace is forward only
             raise NotImplementedError
 
-    def rope(q: Any, k: Any, *args: Any, **kwargs: Any) -> Any:  # (q, k, cos, sin, ...): Liger saves cos and sin
-        return RopeLike.apply(q, k, *[t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)][:2])
+    def like_liger(own: Any) -> Any:
+        def rope(q: Any, k: Any = None, *args: Any, **kwargs: Any) -> Any:  # (q, k, cos, sin, ...): Liger saves cos, sin
+            if k is None:  # a call rotating q alone (Qwen4-Exp's indexer), which Liger's function does not take
+                return own(q, *args, **kwargs)
+            return RopeLike.apply(q, k, *[t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)][:2])
+        return rope
 
     def liger_form(fn: Any) -> bool:  # Liger's takes (q, k, cos, sin, ...); a family rotating one tensor a call keeps its own
         try:
@@ -666,8 +695,8 @@ def _liger_rope(layers: list[Any]) -> Iterator[None]:
 
     modules = {sys.modules[type(layer).__module__] for layer in layers}
     saved = {m: m.apply_rotary_pos_emb for m in modules if liger_form(getattr(m, "apply_rotary_pos_emb", None))}
-    for m in saved:
-        m.apply_rotary_pos_emb = rope
+    for m, own in saved.items():
+        m.apply_rotary_pos_emb = like_liger(own)
     try:
         yield
     finally:
