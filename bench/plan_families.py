@@ -5,7 +5,7 @@
 Every model type transformers maps to a causal LM, at its config's defaults with at most 8 decoder layers (the layers are
 traced on fake tensors, so the widths cost nothing), planned at ZeRO-2 on one 80 GiB GPU, 8 x 1,024 tokens. Written:
 the types that plan, each refused one with its one-line reason, the types whose own defaults fail validation.
-tests/unit/test_trace.py runs the same sweep (toolkit/plan/families.py), in shards.
+tests/unit/test_trace.py runs the same sweep (toolkit/plan/families.py).
 """
 
 from __future__ import annotations

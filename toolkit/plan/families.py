@@ -1,7 +1,7 @@
 """Every model type the installed transformers maps to a causal LM, planned at its config's defaults or refused in one
 line (issue 60): at most 8 decoder layers (traced on fake tensors, so the widths cost nothing), ZeRO-2 on one 80 GiB
 GPU, 8 x 1,024 tokens. bench/plan_families.py writes the whole sweep to sweep.json; tests/unit/test_trace.py runs it
-in shards."""
+and holds what it plans."""
 
 from __future__ import annotations
 

@@ -120,12 +120,7 @@ def _kinds_as_built(cfg: Any, kinds: list[Any] | None) -> list[Any] | None:
     experts, builds them (on the meta device: no memory), for the trace to weigh its copy's layers by."""
     if not kinds:
         return None
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-
-    with torch.device("meta"), no_init_weights(), quiet_transformers():
-        model = AutoModelForCausalLM.from_config(cfg)
+    model = _meta_model(cfg)
     base = getattr(model, model.base_model_prefix, model)
     return [tuple((name, p.numel()) for name, p in layer.named_parameters())
             for layer in _decoder_layers(base, len(kinds))]
@@ -155,13 +150,18 @@ def _small_vocab(cfg: Any) -> Any:
 
 
 def _copy_params(mc: Any, n: int) -> int:
-    """Parameters of the n-layer copy the trace builds (on the meta device: no memory)."""
+    """Parameters of the n-layer copy the trace builds."""
+    return sum(p.numel() for p in _meta_model(small_config(mc, n)).parameters())
+
+
+def _meta_model(cfg: Any) -> Any:
+    """The causal LM of `cfg` on the meta device (no memory, no weight init)."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
     with torch.device("meta"), no_init_weights(), quiet_transformers():
-        return sum(p.numel() for p in AutoModelForCausalLM.from_config(small_config(mc, n)).parameters())
+        return AutoModelForCausalLM.from_config(cfg)
 
 
 def _trace_all(mc: Any, n: int, kinds: list[Any] | None, *, real: bool) -> dict[str, Any]:
