@@ -14,7 +14,7 @@ import pytest
 from toolkit.config.ds_config import ConfigError
 from toolkit.plan import planner as pl
 from toolkit.plan.families import sweep
-from toolkit.plan.shapes import family_defaults, load_shape, read_shape
+from toolkit.plan.shapes import ModelShape, family_defaults, load_shape, read_shape
 
 
 def _config(model_type: str, **fields):
@@ -135,7 +135,10 @@ MUST_PLAN = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmo
              "gemma4_text", "gemma4_unified_text",  # head dims set per layer (per_layer_config): read per layer
              "dots3_note_text",  # MLA ranks set per layer: read from the layers, its query-key width per layer
              "jetmoe",  # reads tensor values, 1.9B parameters: traced on real tensors with fewer experts
-             "qwen4_exp_text")  # the same, of unlike layers: each copy weighed by its layer kinds
+             "qwen4_exp_text",  # the same, of unlike layers: each copy weighed by its layer kinds
+             "longcat_flash",  # the same, a copy too large to run: traced on real tensors without its matmuls
+             "hrm_text",  # two stacks of layers, each run several times a forward, some calls without gradients
+             "reformer")  # reversible layers: one layer's recompute, traced with gradients forced on
 
 
 SWEEP = Path(__file__).resolve().parents[2] / "bench" / "results" / "speed_model" / "families" / "sweep.json"
@@ -144,7 +147,7 @@ SWEEP = Path(__file__).resolve().parents[2] / "bench" / "results" / "speed_model
 def test_every_causal_lm_family_plans_or_is_refused_in_one_line() -> None:
     """Every model type transformers maps to a causal LM, at its config's defaults with at most 8 layers
     (toolkit/plan/families.py; fake tensors: the widths cost nothing), ZeRO-2, one 80 GiB GPU, 8 x 1,024 tokens: the
-    rest end in a ConfigError of one line. Every type the committed sweep plans (163 of 196 with transformers 5.24)
+    rest end in a ConfigError of one line. Every type the committed sweep plans (166 of 196 with transformers 5.24)
     still plans, the issue's families among them."""
     from transformers import __version__
 
@@ -157,7 +160,7 @@ def test_every_causal_lm_family_plans_or_is_refused_in_one_line() -> None:
         assert not missing, {t: r["refused"].get(t) for t in missing}
     missing = [t for t in MUST_PLAN if t not in r["planned"]]
     assert not missing, {t: r["refused"].get(t) for t in missing}
-    assert len(r["planned"]) >= 161, (len(r["planned"]), r["refused"])  # 163 of 196 with transformers 5.24
+    assert len(r["planned"]) >= 164, (len(r["planned"]), r["refused"])  # 166 of 196 with transformers 5.24
 
 
 def test_a_state_space_model_plans_from_its_own_code_with_its_speed_marked_unvalidated() -> None:
@@ -173,7 +176,8 @@ def test_a_state_space_model_plans_from_its_own_code_with_its_speed_marked_unval
 
 def test_a_trace_on_real_tensors_counts_what_the_fake_trace_counts() -> None:
     """The fallback for code that reads tensor values (trace._trace_all(real=True): uninitialized CPU tensors) saves
-    the same bytes a token as the fake-tensor trace, on a Llama where both run."""
+    the same bytes a token as the fake-tensor trace, on a Llama where both run; and so does the real trace that skips
+    its matmuls (compute=False: a copy too large to run, whose weights are then never read)."""
     from transformers import LlamaConfig
 
     from toolkit.plan import trace as tr
@@ -182,8 +186,9 @@ def test_a_trace_on_real_tensors_counts_what_the_fake_trace_counts() -> None:
                      num_attention_heads=4, num_key_value_heads=2)
     n = tr._layer_count(mc, None)
     fake, real = tr._trace_all(mc, n, None, real=False), tr._trace_all(mc, n, None, real=True)
-    assert real.pop("real_tensors") is True
-    assert real == fake
+    unrun = tr._trace_all(mc, n, None, real=True, compute=False)
+    assert real.pop("real_tensors") is True and unrun.pop("real_tensors") == "without matmuls"
+    assert real == fake == unrun
 
 
 def test_an_moe_traced_with_fewer_experts_counts_what_its_own_count_saves() -> None:
@@ -254,3 +259,48 @@ def test_heads_set_per_layer_are_read_per_layer() -> None:
     full = CONFIG_MAPPING["gemma4_text"]()  # 30 layers, 5 of them full attention at head dim 512
     assert attention_width(full) == round((25 * 8 * 256 + 5 * 8 * 512) / 30)
     assert decode_shape(full).head_dim * 30 >= 25 * 256 + 5 * 512
+
+
+def test_layers_run_several_times_a_forward_are_counted_at_each_call() -> None:
+    """HRM runs two stacks of layers in cycles, its low-level stack's earlier passes without gradients: the shape finds
+    both stacks (its num_hidden_layers counts cache slots), the trace counts each layer's calls (4 a forward, 2.5 with
+    gradients at its defaults) and what they save is 2.5 times what one call of each saves (the same model run once);
+    the plan runs the layers' FLOPs at every call and checkpointing keeps an input a call with gradients."""
+    from transformers import CONFIG_MAPPING
+
+    def hrm(h: int, low: int, bp: list[int]) -> ModelShape:
+        return read_shape(CONFIG_MAPPING["hrm_text"](
+            vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+            head_dim=32, H_cycles=h, L_cycles=low, L_bp_cycles=bp))
+
+    cycles, once = hrm(2, 3, [2]), hrm(1, 1, [1])
+    assert cycles.num_layers == once.num_layers == 6 and cycles.total_params == once.total_params
+    assert cycles.trace["calls"] == [4.0, 2.5] and "calls" not in once.trace
+    for variant, bytes_ in cycles.trace["layer"].items():
+        assert bytes_ == pytest.approx(2.5 * once.trace["layer"][variant])
+    assert pl.layer_calls(cycles) == (4.0, 2.5) and pl.layer_passes(cycles, True) == pytest.approx((4 + 5) / 3)
+    hw = pl.Hardware(1, 1, 80.0)
+    fast, slow = (pl.predict(pl.Workload(s, 1024, 8), pl.Choice(2, "none", 1.0, 1, 8, True, "speed"), hw)
+                  for s in (once, cycles))
+    assert slow.tokens_per_s_per_gpu < fast.tokens_per_s_per_gpu / 2
+    assert "run 4 times a forward" in pl.speed_caveat(pl.Workload(cycles, 1024, 8), hw)
+
+
+def test_reversible_layers_are_planned_by_one_layers_recompute_at_their_one_length() -> None:
+    """Reformer's layers are reversible: its forward runs them without gradients and backward runs each again from
+    its outputs. The trace sees no layer call with gradients, so it traces the layers with gradients forced on and
+    keeps the largest part one layer's recompute saves (held once, in backward): the planned activations do not grow
+    with the layers, and the layers' forward runs twice. Its training rows must be the product of its axial positions:
+    a plan at another length is refused in one line."""
+    base = family_defaults("reformer")
+    s = read_shape(base)
+    assert s.trace["calls"] == [2.0, 1.0] and set(s.trace["layer"].values()) == {0.0}
+    assert s.trace["recompute"]["plain-full"] > s.trace["recompute"]["plain-frozen"] > 0
+    deeper = dataclasses.replace(s, other_layers=(), num_layers=12)  # the same layers, twice as many
+    hw = pl.Hardware(1, 1, 80.0)
+    choice = pl.Choice(2, "none", 1.0, 4, 1, False, "speed")
+    six, twelve = (pl.predict(pl.Workload(x, s.train_seq, 8), choice, hw) for x in (s, deeper))
+    assert s.train_seq == 4096 and six.gpu["activations"] == pytest.approx(twelve.gpu["activations"])
+    assert pl.layer_passes(s, True) == pl.layer_passes(s, False) == 1.5
+    with pytest.raises(ConfigError, match="trains only at rows of 4096 tokens"):
+        pl.plan(pl.Workload(s, 1024, 8), hw)

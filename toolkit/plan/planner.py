@@ -495,9 +495,10 @@ def layer_activation_bytes(shape: ModelShape, *, seq_len: int, attn: str, liger:
         raise ConfigError(no_activation_model(shape))
     t, h = shape.trace, shape.hidden_size
     variant = f"{'liger' if liger else 'plain'}-{'full' if lora is None else 'frozen'}"
-    total = t["layer"][variant]
+    total = t["layer"][variant]  # every call of the layer with gradients (HRM's cycles): what follows is a call's
+    calls = layer_calls(shape)[1]
     if tiled_mlp:
-        total += 2 * h - t["parts"][variant].get("mlp", 0.0)
+        total += 2 * h * calls - t["parts"][variant].get("mlp", 0.0)
     if t.get("attention") == "eager":  # no fused path: traced eager at TRACE_SEQ tokens
         total += t["eager"][1] * (seq_len - TRACE_SEQ)
     elif attn == "eager":
@@ -506,10 +507,11 @@ def layer_activation_bytes(shape: ModelShape, *, seq_len: int, attn: str, liger:
         targets = [x for x in t["linears"] if x[0].rsplit(".", 1)[-1] in lora.targets
                    and not (tiled_mlp and x[0].startswith("mlp."))]
         if autocast:
-            total += sum(2 * fin for _, fin, _, _ in targets)
+            total += calls * sum(2 * fin for _, fin, _, _ in targets)
         else:
-            total += sum(2 * fin for fin, kept in {g: (fin, kept) for _, fin, g, kept in targets}.values() if not kept)
-        total += 2 * lora.r * len(targets)
+            total += calls * sum(2 * fin for fin, kept in {g: (fin, kept) for _, fin, g, kept in targets}.values()
+                                 if not kept)
+        total += calls * 2 * lora.r * len(targets)
     return float(total)
 
 
@@ -814,16 +816,21 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     head_saves_input = full and not flce and s.task == "causal_lm"
     final = _final_norm_bytes(s, liger=fused, full=full, head_saves_input=head_saves_input) * tokens
     offloaded = _activation_offload(w, c, hw, tokens)
-    if c.grad_ckpt:
+    # reversible layers (Reformer) keep nothing of a layer in forward: backward runs each again from its outputs, one
+    # at a time, whatever checkpointing says
+    reversible = recompute_bytes(s, liger=fused, lora=lora)
+    if c.grad_ckpt and not reversible:
         # non-reentrant checkpointing keeps each layer's input; backward recomputes one layer at a time. Offloaded
         # (toolkit/runtime/sequence/offload.py), the newest input stays and the one before may still be copying out;
         # in backward each comes back for its own layer only.
-        kept = min(s.num_layers, OFFLOAD_INPUTS_ON_GPU) if offloaded else s.num_layers
+        # a layer run more than once with gradients (HRM's cycles) keeps an input a call and recomputes one call
+        grad_calls = layer_calls(s)[1]
+        kept = min(s.num_layers, OFFLOAD_INPUTS_ON_GPU) if offloaded else math.ceil(s.num_layers * grad_calls)
         saved = kept * 2.0 * h * tokens + final
-        recompute = per_layer * tokens
+        recompute = per_layer / grad_calls * tokens
     else:
         saved = s.num_layers * per_layer * tokens + final
-        recompute = 0.0
+        recompute = reversible * tokens
     # backward of the top layer's MLP: the gradient of the down projection's input, and in plain
     # transformers the two gradients the SiLU-mul product splits into (Liger computes them in place)
     mlp_bwd = (1 if fused else 3) * 2.0 * s.intermediate_size * tokens + 2 * 2.0 * h * tokens
@@ -893,7 +900,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     top_act, top_loss, top_buckets = saved + recompute + mlp_bwd, kept_loss, buckets
     # QLoRA: a Linear's weight dequantized to bf16 for its matmul, in forward and again for backward's input gradient
     dequant = 2.0 * 2.0 * max(i * o for _, i, o in s.linears) if quantized else 0.0
-    if c.grad_ckpt and s.trace is not None and not s.num_experts:
+    if c.grad_ckpt and s.trace is not None and not s.num_experts and not reversible:
         top_act, top_loss, top_buckets = _checkpointed_top(
             s, lora, w.attn, tokens=tokens, kept=kept, offloaded=bool(offloaded), autocast=autocast, fused=fused,
             mlp=recompute + mlp_bwd, kept_head=kept_head, buckets=buckets)
@@ -1146,19 +1153,28 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     # a token runs through its routed experts only: FLOPs by active parameters (Mixture-of-Experts)
     p_run, t_run = s.active_params, min(t_all, s.active_params)
     flops = 4.0 * p_run + 2.0 * t_run  # toolkit/observe/metrics.py flops_per_token, attention apart
-    forwards = 0  # attention forwards beyond the step's own forward and backward
-    if c.grad_ckpt:  # one more forward of the decoder layers (checkpointed), not of the embedding or the head
-        flops += 2.0 * (p_run - sum(n for _, n in (*s.prefix_params, *s.suffix_params)))
-        forwards += 1
+    # layers run more than once a forward (HRM's cycles: 4 calls a layer, 2.5 of them with gradients): the layers'
+    # forward FLOPs at every call, their backward's at the calls with gradients
+    fwd_calls, grad_calls = layer_calls(s)
+    layer_p = p_run - sum(n for _, n in (*s.prefix_params, *s.suffix_params))
+    flops += 2.0 * layer_p * (fwd_calls - 1) + (2.0 * layer_p + 2.0 * t_run * layer_p / p_run) * (grad_calls - 1)
+    forwards = 0.0  # attention forwards beyond the step's own forward and backward, in layer calls
+    # one more forward of the decoder layers (checkpointed), not of the embedding or the head; a reversible model's
+    # recompute is its second call (layer_calls), whatever checkpointing says
+    ckpt = c.grad_ckpt and not (s.trace or {}).get("recompute")
+    if ckpt:
+        flops += 2.0 * layer_p * grad_calls
+        forwards += grad_calls
     if tiled_loss:  # each tile's logits computed again in backward
         flops += 2.0 * s.hidden_size * s.vocab_size
-    if tiles_mlp(w):
-        flops += 6.0 * s.hidden_size * s.intermediate_size * s.num_layers  # each MLP forward once more
+    if tiles_mlp(w):  # each MLP forward once more
+        flops += 6.0 * s.hidden_size * s.intermediate_size * s.num_layers * grad_calls
     if pref:  # the chunked head's logits once more in backward; the reference's forward where it runs one
         flops += 2.0 * s.hidden_size * s.vocab_size
-        if w.reference in ("adapter", "engine"):
-            flops += 2.0 * p_run
-            forwards += 1
+        if w.reference in ("adapter", "engine"):  # the reference's forward: no reversible recompute
+            forward_calls = fwd_calls - (1 if (s.trace or {}).get("recompute") else 0)
+            flops += 2.0 * (p_run + layer_p * (forward_calls - 1))
+            forwards += forward_calls
     mfu = MFU_MAX * tokens / (tokens + MFU_HALF_TOKENS)  # fitted on runs with Liger's kernels and fused loss
     comp = compiled(w, c.stage)
     if not (fused_loss or comp):  # compiled layers fuse what Liger's kernels fuse (1.02x llama-1b, run s20)
@@ -1181,9 +1197,11 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     width, t_att = s.num_heads * s.head_dim, w.attended
     t_win = min(t_att, 2 * s.sliding_window) if s.sliding_window and w.attn != "eager" else t_att
 
+    runs = (fwd_calls + 2.0 * grad_calls) / 3  # a forward and backward's attention work (4 + 8) at each call
+
     def layers_s(n: int, t: float, width: int = width, head_dim: int = s.head_dim) -> float:
-        return n * tokens * width * t * (12.0 / attention_rates.rate(head_dim, t) + forwards * 4.0 / attention_rates.rate(
-            head_dim, t, backward=False))
+        return n * tokens * width * t * (12.0 * runs / attention_rates.rate(head_dim, t) + forwards * 4.0 /
+                                         attention_rates.rate(head_dim, t, backward=False))
 
     if s.layer_heads:  # heads or head dims set per layer (Gemma 4): each layer at its own
         attention = sum(layers_s(1, t_win if windowed else t_att, heads * dim, dim) for heads, dim, windowed in s.layer_heads)
@@ -1191,15 +1209,15 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
         attention = layers_s(s.num_layers - s.sliding_layers, t_att) + layers_s(s.sliding_layers, t_win)
     micro = dense + attention
     if w.load_in_4bit:  # each quantized Linear's dequantize-then-matmul, per call
-        micro += s.num_layers * len(s.linears) * (2 + c.grad_ckpt) * BNB4_CALL_S
+        micro += s.num_layers * len(s.linears) * (fwd_calls + grad_calls * (1 + ckpt)) * BNB4_CALL_S
     host = 0.0  # host time per micro-step the GPU waits on: ZeRO-3's fetch and release of each module or layer
     if c.stage == 3 and not leaves(w, c.stage):
         # the gathers ride inside the hooks' host time as fitted (one and two GPUs); not measured across nodes
-        host = _hook_time_s(w, c, hw, offload_param)
+        host = _hook_time_s(w, c, hw, offload_param) * layer_passes(s, c.grad_ckpt)
     elif c.stage == 3:
-        host = s.num_layers * (2 + c.grad_ckpt) * _leaf_s(hw.world, len(s.layer_params))
+        host = s.num_layers * (fwd_calls + grad_calls * (1 + ckpt)) * _leaf_s(hw.world, len(s.layer_params))
         if hw.world > 1:  # one rank gathers from no other: Mistral-7B (8 layers) at ZeRO-3 ran at ZeRO-2's speed
-            micro += ZERO3_S_PER_GPARAM * p_all / 1e9
+            micro += ZERO3_S_PER_GPARAM * p_all / 1e9 * layer_passes(s, c.grad_ckpt)
         if offload_param:
             # each rank copies its partition of every layer to the GPU in forward and again in backward
             micro += (3 if c.grad_ckpt else 2) * 2.0 * p_all / hw.world / PCIE_BYTES_PER_S
@@ -1209,13 +1227,15 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
         from toolkit.plan.speedups import reference_leaves
 
         as_leaves = reference_leaves(w.zero3_leaves, model_type=s.model_type, objective=w.objective)
-        host += s.num_layers * (_leaf_s(hw.world, len(s.layer_params)) if as_leaves else _modules(s)[0] * ZERO3_HOOK_S)
+        host += s.num_layers * fwd_calls * (_leaf_s(hw.world, len(s.layer_params)) if as_leaves
+                                            else _modules(s)[0] * ZERO3_HOOK_S)
     micro = max(micro, host)
     if split_by_hooks(w, c.stage):  # measured against eager with the same hooks
         micro /= ZERO3_COMPILED_SPEED
     step = c.grad_accum * micro
     if c.stage < 3 and w.lora is None:  # the host's work of the step, which the GPU waits on where it is longer
-        step = max(step, c.grad_accum * s.num_layers * (2 + c.grad_ckpt) / 2 * HOST_LAYER_S + HOST_STEP_S)
+        step = max(step, c.grad_accum * s.num_layers * (fwd_calls + grad_calls * (1 + ckpt)) / 2 * HOST_LAYER_S
+                   + HOST_STEP_S)
     if w.optimizer == "muon" and w.lora is None:  # LoRA's adapters are r-wide: their Newton-Schulz is negligible
         step += muon_step_s(s, c.stage, hw.world)
     if offload_opt:
@@ -1223,6 +1243,28 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
         # the gradient and parameter copies
         step += cpu_params * hw.gpus_per_node / CPU_ADAM_PARAMS_PER_S
     return step / MEMORY_SIZES_SPEED[c.stage] if c.zero_sizes == "memory" else step
+
+
+def layer_calls(s: ModelShape) -> tuple[float, float]:
+    """Each decoder layer's calls a forward, (all, those with gradients), as the trace counted them: (1, 1) but where
+    the model runs its layers more than once (HRM: its low-level stack 6 times a forward, 3 with gradients, its
+    high-level one twice: 4 and 2.5 a layer)."""
+    calls = (s.trace or {}).get("calls")
+    return (float(calls[0]), float(calls[1])) if calls else (1.0, 1.0)
+
+
+def recompute_bytes(s: ModelShape, *, liger: bool, lora: Lora | None) -> float:
+    """Reversible layers (Reformer, traced: no layer call with gradients in forward): what one layer's recompute in
+    backward keeps a token, the largest of its parts; 0 for any other model."""
+    rec = (s.trace or {}).get("recompute")
+    return float(rec[f"{'liger' if liger else 'plain'}-{'full' if lora is None else 'frozen'}"]) if rec else 0.0
+
+
+def layer_passes(s: ModelShape, grad_ckpt: bool) -> float:
+    """A step's layer calls (forward, backward, checkpointing's recompute) over those of layers run once."""
+    fwd, grad = layer_calls(s)
+    grad_ckpt = grad_ckpt and not (s.trace or {}).get("recompute")
+    return (fwd + grad * (1 + grad_ckpt)) / (2 + grad_ckpt)
 
 
 def _modules(s: ModelShape, lora: Lora | None = None) -> tuple[int, int, int]:
@@ -1334,6 +1376,11 @@ def plan(w: Workload, hw: Hardware, **limits: Any) -> list[Prediction]:
 
         raise ConfigError(f"sequence length {w.seq_len} is above the model's {w.shape.max_positions} positions; "
                           + positions_hint(w.shape.max_positions).replace("model.rope_factor", "--rope-factor"))
+    if w.shape.train_seq and w.seq_len != w.shape.train_seq:
+        raise ConfigError(f"model type {w.shape.model_type!r} trains only at rows of {w.shape.train_seq} tokens, the "
+                          f"product of its axial positions (axial_pos_shape; transformers refuses any other length in "
+                          f"training): plan --seq {w.shape.train_seq}, or a config whose axial_pos_shape multiplies to "
+                          f"{w.seq_len}")
     preds = [predict(w, c, hw) for c in choices(w, hw, **limits)]
     speed_fits = {_key(p.choice) for p in preds if p.choice.zero_sizes == "speed" and p.fits}
     kept = [p for p in preds if p.choice.zero_sizes == "speed"
@@ -1388,6 +1435,13 @@ def speed_caveat(w: Workload, hw: Hardware) -> str | None:
     if not w.shape.num_heads:
         why.append("a state-space model (no attention heads): its Linears are counted, its scan's time is not, and "
                    "none was run")
+    if (w.shape.trace or {}).get("recompute"):
+        why.append("reversible layers, each run again in backward from its outputs (traced): counted, but no such model "
+                   "was run")
+    elif layer_calls(w.shape) != (1.0, 1.0):
+        fwd, grad = layer_calls(w.shape)
+        why.append(f"its layers run {fwd:g} times a forward, {grad:g} with gradients (traced): counted, but no such "
+                   "model was run")
     return ("tokens/s not validated here: " + "; ".join(why) + " (bench/results/speed_model/)") if why else None
 
 

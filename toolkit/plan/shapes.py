@@ -20,6 +20,7 @@ import contextlib
 import copy
 import hashlib
 import json
+import math
 import os
 import re
 from collections import Counter
@@ -31,7 +32,7 @@ from typing import Any
 from toolkit.config.ds_config import ConfigError
 
 SHAPES_FILE = Path(__file__).with_name("model_shapes.json")
-SHAPE_VERSION = 9  # bump when ModelShape or what plans changes: cached and committed shapes are then read again
+SHAPE_VERSION = 10  # bump when ModelShape or what plans changes: cached and committed shapes are then read again
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,10 @@ class ModelShape:
     its full-attention layers, 256 in its sliding ones): each layer's (query heads, head dim, attends through the
     window); the attention term reads these. Empty where every layer has num_heads x head_dim; where set, num_heads,
     num_kv_heads and head_dim are the config's base values, which most of its layers take."""
+
+    train_seq: int = 0
+    """The one row length the model trains at (Reformer: the product of its axial positions, the only length its
+    training forward takes); 0: any up to max_positions."""
 
     @property
     def mean_head_dim(self) -> int:
@@ -242,6 +247,10 @@ def family_defaults(model_type: str, max_layers: int = 8) -> Any:
         for name, value in DBRX_ATTN_FILLS.items():
             if getattr(attn, name, None) is None:
                 setattr(attn, name, value)
+    # Reformer's causal LM refuses a config that is not a decoder, which its causal checkpoints set
+    # (google/reformer-crime-and-punishment's config.json: is_decoder true)
+    if cfg.model_type == "reformer":
+        cfg.is_decoder = True
     # X-MOD runs one language's adapters a forward and refuses to run without one (set_default_language): its first
     if getattr(cfg, "languages", None) and getattr(cfg, "default_language", "") is None:
         cfg.default_language = cfg.languages[0]
@@ -310,14 +319,18 @@ def _read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
     if getattr(mc, "num_hidden_layers", None) is None and len(stacks) > 1:
         raise ConfigError(f"{mc.model_type!r} is built of {len(stacks)} layer stacks of their own widths and layer counts "
                           f"({', '.join(stacks)}): toolkit plan models one stack of decoder layers")
-    from toolkit.plan.trace import sublayers
+    from toolkit.plan.trace import per_stack, sublayers
 
-    layers = int(_cfg(mc, "num_hidden_layers", "n_layer")) // sublayers(mc)  # the decoder layers the model builds
-    stack, by_layer = _split_layers(params, layers)
+    stacked = per_stack(mc)
+    # the decoder layers the model builds: num_hidden_layers of them, or every stack's (HRM: two of 16 a stack)
+    layers = stacked or int(_cfg(mc, "num_hidden_layers", "n_layer")) // sublayers(mc)
+    stacks, by_layer = _split_layers(params, layers, stacked=stacked is not None)
+    layers = len(by_layer)
     per_layer = Counter(by_layer).most_common(1)[0][0]
-    first = next(i for i, (n, _) in enumerate(params) if n.startswith(f"{stack}.0."))
-    last = max(i for i, (n, _) in enumerate(params) if _LAYER.match(n) and n.startswith(f"{stack}."))
-    layer0 = model.get_submodule(f"{stack}.{by_layer.index(per_layer)}")
+    first = next(i for i, (n, _) in enumerate(params) if n.startswith(f"{stacks[0]}.0."))
+    last = max(i for i, (n, _) in enumerate(params) if _LAYER.match(n) and n.startswith(f"{stacks[-1]}."))
+    modules = [layer for stack in stacks for layer in model.get_submodule(stack)]
+    layer0 = modules[by_layer.index(per_layer)]
     # GPT-2's projections are transformers' Conv1D: a Linear with its weight stored (in, out)
     linears = tuple((n, m.in_features, m.out_features) if isinstance(m, torch.nn.Linear)
                     else (n, int(m.weight.shape[0]), int(m.weight.shape[1]))
@@ -328,7 +341,7 @@ def _read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
     heads = int(_cfg(mc, "num_attention_heads", "n_head", default=0))
     # the layer kinds the trace matches its copy's layers against: each layer's own parameters (a layer that shares a
     # block with an earlier one, as Zamba's hybrid layers do, is of that one's kind, though counted once above)
-    own = [tuple((n, p.numel()) for n, p in layer.named_parameters()) for layer in model.get_submodule(stack)]
+    own = [tuple((n, p.numel()) for n, p in layer.named_parameters()) for layer in modules]
     kinds = own if len(own) == layers and len(set(own)) > 1 else None
     # the kinds whose later layers share their block with the first (their parameters counted there)
     shared = frozenset(own[i] for i in range(layers) if kinds and sum(n for _, n in own[i]) > sum(n for _, n in by_layer[i]))
@@ -361,6 +374,7 @@ def _read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
         other_layers=tuple((i, p) for i, p in enumerate(by_layer) if p != per_layer),
         **sliding,
         layer_heads=_layer_heads(mc, layers, hidden, windowed=bool(sliding)),
+        train_seq=math.prod(mc.axial_pos_shape) if getattr(mc, "axial_pos_embds", False) else 0,
     )
 
 
@@ -419,16 +433,19 @@ def _cfg(mc: Any, *names: str, default: Any = ...) -> Any:
     return default
 
 
-def _split_layers(params: list[tuple[str, int]], layers: int) -> tuple[str, list[tuple[tuple[str, int], ...]]]:
-    """The ModuleList holding `layers` decoder layers, and each layer's parameter list."""
+def _split_layers(params: list[tuple[str, int]], layers: int,
+                  stacked: bool = False) -> tuple[list[str], list[tuple[tuple[str, int], ...]]]:
+    """The ModuleList holding `layers` decoder layers (stacked: every list of `layers`, in order), and each layer's
+    parameter list."""
     stacks: dict[str, dict[int, list[tuple[str, int]]]] = {}
     for name, n in params:
         m = _LAYER.match(name)
         if m:
             stacks.setdefault(m["stack"], {}).setdefault(int(m["index"]), []).append((m["rest"], n))
-    for stack, by_index in stacks.items():
-        if sorted(by_index) == list(range(layers)):
-            return stack, [tuple(by_index[i]) for i in range(layers)]
+    found = [stack for stack, by_index in stacks.items() if sorted(by_index) == list(range(layers))]
+    if found:
+        found = found if stacked else found[:1]
+        return found, [tuple(stacks[stack][i]) for stack in found for i in range(layers)]
     found = ", ".join(f"{stack} ({len(by_index)})" for stack, by_index in stacks.items())
     raise ConfigError(f"cannot find the {layers} decoder layers in the model's parameter names (its layer lists: "
                       f"{found or 'none'})")

@@ -20,7 +20,9 @@ on fake tensors), and eager attention's bytes per token at two lengths (its S x 
 Code that reads its tensors' values (MoE routing counts, unpadding by `.item()`) cannot run on fake tensors; where
 the copy is small (REAL_MAX_PARAMS), it is traced on real, uninitialized CPU tensors instead, counted the same way
 (tests/unit/test_trace.py holds the two counts equal on a Llama). An MoE whose copy is larger is traced at two small
-expert counts and read at its own on the line through them (`_fewer_experts`; JetMoE, Qwen4-Exp).
+expert counts and read at its own on the line through them (`_fewer_experts`; JetMoE, Qwen4-Exp), and a copy larger
+still (up to VIRTUAL_MAX_PARAMS) on real tensors without its matmuls, whose weights are then never read
+(LongCat-Flash).
 
 Pitfalls handled (the note's): transformers treats fake tensors as tracing and builds a 4-D mask for an unpacked batch
 (`find_packed_sequence_indices` is answered None while tracing); the meta device is never used (no fused attention).
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,6 +52,10 @@ DATA_DEPENDENT = ("DataDependentOutputException", "DynamicOutputShapeException")
 # a copy traced on real CPU tensors: 1.4 GB of bf16 weights at most (DBRX's 5-layer copy, 616M, traced in 4 s at
 # 1.8 GB of RSS; JetMoE's, 1,893M, is traced with fewer experts: _fewer_experts)
 REAL_MAX_PARAMS = 700_000_000
+# a larger copy is traced on real tensors without its matmuls (_Creators: each takes an empty output of its shape), so
+# its weights are never read and their pages never touched: address space, not memory. 16 GB of bf16 address space
+# at most (LongCat-Flash's copies with 12 and 13 of its 512 experts: 4.9B and 5.2B parameters, 0.3 GB of RSS)
+VIRTUAL_MAX_PARAMS = 8_000_000_000
 
 
 class TraceError(RuntimeError):
@@ -67,6 +74,9 @@ def trace_layers(mc: Any, kinds: list[Any] | None = None, shared: frozenset[Any]
     "final": {variant: bytes/token}, "linears": [[name, in_features, group, kept_by_frozen]], "eager": [a, b]}
     where variant is "<plain|liger>-<full|frozen>" and eager attention adds a + b x seq_len bytes a token; "attention":
     "eager" where the family has no fused path (its bytes were traced at TRACE_SEQ and grow by b a token per token).
+    Where a layer runs other than once a forward, "calls": [calls, calls with gradients], a layer's mean (HRM's cycles:
+    [4, 2.5]; its "layer" bytes are all its calls'); reversible layers (no call with gradients: Reformer) are [2, 1] and
+    add "recompute": {variant: bytes/token}, the largest part of one layer run again with gradients in backward.
     """
     n = _layer_count(mc, kinds, shared)
     try:
@@ -81,10 +91,12 @@ def trace_layers(mc: Any, kinds: list[Any] | None = None, shared: frozenset[Any]
             fewer = _fewer_experts(mc, n, kinds)
             if fewer is not None:
                 return fewer
+        if params > VIRTUAL_MAX_PARAMS:
             raise TraceError(f"{e}; its code reads its tensors' values, and a copy of {n} layers ({params / 1e6:,.0f}M "
                              f"parameters) is too large to trace on real CPU tensors (at most "
-                             f"{REAL_MAX_PARAMS / 1e6:,.0f}M; a copy with fewer experts is made only of an MoE with ungrouped "
-                             "experts, where it fits)") from None
+                             f"{VIRTUAL_MAX_PARAMS / 1e6:,.0f}M; a copy with fewer experts is made only of an MoE with "
+                             "ungrouped experts, where it fits)") from None
+        return _trace_all(mc, n, kinds, real=True, compute=params <= REAL_MAX_PARAMS)
     return _trace_all(mc, n, kinds, real=True)
 
 
@@ -106,9 +118,15 @@ def _fewer_experts(mc: Any, n: int, kinds: list[Any] | None) -> dict[str, Any] |
     for count in counts:
         cfg = _small_vocab(copy.deepcopy(mc))
         setattr(cfg, name, count)
-        if _copy_params(cfg, n) > REAL_MAX_PARAMS:
+        if vars(cfg).get("zero_expert_num"):
+            # LongCat-Flash's zero-computation (identity) experts, which its code gives weights too: left out of the
+            # copies, so every routed slot goes to a real expert, which keeps more than an identity's product: an
+            # upper bound (its real router sends a learned share of slots to them)
+            cfg.zero_expert_num = 0
+        params = _copy_params(cfg, n)
+        if params > VIRTUAL_MAX_PARAMS:
             return None
-        traces.append(_trace_all(cfg, n, _kinds_as_built(cfg, kinds), real=True))
+        traces.append(_trace_all(cfg, n, _kinds_as_built(cfg, kinds), real=True, compute=params <= REAL_MAX_PARAMS))
     t = (getattr(mc, name) - counts[0]) / (counts[1] - counts[0])
     out = traces[0] | {k: _on_line(traces[0][k], traces[1][k], t) for k in ("layer", "parts", "final", "eager")}
     out["experts_traced"] = list(counts)
@@ -164,7 +182,8 @@ def _meta_model(cfg: Any) -> Any:
         return AutoModelForCausalLM.from_config(cfg)
 
 
-def _trace_all(mc: Any, n: int, kinds: list[Any] | None, *, real: bool) -> dict[str, Any]:
+def _trace_all(mc: Any, n: int, kinds: list[Any] | None, *, real: bool, compute: bool = True) -> dict[str, Any]:
+    """Every variant's trace of the n-layer copy; on real tensors (real) with or without its matmuls run (compute)."""
     out: dict[str, Any] = {"version": TRACE_VERSION, "layer": {}, "parts": {}, "final": {}}
     try:
         # how this family runs on fake tensors: as most do, or with an attention mask given, or only with its own
@@ -174,7 +193,7 @@ def _trace_all(mc: Any, n: int, kinds: list[Any] | None, *, real: bool) -> dict[
         for ids, attn, mask in WAYS:
             try:
                 first = _trace(mc, n, kinds, seq=TRACE_SEQ, liger=False, full=True, attn=attn, mask=mask, real=real,
-                               ids=ids)
+                               ids=ids, compute=compute)
                 break
             except TraceError:
                 raise
@@ -187,13 +206,27 @@ def _trace_all(mc: Any, n: int, kinds: list[Any] | None, *, real: bool) -> dict[
                 key = f"{'liger' if liger else 'plain'}-{'full' if full else 'frozen'}"
                 r = first if (liger, full) == (False, True) else _trace(
                     mc, n, kinds, seq=TRACE_SEQ, liger=liger, full=full, attn=attn, linears=not liger and not full,
-                    mask=mask, real=real, ids=ids)
+                    mask=mask, real=real, ids=ids, compute=compute)
                 out["layer"][key], out["parts"][key], out["final"][key] = r["layer"], r["parts"], r["final"]
                 if "linears" in r:
                     out["linears"] = r["linears"]
+        if first["calls"] != [1.0, 1.0]:  # layers run more than once a forward (HRM's cycles; some without gradients)
+            out["calls"] = first["calls"]
+        if first["calls"][1] == 0:
+            # no layer ran with gradients, yet the model trains: reversible layers (Reformer), which backward runs again
+            # with gradients, one at a time, from their outputs. Each layer then runs twice, once with gradients, and
+            # what one layer's recompute saves exists only while its backward runs: traced with gradients forced on,
+            # the largest of a layer's children (Reformer recomputes and runs backward through its feed-forward, frees
+            # it, then its attention)
+            out["calls"] = [2.0, 1.0]
+            out["recompute"] = {
+                f"{'liger' if liger else 'plain'}-{'full' if full else 'frozen'}": _trace(
+                    mc, n, kinds, seq=TRACE_SEQ, liger=liger, full=full, attn=attn, mask=mask, real=real, ids=ids,
+                    compute=compute, grads=True)["largest_part"]
+                for liger in (False, True) for full in (True, False)}
         seqs = _eager_seqs(mc, real)
         eager = [_trace(mc, n, kinds, seq=s, liger=False, full=True, attn="eager", mask=mask, real=real,
-                        ids=ids)["layer"] for s in seqs]
+                        ids=ids, compute=compute)["layer"] for s in seqs]
     except TraceError:
         raise
     except Exception as e:  # the model's own code failed on fake tensors
@@ -204,7 +237,7 @@ def _trace_all(mc: Any, n: int, kinds: list[Any] | None, *, real: bool) -> dict[
     # a family whose layers compute attention themselves (eager only): its bytes grow with the length whatever is asked
     out["attention"] = "eager" if abs(eager[0] - out["layer"]["plain-full"]) < 1 and slope > 0 else "fused"
     if real:
-        out["real_tensors"] = True
+        out["real_tensors"] = True if compute else "without matmuls"
     return out
 
 
@@ -241,10 +274,21 @@ def sublayers(mc: Any) -> int:
     return 1
 
 
+def per_stack(mc: Any) -> int | None:
+    """Layers a stack where the model runs several stacks of layers in turn (HRM's low- and high-level stacks, each
+    of `num_layers_per_stack`: its num_hidden_layers counts its cache slots, a layer's calls a forward), else None."""
+    count = vars(mc).get("num_layers_per_stack")
+    return count if isinstance(count, int) and count > 0 else None
+
+
 def small_config(mc: Any, layers: int) -> Any:
     """`mc` with `layers` decoder layers (as the model builds them: sublayers); every per-layer list of the config (layer_types, a hybrid's pattern string,
     Gemma 3n's MLP widths) keeps the model's own interleaving, cut or repeated to the new count."""
     cfg = copy.deepcopy(mc)
+    if per_stack(cfg):  # each stack with `layers` (HRM: its cache slots follow, as its config derives them)
+        slots = int(cfg.num_hidden_layers) // cfg.num_layers_per_stack
+        cfg.num_layers_per_stack, cfg.num_hidden_layers = layers, layers * slots
+        return cfg
     full = int(cfg.num_hidden_layers)
     cfg.num_hidden_layers = layers = layers * sublayers(cfg)
     for name, value in list(vars(cfg).items()):
@@ -291,19 +335,22 @@ def _build(cfg: Any, attn: str) -> Any:
 
 
 def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, full: bool, attn: str,
-           linears: bool = False, mask: bool = False, real: bool = False, ids: bool = False) -> dict[str, Any]:
+           linears: bool = False, mask: bool = False, real: bool = False, ids: bool = False,
+           compute: bool = True, grads: bool = False) -> dict[str, Any]:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers.initialization import no_init_weights
 
-    cfg = _training_config(small_config(mc, n))
+    cfg = _at_length(_training_config(small_config(mc, n)), seq)
     with no_init_weights(), (contextlib.nullcontext() if real else FakeTensorMode()), quiet_transformers(), \
             _no_packed_mask():
         with _fake_conversion():
             model = _build(cfg, attn)
         _bf16_params(model)
         base = getattr(model, model.base_model_prefix, model)
-        layers = _decoder_layers(base, n)
+        layers = _decoder_layers(base, n, stacked=per_stack(cfg) is not None)
+        stack_sizes = [n] * (len(layers) // n)
+        n = len(layers)
         for p in model.parameters():
             p.requires_grad_(full)
         if liger:
@@ -336,8 +383,15 @@ def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, f
             return None
 
         hooks = []
+        calls = [[0, 0] for _ in layers]  # each layer's calls a forward: all, and those with gradients (saved)
+
+        def called(i: int) -> None:
+            where[0] = (i, "other")
+            calls[i][0] += 1
+            calls[i][1] += torch.is_grad_enabled()
+
         for i, layer in enumerate(layers):
-            hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: where.__setitem__(0, (i, "other"))))
+            hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: called(i)))
             hooks.append(layer.register_forward_hook(_after_layer(where, done, i, n)))
             for child_name, child in layer.named_children():
                 hooks.append(child.register_forward_pre_hook(
@@ -362,7 +416,8 @@ def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, f
                                                             requires_grad=True)
             keep.append(embeds)  # the embedding's output: the stack's, kept where a layer's norm saves it (Liger's)
         with _flash_like_sdpa(), _liger_rope(layers) if liger else contextlib.nullcontext(), \
-                _creators(created, where, done, keep), torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
+                _creators(created, where, done, keep, compute), _grads_forced(layers) if grads else contextlib.nullcontext(), \
+                torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
             given = {"attention_mask": torch.ones(1, seq, dtype=torch.long)} if mask else {}
             # a copy that is not a leaf: some families scale their embeddings in place (CTRL)
             given |= {"input_ids": tokens} if ids else {"inputs_embeds": embeds.clone()}
@@ -373,6 +428,8 @@ def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, f
         # that Python's collector cannot free. On real tensors every trace kept its copy's memory (2.3 GB a trace of
         # Qwen4-Exp's, until the process was killed): emptied here, the graph goes with the tensors
         keep.clear()
+    if real:
+        _return_freed_memory()
     per_layer = [0 for _ in range(n)]
     parts: list[dict[str, int]] = [{} for _ in range(n)]
     final = 0
@@ -384,20 +441,73 @@ def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, f
             final += nbytes
     # each kind's mean over its layers in the copy, weighted by its share of the full model's layers. The last layer
     # stands apart where its output is saved by nothing (OLMo 2's next layer saves it, its final norm an fp32 copy):
-    # one layer in the full model, so it is left out of a kind that has others.
+    # one layer in the full model, so it is left out of a kind that has others. Stacked layers: each stack's last
+    # (HRM's stacks end in their own norm), so each stack keeps its share of the mean.
+    ends = {n - 1} if len(stack_sizes) == 1 else {sum(stack_sizes[:k + 1]) - 1 for k in range(len(stack_sizes))}
     layer, by_part = 0.0, {}
     for sig, weight in weights.items():
-        idx = [i for i in range(n - 1) if sigs[i] == sig] or [n - 1]
+        idx = [i for i in range(n) if i not in ends and sigs[i] == sig] or [n - 1]
         layer += weight * sum(per_layer[i] for i in idx) / len(idx)
         for i in idx:
             for child, nbytes in parts[i].items():
                 by_part[child] = by_part.get(child, 0.0) + weight * nbytes / len(idx)
-    r: dict[str, Any] = {"layer": layer / seq, "parts": {k: v / seq for k, v in by_part.items()}, "final": final / seq}
+    middle = [i for i in range(n) if i not in ends] or [n - 1]
+    r: dict[str, Any] = {"layer": layer / seq, "parts": {k: v / seq for k, v in by_part.items()}, "final": final / seq,
+                         "largest_part": max(max(parts[i].values(), default=0) for i in middle) / seq,
+                         "calls": [sum(c[0] for c in calls) / n, sum(c[1] for c in calls) / n]}
     if linears:
         groups: dict[int, int] = {}
         r["linears"] = [[name, fin, groups.setdefault(key, len(groups)), key in owner]
                         for name, fin, key in seen_linears]
     return r
+
+
+@contextlib.contextmanager
+def _grads_forced(layers: list[Any]) -> Iterator[None]:
+    """Every layer call run with gradients, its own `torch.no_grad()` blocks too: what a reversible layer saves when
+    its backward runs it again (Reformer's backward_pass: its attention and feed-forward under enable_grad)."""
+    import torch
+
+    def with_grads(forward: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with torch.enable_grad():
+                return forward(*args, **kwargs)
+        return run
+
+    no_grad = torch.no_grad
+    torch.no_grad = contextlib.nullcontext  # the layers' own blocks; restored below
+    for layer in layers:
+        layer.forward = with_grads(layer.forward)
+    try:
+        yield
+    finally:
+        torch.no_grad = no_grad
+        for layer in layers:
+            del layer.forward
+
+
+def _at_length(cfg: Any, seq: int) -> Any:
+    """A config whose positions are axial (Reformer: in training its rows must be their product) takes two factors of
+    the traced length: they shape the position embedding alone, not what a layer keeps a token."""
+    shape = getattr(cfg, "axial_pos_shape", None)
+    if isinstance(shape, (list, tuple)) and len(shape) == 2 and math.prod(shape) != seq:
+        cfg.axial_pos_shape = type(shape)((seq // AXIAL_SIDE, AXIAL_SIDE))
+    return cfg
+
+
+AXIAL_SIDE = 16
+
+
+def _return_freed_memory() -> None:
+    """Give the heap's freed pages back to the system (glibc's malloc_trim). A real trace's tensors, freed, stay in the
+    process's heap, and the next copy's allocations do not all reuse them: LongCat-Flash's 12 traces grew to 23 GB of
+    RSS with 3.7 GB alive at a time. Elsewhere than glibc: nothing to do."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(name).malloc_trim(0)
 
 
 def _never_unpacked(_: None) -> Any:
@@ -481,16 +591,31 @@ def _embed_as_leaf(base: Any, keep: list) -> None:
 
 
 @contextlib.contextmanager
-def _creators(created: dict[int, int | str], where: list, done: list, keep: list) -> Iterator[None]:
+def _creators(created: dict[int, int | str], where: list, done: list, keep: list,
+              compute: bool = True) -> Iterator[None]:
     """Note which layer's code made each storage: every op's outputs, as they come (a dispatch mode over the fake
-    tensors)."""
+    tensors). compute=False: a matmul is not run; it returns an empty tensor of its output's shape and strides (read
+    on the meta device), so the weights are never read (what autograd saves is the same: it sits above this mode)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
+    from torch.utils._pytree import tree_leaves, tree_map
+
+    skipped = set() if compute else {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                                     torch.ops.aten.baddbmm.default, torch.ops.aten._grouped_mm.default,
+                                     torch.ops.aten.convolution.default}
+
+    def on_meta(x: Any) -> Any:
+        return x.new_empty_strided(x.size(), x.stride(), device="meta") if isinstance(x, torch.Tensor) else x
+
+    def empty_like_meta(x: Any) -> Any:
+        return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype) if isinstance(x, torch.Tensor) else x
 
     class Creators(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            out = func(*args, **(kwargs or {}))
+            if func in skipped:
+                out = tree_map(empty_like_meta, func(*tree_map(on_meta, args), **tree_map(on_meta, kwargs or {})))
+            else:
+                out = func(*args, **(kwargs or {}))
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     key = t.untyped_storage()._cdata
@@ -545,9 +670,14 @@ def _hidden(cfg: Any) -> int:
     raise TraceError("the config has no hidden size")
 
 
-def _decoder_layers(base: Any, n: int) -> list[Any]:
+def _decoder_layers(base: Any, n: int, stacked: bool = False) -> list[Any]:
+    """The copy's n decoder layers; stacked (per_stack): every list of n, in the model's order (HRM's two stacks)."""
     import torch
 
+    if stacked:
+        lists = [list(mod) for _, mod in base.named_modules() if isinstance(mod, torch.nn.ModuleList) and len(mod) == n]
+        if lists:
+            return [layer for layers in lists for layer in layers]
     for _, mod in base.named_children():
         if isinstance(mod, torch.nn.ModuleList) and len(mod) == n:
             return list(mod)
