@@ -223,6 +223,14 @@ NARROW: tuple[Config, ...] = (
     *(Config(f"n-q05-z3-leaves-s4096-m{m}-2gpu", Q, 4096, m, 1, 3, gpus=2, chunks="auto",
              extra=("train.zero3_leaves=true",)) for m in (1, 4)),
 )
+# HRM-Text-1B's shape (issue 60): layers run several times a forward (planner.layer_calls), ZeRO-2 with and without
+# checkpointing and ZeRO-3, seq 2,048 (its positions), one GPU, today's defaults
+HRM = "hrm-text-1b"
+FAMILY_CYCLES: tuple[Config, ...] = (
+    Config("f-hrm1b-z2-s2048-m4", HRM, 2048, 4, 1, 2, chunks="auto"),
+    Config("f-hrm1b-z2-s2048-m16-ckpt", HRM, 2048, 16, 1, 2, ckpt=True, chunks="auto"),
+    Config("f-hrm1b-z3-s2048-m4", HRM, 2048, 4, 1, 3, chunks="auto"),
+)
 SMOKE: tuple[Config, ...] = (
     Config("tiny-z2", "tiny", 64, 2, 2, 2, gpus=2),
     Config("tiny-z3all", "tiny", 64, 2, 1, 3, "all", gpus=2),
@@ -379,7 +387,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     configs = SMOKE if smoke else CONFIGS
     if a.only:
         wanted = a.only.split(",")
-        every = CONFIGS + LONG + VALIDATE + LEAVES + FAMILIES + FAMILY_LEAVES + FAMILY_2GPU + FAMILY_CHUNKS + NARROW
+        every = CONFIGS + LONG + VALIDATE + LEAVES + FAMILIES + FAMILY_LEAVES + FAMILY_2GPU + FAMILY_CHUNKS + NARROW + FAMILY_CYCLES
         configs = tuple(c for c in (SMOKE if smoke else every) if c.name in wanted)
         configs = tuple(sorted(configs, key=lambda c: wanted.index(c.name)))  # in the order asked
     if a.set:  # e.g. train.stop_after=1, then train.resume=latest: a run longer than one device command

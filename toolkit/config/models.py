@@ -71,6 +71,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                       num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
                       max_position_embeddings=32768, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
                       sliding_window=512, query_pre_attn_scalar=256, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    # HRM-Text-1B's shape (transformers' HRM defaults): two stacks of 16 layers run in cycles, H_cycles x (L_cycles + 1)
+    # stack passes a forward, the earlier low-level ones without gradients (its num_hidden_layers becomes 128 cache slots)
+    "hrm-text-1b": dict(model_type="hrm_text", vocab_size=151808, hidden_size=1536, intermediate_size=4096,
+                        num_hidden_layers=16, num_attention_heads=12, head_dim=128, max_position_embeddings=2048,
+                        H_cycles=2, L_cycles=3, L_bp_cycles=[2], tie_word_embeddings=False),
     # Mixture-of-Experts shapes (issue 32), random init as the dense presets; tiny ones for CPU tests, with every
     # MoE field set (the families' defaults are the full models': Qwen3-MoE's moe_intermediate_size is 768).
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
