@@ -231,6 +231,11 @@ FAMILY_CYCLES: tuple[Config, ...] = (
     Config("f-hrm1b-z2-s2048-m16-ckpt", HRM, 2048, 16, 1, 2, ckpt=True, chunks="auto"),
     Config("f-hrm1b-z3-s2048-m4", HRM, 2048, 4, 1, 3, chunks="auto"),
 )
+# a Reformer's reversible layers (planner.recompute_bytes): one layer's recompute held in backward whatever the depth;
+# ZeRO-2, rows of 16,384 (its one training length), micro 2 and 8, one GPU
+REFORMER = "reformer-16k"
+FAMILY_REVERSIBLE: tuple[Config, ...] = tuple(
+    Config(f"f-ref16k-z2-s16384-m{m}", REFORMER, 16384, m, 1, 2, chunks="auto") for m in (2, 8))
 SMOKE: tuple[Config, ...] = (
     Config("tiny-z2", "tiny", 64, 2, 2, 2, gpus=2),
     Config("tiny-z3all", "tiny", 64, 2, 1, 3, "all", gpus=2),
@@ -387,7 +392,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     configs = SMOKE if smoke else CONFIGS
     if a.only:
         wanted = a.only.split(",")
-        every = CONFIGS + LONG + VALIDATE + LEAVES + FAMILIES + FAMILY_LEAVES + FAMILY_2GPU + FAMILY_CHUNKS + NARROW + FAMILY_CYCLES
+        every = (CONFIGS + LONG + VALIDATE + LEAVES + FAMILIES + FAMILY_LEAVES + FAMILY_2GPU + FAMILY_CHUNKS + NARROW
+                 + FAMILY_CYCLES + FAMILY_REVERSIBLE)
         configs = tuple(c for c in (SMOKE if smoke else every) if c.name in wanted)
         configs = tuple(sorted(configs, key=lambda c: wanted.index(c.name)))  # in the order asked
     if a.set:  # e.g. train.stop_after=1, then train.resume=latest: a run longer than one device command

@@ -126,9 +126,42 @@ def _runs(tmp: Path) -> list[dict]:
         "train.export=false")
     add("raw-zero3-gc", "zero3", "train.path=raw", "model.gradient_checkpointing=true",
         "model.attn_implementation=eager", "train.export=false")
+    # families past the Llama shape, from local directories at the default model.attn_implementation=sdpa: Gemma 2
+    # and Reformer, which transformers cannot build with sdpa (the run takes eager), and HRM's layers run in cycles
+    for family, stage, seq in (("gemma2", "zero3", 64), ("reformer", "zero2", 64), ("hrm_text", "zero2", 32)):
+        add(f"raw-{family}", stage, "train.path=raw", f"model.name={_family_dir(tmp / family, family, tok)}",
+            f"data.seq_len={seq}", "train.micro_batch_size=2", "train.max_steps=3", "train.export=false")
     # muon-z2-clipped (refused before any collective) stays last: its rank 0 prints the refusal while rank 1 may
     # already print the next run's marker, so a run after it could take its line in run_logs' split
     return runs + _qlora_runs(tmp) + _optimizer_runs(tmp)
+
+
+FAMILY_CONFIGS = {
+    "gemma2": dict(intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, max_position_embeddings=256, sliding_window=32),
+    # rows of 64 tokens: the product of its axial positions, the only length its causal LM trains at
+    "reformer": dict(feed_forward_size=128, num_attention_heads=2, attention_head_size=32, axial_pos_shape=[8, 8],
+                     axial_pos_embds_dim=[32, 32], max_position_embeddings=64, is_decoder=True,
+                     attn_layers=["local", "lsh"], local_attn_chunk_length=16, lsh_attn_chunk_length=16),
+    "hrm_text": dict(intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, head_dim=16,
+                     max_position_embeddings=256),
+}
+
+
+def _family_dir(out: Path, model_type: str, tokenizer: Path) -> Path:
+    """A tiny model of `model_type` at random init, saved with the test tokenizer's files beside it."""
+    import shutil
+
+    import torch
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = CONFIG_MAPPING[model_type](vocab_size=1000, hidden_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                     **FAMILY_CONFIGS[model_type])
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    for f in tokenizer.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
 
 
 # Muon and bf16 optimizer states (docs/optimizers.md), configs from gen-config: name -> (stage, optimizer, states,
@@ -250,6 +283,22 @@ def test_every_stage_and_offload_completes(runs: Path, path: str, stage: str) ->
     assert resolved["train_batch_size"] == 4 * 1 * 2
     # random init starts near ln(vocab): uninitialized ZeRO-3 weights would start far above it
     assert abs(losses(d)[0] - math.log(1000)) <= 0.1 * math.log(1000)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("family", list(FAMILY_CONFIGS))
+def test_families_without_sdpa_or_with_layers_in_cycles_train_at_the_defaults(runs: Path, family: str) -> None:
+    """Gemma 2 (softcapping) and Reformer (its own LSH and local attention) have no sdpa path in transformers, which
+    refuses to build them with it: at the default model.attn_implementation=sdpa the run takes eager and says why
+    (before, Gemma 2's run ended at the build). HRM (two stacks run in cycles) keeps sdpa. Each trains from ln(vocab)."""
+    d = runs / f"raw-{family}"
+    assert json.loads((d / "status.json").read_text())["status"] == "completed"
+    attention = json.loads((d / "resolved.json").read_text())["attention"]
+    if family == "hrm_text":
+        assert attention["implementation"] == "sdpa"
+    else:
+        assert attention["implementation"] == "eager" and "no sdpa path" in attention["note"]
+    assert len(losses(d)) == 3 and abs(losses(d)[0] - math.log(1000)) <= 0.15 * math.log(1000)
 
 
 @pytest.mark.timeout(60)

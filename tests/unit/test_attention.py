@@ -51,6 +51,26 @@ def test_the_attention_plan(attn: str, task: str, packed: bool, cuda: bool, want
     assert p.note.startswith("attention: ")
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "varlen"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_model_without_sdpa_takes_eager_and_the_plan_says_why(attn: str, packed: bool) -> None:
+    """transformers refuses to build Gemma 2, gpt-oss, Reformer and 29 more causal LMs with sdpa (softcapping, sinks,
+    their own attention), and the toolkit's own attention computes sdpa's: either setting runs them eager (packed rows
+    through the block-diagonal mask); flash_attention_2 stays as asked."""
+    from transformers import CONFIG_MAPPING
+
+    from toolkit.config.attention import has_sdpa
+    from toolkit.plan.shapes import family_defaults
+
+    assert not has_sdpa(CONFIG_MAPPING["gemma2"]()) and not has_sdpa(family_defaults("reformer"))
+    assert has_sdpa(CONFIG_MAPPING["llama"]()) and has_sdpa(CONFIG_MAPPING["hrm_text"]())
+    p = plan(attn, "causal_lm", packed, True, varlen_ok=True, sdpa=False)
+    assert (p.implementation, p.boundaries) == ("eager", False) and "no sdpa path" in p.note
+    assert ("block-diagonal mask" in p.note) == packed
+    flash = plan("flash_attention_2", "causal_lm", packed, True, varlen_ok=True, sdpa=False)
+    assert flash.implementation == "flash_attention_2"
+
+
 def test_document_boundaries_make_the_padding_one_more_segment() -> None:
     kw = document_boundaries([[3, 4], [5]], width=8)
     assert kw["cu_seq_lens_q"].tolist() == [0, 3, 7, 8, 13, 16] and kw["cu_seq_lens_q"].dtype == torch.int32

@@ -304,3 +304,21 @@ def test_reversible_layers_are_planned_by_one_layers_recompute_at_their_one_leng
     assert pl.layer_passes(s, True) == pl.layer_passes(s, False) == 1.5
     with pytest.raises(ConfigError, match="trains only at rows of 4096 tokens"):
         pl.plan(pl.Workload(s, 1024, 8), hw)
+
+
+def test_a_family_without_sdpa_is_planned_at_eager_attention() -> None:
+    """Gemma 2 has no sdpa path in transformers (its softcapping): a run asked for sdpa takes eager
+    (runtime/attention.plan), so its plan counts eager attention's scores, which grow with the row; the same shape
+    with sdpa would not. The plan's header says so."""
+    s = read_shape(family_defaults("gemma2", max_layers=4))
+    assert s.sdpa is False and pl.run_attention(s, "sdpa") == "eager" and pl.run_attention(s, "flash_attention_2") \
+        == "flash_attention_2"
+    hw, choice = pl.Hardware(1, 1, 80.0), pl.Choice(2, "none", 1.0, 1, 1, False, "speed")
+    eager = pl.predict(pl.Workload(s, 4096, 1), choice, hw)
+    fused = pl.predict(pl.Workload(dataclasses.replace(s, sdpa=True), 4096, 1), choice, hw)
+    per_token = s.trace["eager"][0] + s.trace["eager"][1] * 4096
+    assert per_token > 0
+    assert eager.gpu["activations"] >= s.num_layers * per_token * 4096 / pl.GIB
+    assert eager.peak_allocated_gib > fused.peak_allocated_gib
+    assert pl.layer_activation_bytes(s, seq_len=4096, attn="eager", liger=False, lora=None) == pytest.approx(
+        pl.layer_activation_bytes(s, seq_len=4096, attn="flash_attention_2", liger=False, lora=None) + per_token)

@@ -1,4 +1,5 @@
-"""Which sliding-window layers the toolkit's varlen kernel can run with their window, read from a model's config.
+"""Which sliding-window layers the toolkit's varlen kernel can run with their window, read from a model's config, and
+whether transformers runs the model through sdpa at all (has_sdpa: else a run takes eager, and the plan counts it).
 
 Shared by the run (toolkit/runtime/attention: unpacked rows of such a model go to the kernel, each row one document)
 and the planner (toolkit/plan/shapes: a sliding layer timed at its window), so the two agree.
@@ -30,7 +31,7 @@ def kernel_window(config: Any) -> int | None:
         return None
     if (getattr(text, "attention_dropout", 0) or getattr(text, "attn_logit_softcapping", None)
             or getattr(text, "use_bidirectional_attention", False)
-            or getattr(text, "model_type", "") in NO_WINDOW_KWARG or not _has_sdpa(text)):
+            or getattr(text, "model_type", "") in NO_WINDOW_KWARG or not has_sdpa(text)):
         return None
     return int(window)
 
@@ -43,7 +44,10 @@ def sliding_layers(config: Any, layers: int) -> int:
     return sum(t == "sliding_attention" for t in types[:layers]) if types else layers
 
 
-def _has_sdpa(config: Any) -> bool:
+def has_sdpa(config: Any) -> bool:
+    """transformers runs this causal LM's attention through sdpa. Not Gemma 2's (softcapping), gpt-oss's (sinks), nor
+    a family's own attention (Reformer's LSH, MPT's, XLNet's): 32 of the 166 types that plan (transformers 5.24), which
+    refuse to be built with attn_implementation="sdpa"."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:

@@ -76,6 +76,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "hrm-text-1b": dict(model_type="hrm_text", vocab_size=151808, hidden_size=1536, intermediate_size=4096,
                         num_hidden_layers=16, num_attention_heads=12, head_dim=128, max_position_embeddings=2048,
                         H_cycles=2, L_cycles=3, L_bp_cycles=[2], tie_word_embeddings=False),
+    # a character-level Reformer at width 1,024 (enwik8's scale: 258 byte tokens): 12 reversible layers, local and LSH
+    # attention in turn, rows of 16,384 (the product of its axial positions, the only length it trains at)
+    "reformer-16k": dict(model_type="reformer", vocab_size=258, hidden_size=1024, feed_forward_size=4096,
+                         num_hidden_layers=12, num_attention_heads=8, attention_head_size=128,
+                         attn_layers=["local", "lsh"] * 6, axial_pos_shape=[128, 128], axial_pos_embds_dim=[256, 768],
+                         max_position_embeddings=16384, is_decoder=True, local_attn_chunk_length=128,
+                         lsh_attn_chunk_length=128, num_hashes=2, tie_word_embeddings=False),
     # Mixture-of-Experts shapes (issue 32), random init as the dense presets; tiny ones for CPU tests, with every
     # MoE field set (the families' defaults are the full models': Qwen3-MoE's moe_intermediate_size is 768).
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,

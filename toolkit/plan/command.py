@@ -295,7 +295,10 @@ def render(args: Any, w: pl.Workload, hw: pl.Hardware, ranked: list[pl.Predictio
         + (", MLPs tiled" if w.tiled_mlp else "")
         + (f", experts over {w.expert_parallel} ranks (AutoEP)" if w.expert_parallel > 1 else "")
         + f", global batch {w.global_batch} ({w.global_batch * w.sequence_parallel // hw.world} per rank), "
-        f"attention {w.attn}, Liger {'off (train.objective=grpo)' if w.objective == 'grpo' else 'on where supported' if w.liger else 'off'}, "
+        f"attention {pl.run_attention(w.shape, w.attn)}"
+        + (f" (asked {w.attn}: transformers has no sdpa path for {w.shape.model_type!r})"
+           if pl.run_attention(w.shape, w.attn) != w.attn else "") + ", "
+        f"Liger {'off (train.objective=grpo)' if w.objective == 'grpo' else 'on where supported' if w.liger else 'off'}, "
         + (f"train.compile={w.compile} (auto: compiled; eager at ZeRO-3 under LoRA), " if w.objective == "sft" else
            "eager (preference and RL runs are not compiled), ") + (f"float8 matmuls ({w.fp8})" if w.fp8 else "bf16"),
         f"GPU need = predicted peak allocated x {1 + pl.ALLOC_MARGIN:.2f} + {pl.CUDA_CONTEXT_GIB} GiB CUDA context; "

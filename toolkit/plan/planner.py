@@ -802,14 +802,15 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
 
     # ---- activations ---------------------------------------------------------------------------------
     tiled = tiles_mlp(w)
-    per_layer = layer_activation_bytes(s, seq_len=w.seq_len, attn=w.attn, liger=fused, lora=lora, autocast=autocast,
+    attn = run_attention(s, w.attn)
+    per_layer = layer_activation_bytes(s, seq_len=w.seq_len, attn=attn, liger=fused, lora=lora, autocast=autocast,
                                        compiled=comp, tiled_mlp=tiled)
     if split_by_hooks(w, stage) and s.trace is not None:
         # Under LoRA the layers are not ZeRO-3 leaves, DeepSpeed's hooks split a compiled layer into a graph per
         # module, and less fuses: llama-1b micro 16 peaked at 66.5 GiB compiled against 57.6 eager with Liger (run
         # s23, no leaves), between Liger's per-layer bytes and eager transformers' (the mean gives 67.0). As leaves
         # the layers peak as at ZeRO-2 (58.5 against 59.4 GiB, float8 49.9 against 50.8; run s26).
-        eager = layer_activation_bytes(s, seq_len=w.seq_len, attn=w.attn, liger=False, lora=lora, autocast=autocast)
+        eager = layer_activation_bytes(s, seq_len=w.seq_len, attn=attn, liger=False, lora=lora, autocast=autocast)
         per_layer = (per_layer + eager) / 2
     elif w.fp8:
         per_layer -= fp8_saved_bytes(s, w.fp8)
@@ -837,6 +838,12 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     if s.num_experts:  # per routed token: the gate/up/activation gradients and hidden-sized ones (MOE_BWD_HIDDENS)
         mlp_bwd = 2.0 * s.experts_per_token * tokens * (3 * s.expert_intermediate + MOE_BWD_HIDDENS * h) \
             + 2 * 2.0 * h * tokens
+    if reversible:
+        # a reversible layer's largest part runs backward beside what its recompute keeps, and its gradients are of
+        # that part's tensors, not the MLP's: as much again at most (Reformer-16K at 8 x 16,384 on an H200: its LSH
+        # attention's backward held 5.0 GiB of gradients beside the 7.4 GiB its recompute kept, where the MLP's term
+        # counts 3.5; families/reversible_anatomy.json)
+        mlp_bwd = max(mlp_bwd, recompute)
     if tiled:  # one tile of micro x hidden tokens at a time, recomputed with its activations, then its gradients
         tile = min(tokens, c.micro_batch * h)
         mlp_bwd = ((2 if fused else 3) + 1 + (1 if fused else 3)) * 2.0 * s.intermediate_size * tile \
@@ -902,7 +909,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     dequant = 2.0 * 2.0 * max(i * o for _, i, o in s.linears) if quantized else 0.0
     if c.grad_ckpt and s.trace is not None and not s.num_experts and not reversible:
         top_act, top_loss, top_buckets = _checkpointed_top(
-            s, lora, w.attn, tokens=tokens, kept=kept, offloaded=bool(offloaded), autocast=autocast, fused=fused,
+            s, lora, attn, tokens=tokens, kept=kept, offloaded=bool(offloaded), autocast=autocast, fused=fused,
             mlp=recompute + mlp_bwd, kept_head=kept_head, buckets=buckets)
     phases = {
         "backward start": persistent + held + saved + loss_bwd + gathered,
@@ -1195,7 +1202,7 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     # most `window` keys a query, the causal work of rows 2 x window long (the planner counts causal work as full);
     # eager attention computes the whole row
     width, t_att = s.num_heads * s.head_dim, w.attended
-    t_win = min(t_att, 2 * s.sliding_window) if s.sliding_window and w.attn != "eager" else t_att
+    t_win = min(t_att, 2 * s.sliding_window) if s.sliding_window and run_attention(s, w.attn) != "eager" else t_att
 
     runs = (fwd_calls + 2.0 * grad_calls) / 3  # a forward and backward's attention work (4 + 8) at each call
 
@@ -1251,6 +1258,12 @@ def layer_calls(s: ModelShape) -> tuple[float, float]:
     high-level one twice: 4 and 2.5 a layer)."""
     calls = (s.trace or {}).get("calls")
     return (float(calls[0]), float(calls[1])) if calls else (1.0, 1.0)
+
+
+def run_attention(s: ModelShape, attn: str) -> str:
+    """The attention a run takes when asked for `attn`: eager where transformers has no sdpa path for a model with
+    attention heads (ModelShape.sdpa; toolkit/runtime/attention.plan decides the same)."""
+    return "eager" if attn in ("sdpa", "varlen") and not s.sdpa and s.num_heads else attn  # Mamba: no attention
 
 
 def recompute_bytes(s: ModelShape, *, liger: bool, lora: Lora | None) -> float:
@@ -1435,9 +1448,13 @@ def speed_caveat(w: Workload, hw: Hardware) -> str | None:
     if not w.shape.num_heads:
         why.append("a state-space model (no attention heads): its Linears are counted, its scan's time is not, and "
                    "none was run")
+    if run_attention(w.shape, w.attn) == "eager" and w.shape.num_heads:
+        why.append("eager attention" + (f" ({w.shape.model_type!r} has no sdpa path in transformers)"
+                                         if w.attn != "eager" else "") + " is timed at the fused kernels' rates; it "
+                   "runs slower, by how much was not measured")
     if (w.shape.trace or {}).get("recompute"):
-        why.append("reversible layers, each run again in backward from its outputs (traced): counted, but no such model "
-                   "was run")
+        why.append("reversible layers, each run again in backward from its outputs (traced): counted; Reformer-16K on "
+                   "one H200 planned its tokens/s 3% and 10% fast")
     elif layer_calls(w.shape) != (1.0, 1.0):
         fwd, grad = layer_calls(w.shape)
         why.append(f"its layers run {fwd:g} times a forward, {grad:g} with gradients (traced): counted at every call; "

@@ -85,6 +85,10 @@ class ModelShape:
     window); the attention term reads these. Empty where every layer has num_heads x head_dim; where set, num_heads,
     num_kv_heads and head_dim are the config's base values, which most of its layers take."""
 
+    sdpa: bool = True
+    """transformers runs the model's attention through sdpa. False (Gemma 2's softcapping, gpt-oss's sinks, a family's
+    own attention: MPT, Reformer): a run asked for sdpa takes eager (config/attention.has_sdpa), and the plan counts
+    eager attention's bytes (planner.run_attention)."""
     train_seq: int = 0
     """The one row length the model trains at (Reformer: the product of its axial positions, the only length its
     training forward takes); 0: any up to max_positions."""
@@ -374,6 +378,7 @@ def _read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
         other_layers=tuple((i, p) for i, p in enumerate(by_layer) if p != per_layer),
         **sliding,
         layer_heads=_layer_heads(mc, layers, hidden, windowed=bool(sliding)),
+        sdpa=task != "causal_lm" or bool(getattr(type(model), "_supports_sdpa", False)),
         train_seq=math.prod(mc.axial_pos_shape) if getattr(mc, "axial_pos_embds", False) else 0,
     )
 

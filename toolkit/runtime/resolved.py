@@ -19,6 +19,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from toolkit.config.attention import has_sdpa
 from toolkit.config.ds_config import ConfigError, zero_stage
 from toolkit.config.models import text_config
 from toolkit.config.schema import Config, packing
@@ -309,7 +310,7 @@ def resolve_run(cfg: Config, ds: dict[str, Any], model_config: Any, world: int, 
     # and rollouts have their own collators)
     window = attention.sliding_window(model_config, cfg.data.seq_len) if t.objective == "sft" else None
     attn = attention.plan(m.attn_implementation, m.task, packed, machine.cuda, machine.cuda and machine.varlen,
-                          t.sequence_parallel, window)
+                          t.sequence_parallel, window, sdpa=m.task != "causal_lm" or has_sdpa(model_config))
     loss_on, loss_why = tiled_loss_on(m.tiled_loss, fused_loss=bool(liger.kwargs.get("fused_linear_cross_entropy")),
                                       tokens=cfg.data.seq_len // t.sequence_parallel, causal_lm=m.task == "causal_lm",
                                       moe=moe.is_moe(model_config))

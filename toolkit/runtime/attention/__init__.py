@@ -37,10 +37,19 @@ def sliding_window(config: Any, seq_len: int) -> int | None:
 
 
 def plan(attn: str, task: str, packing: bool, cuda: bool, varlen_ok: bool, sequence_parallel: int = 1,
-         window: int | None = None) -> AttentionPlan:
+         window: int | None = None, sdpa: bool = True) -> AttentionPlan:
     """attn: model.attn_implementation (eager, sdpa, varlen, flash_attention_2); varlen_ok: torch's varlen
-    kernel is there (CUDA, torch 2.10+); window: `sliding_window(...)` of the model at the run's length."""
+    kernel is there (CUDA, torch 2.10+); window: `sliding_window(...)` of the model at the run's length; sdpa:
+    transformers runs the model through sdpa (config/attention.has_sdpa): where not, sdpa and varlen mean eager, as
+    the toolkit's own attention computes sdpa's (without Gemma 2's softcapping or gpt-oss's sinks)."""
     from toolkit.runtime.attention.interface import NAME
+
+    if not sdpa and task == "causal_lm" and attn in ("sdpa", "varlen"):
+        mask = "; packed rows use a block-diagonal mask" if packing else ""
+        return AttentionPlan("eager", False, f"attention: eager (model.attn_implementation={attn}, but transformers "
+                                             "has no sdpa path for this model: softcapping, attention sinks or its "
+                                             "own attention; model.attn_implementation=flash_attention_2 runs "
+                                             f"flash-attn where the model supports it){mask}")
 
     if sequence_parallel > 1:  # Ulysses wraps the toolkit's attention (sequence/ulysses.py); eager is refused
         kernel = "torch varlen_attn" if cuda and varlen_ok else "the per-document reference"
