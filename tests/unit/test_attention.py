@@ -4,6 +4,7 @@ the training runs through both paths are tests/dist/test_train.py's."""
 
 from __future__ import annotations
 
+import dataclasses
 from unittest import mock
 
 import pytest
@@ -69,6 +70,9 @@ def test_a_model_without_sdpa_takes_eager_and_the_plan_says_why(attn: str, packe
     assert ("block-diagonal mask" in p.note) == packed
     flash = plan("flash_attention_2", "causal_lm", packed, True, varlen_ok=True, sdpa=False)
     assert flash.implementation == "flash_attention_2"
+    # sequence parallelism runs the toolkit's attention, sdpa's computation: refused for such a model
+    with pytest.raises(ConfigError, match=r"train\.sequence_parallel runs the toolkit.s attention"):
+        plan(attn, "causal_lm", packed, True, varlen_ok=True, sequence_parallel=2, sdpa=False)
 
 
 def test_document_boundaries_make_the_padding_one_more_segment() -> None:
@@ -260,13 +264,17 @@ def test_padding_waste_counts_pad_positions_of_packed_and_padded_batches() -> No
 
 def test_the_planner_counts_packed_attention_by_document_length() -> None:
     from toolkit.plan import planner as pl
+    from toolkit.plan.shapes import load_shape
 
-    full = pl.Workload(None, 8192, 32)  # type: ignore[arg-type]  # attended() reads only the lengths
+    s = load_shape("llama-1b")
+    full = pl.Workload(s, 8192, 32)
     assert full.attended == 8192
-    assert pl.Workload(None, 8192, 32, doc_len=193).attended == pl.VARLEN_FLOOR_TOKENS  # the kernel's floor
-    assert pl.Workload(None, 8192, 32, doc_len=5000).attended == 5000
-    assert pl.Workload(None, 2048, 32, doc_len=193).attended == 2048  # never above the row
-    assert pl.Workload(None, 8192, 32, attn="eager", doc_len=193).attended == 8192  # eager masks: the full row
+    assert pl.Workload(s, 8192, 32, doc_len=193).attended == pl.VARLEN_FLOOR_TOKENS  # the kernel's floor
+    assert pl.Workload(s, 8192, 32, doc_len=5000).attended == 5000
+    assert pl.Workload(s, 2048, 32, doc_len=193).attended == 2048  # never above the row
+    assert pl.Workload(s, 8192, 32, attn="eager", doc_len=193).attended == 8192  # eager masks: the full row
+    # a model without an sdpa path runs eager at sdpa: the full row too (Gemma 2)
+    assert pl.Workload(dataclasses.replace(s, sdpa=False), 8192, 32, doc_len=193).attended == 8192
 
 
 def test_plan_doc_len_speeds_up_long_packed_rows_and_refuses_nonsense(capsys) -> None:

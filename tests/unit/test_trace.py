@@ -174,19 +174,25 @@ def test_a_state_space_model_plans_from_its_own_code_with_its_speed_marked_unval
     assert "a state-space model" in (pl.speed_caveat(w, pl.Hardware(1, 1, 80.0)) or "")
 
 
-def test_a_trace_on_real_tensors_counts_what_the_fake_trace_counts() -> None:
+def test_a_trace_on_real_tensors_counts_what_the_fake_trace_counts(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fallback for code that reads tensor values (trace._trace_all(real=True): uninitialized CPU tensors) saves
     the same bytes a token as the fake-tensor trace, on a Llama where both run; and so does the real trace that skips
-    its matmuls (compute=False: a copy too large to run, whose weights are then never read)."""
+    its matmuls (compute=False: a copy too large to run, whose weights are then never read), which runs none of its
+    matmuls (each goes to trace._unrun) where the other runs them all."""
     from transformers import LlamaConfig
 
     from toolkit.plan import trace as tr
 
+    unrun_ops: list[str] = []
+    plain = tr._unrun
+    monkeypatch.setattr(tr, "_unrun", lambda func, *a: unrun_ops.append(str(func)) or plain(func, *a))
     mc = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2)
     n = tr._layer_count(mc, None)
     fake, real = tr._trace_all(mc, n, None, real=False), tr._trace_all(mc, n, None, real=True)
+    assert not unrun_ops
     unrun = tr._trace_all(mc, n, None, real=True, compute=False)
+    assert unrun_ops and set(unrun_ops) <= {"aten.mm.default", "aten.addmm.default", "aten.bmm.default"}
     assert real.pop("real_tensors") is True and unrun.pop("real_tensors") == "without matmuls"
     assert real == fake == unrun
 
@@ -304,6 +310,10 @@ def test_reversible_layers_are_planned_by_one_layers_recompute_at_their_one_leng
     assert pl.layer_passes(s, True) == pl.layer_passes(s, False) == 1.5
     with pytest.raises(ConfigError, match="trains only at rows of 4096 tokens"):
         pl.plan(pl.Workload(s, 1024, 8), hw)
+    # transformers has no checkpointing for it: no such choice; float8 has nothing of a layer's to save on
+    assert s.checkpointing is False and not any(c.grad_ckpt for c in pl.choices(pl.Workload(s, 4096, 8), hw))
+    fp8 = pl.predict(pl.Workload(s, 4096, 8, fp8="tensorwise"), choice, hw)
+    assert fp8.gpu["activations"] == pytest.approx(six.gpu["activations"])
 
 
 def test_a_family_without_sdpa_is_planned_at_eager_attention() -> None:

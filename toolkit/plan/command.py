@@ -223,6 +223,9 @@ def _limits(args: Any, hw: pl.Hardware, w: pl.Workload) -> dict[str, Any]:
                               f"(global batch {w.global_batch} over {groups} data-parallel ranks)")
         limits["micro_batches"] = (args.micro_batch,)
     if args.grad_ckpt or args.activation_offload in ("true", "pinned", "pageable"):
+        if not w.shape.checkpointing:
+            raise ConfigError(f"--grad-ckpt: transformers has no gradient checkpointing for {w.shape.model_type!r} "
+                              "(Reformer's reversible layers recompute in backward already)")
         limits["grad_ckpt"] = (True,)  # offloaded inputs are checkpointing's (the config refuses one without it)
     return limits
 

@@ -342,7 +342,7 @@ class Workload:
         """The 12·L·H·T term's T: seq_len for full-length rows; for packed rows the documents' length, but not
         below VARLEN_FLOOR_TOKENS (the varlen kernel over short documents costs what causal attention over that
         many tokens costs) and not above seq_len."""
-        if not self.doc_len or self.attn == "eager":  # eager attention masks packed rows: the full row's cost
+        if not self.doc_len or run_attention(self.shape, self.attn) == "eager":  # eager masks packed rows: the full row
             return float(self.seq_len)
         return min(float(self.seq_len), max(self.doc_len, VARLEN_FLOOR_TOKENS))
 
@@ -593,11 +593,14 @@ def fp8_saved_bytes(shape: ModelShape, recipe: str) -> float:
 
 def fp8_flop_share(shape: ModelShape, recipe: str, flops_per_token: float, grad_ckpt: bool = False) -> float:
     """The share of a step's FLOPs in the Linears float8 converts (6 x in x out per token per layer; 8 with
-    gradient checkpointing, whose recomputed forward runs them again)."""
+    gradient checkpointing, whose recomputed forward runs them again; at each call where layers run more than once:
+    2 a forward call, 4 a call with gradients)."""
     from toolkit.plan.speedups import fp8_converts
 
     conv = sum(i * o for _, i, o in shape.linears if fp8_converts(recipe, i, o))
-    return min(1.0, (8.0 if grad_ckpt else 6.0) * conv * shape.num_layers / flops_per_token)
+    fwd, grad = layer_calls(shape)
+    per = 2.0 * fwd + 4.0 * grad + (2.0 * grad if grad_ckpt and not reversible(shape) else 0.0)
+    return min(1.0, per * conv * shape.num_layers / flops_per_token)
 
 
 def fp8_gain(hidden: int) -> float:
@@ -812,15 +815,15 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
         # the layers peak as at ZeRO-2 (58.5 against 59.4 GiB, float8 49.9 against 50.8; run s26).
         eager = layer_activation_bytes(s, seq_len=w.seq_len, attn=attn, liger=False, lora=lora, autocast=autocast)
         per_layer = (per_layer + eager) / 2
-    elif w.fp8:
-        per_layer -= fp8_saved_bytes(s, w.fp8)
+    elif w.fp8:  # at each call with gradients; a reversible layer keeps nothing of its own in forward to save on
+        per_layer = max(0.0, per_layer - fp8_saved_bytes(s, w.fp8) * layer_calls(s)[1])
     head_saves_input = full and not flce and s.task == "causal_lm"
     final = _final_norm_bytes(s, liger=fused, full=full, head_saves_input=head_saves_input) * tokens
     offloaded = _activation_offload(w, c, hw, tokens)
     # reversible layers (Reformer) keep nothing of a layer in forward: backward runs each again from its outputs, one
     # at a time, whatever checkpointing says
-    reversible = recompute_bytes(s, liger=fused, lora=lora)
-    if c.grad_ckpt and not reversible:
+    rev = recompute_bytes(s, liger=fused, lora=lora)
+    if c.grad_ckpt and not reversible(s):
         # non-reentrant checkpointing keeps each layer's input; backward recomputes one layer at a time. Offloaded
         # (toolkit/runtime/sequence/offload.py), the newest input stays and the one before may still be copying out;
         # in backward each comes back for its own layer only.
@@ -831,14 +834,14 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
         recompute = per_layer / grad_calls * tokens
     else:
         saved = s.num_layers * per_layer * tokens + final
-        recompute = reversible * tokens
+        recompute = rev * tokens
     # backward of the top layer's MLP: the gradient of the down projection's input, and in plain
     # transformers the two gradients the SiLU-mul product splits into (Liger computes them in place)
     mlp_bwd = (1 if fused else 3) * 2.0 * s.intermediate_size * tokens + 2 * 2.0 * h * tokens
     if s.num_experts:  # per routed token: the gate/up/activation gradients and hidden-sized ones (MOE_BWD_HIDDENS)
         mlp_bwd = 2.0 * s.experts_per_token * tokens * (3 * s.expert_intermediate + MOE_BWD_HIDDENS * h) \
             + 2 * 2.0 * h * tokens
-    if reversible:
+    if reversible(s):
         # a reversible layer's largest part runs backward beside what its recompute keeps, and its gradients are of
         # that part's tensors, not the MLP's: as much again at most (Reformer-16K at 8 x 16,384 on an H200: its LSH
         # attention's backward held 5.0 GiB of gradients beside the 7.4 GiB its recompute kept, where the MLP's term
@@ -907,7 +910,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     top_act, top_loss, top_buckets = saved + recompute + mlp_bwd, kept_loss, buckets
     # QLoRA: a Linear's weight dequantized to bf16 for its matmul, in forward and again for backward's input gradient
     dequant = 2.0 * 2.0 * max(i * o for _, i, o in s.linears) if quantized else 0.0
-    if c.grad_ckpt and s.trace is not None and not s.num_experts and not reversible:
+    if c.grad_ckpt and s.trace is not None and not s.num_experts and not reversible(s):
         top_act, top_loss, top_buckets = _checkpointed_top(
             s, lora, attn, tokens=tokens, kept=kept, offloaded=bool(offloaded), autocast=autocast, fused=fused,
             mlp=recompute + mlp_bwd, kept_head=kept_head, buckets=buckets)
@@ -1168,7 +1171,7 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     forwards = 0.0  # attention forwards beyond the step's own forward and backward, in layer calls
     # one more forward of the decoder layers (checkpointed), not of the embedding or the head; a reversible model's
     # recompute is its second call (layer_calls), whatever checkpointing says
-    ckpt = c.grad_ckpt and not (s.trace or {}).get("recompute")
+    ckpt = c.grad_ckpt and not reversible(s)
     if ckpt:
         flops += 2.0 * layer_p * grad_calls
         forwards += grad_calls
@@ -1179,7 +1182,7 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     if pref:  # the chunked head's logits once more in backward; the reference's forward where it runs one
         flops += 2.0 * s.hidden_size * s.vocab_size
         if w.reference in ("adapter", "engine"):  # the reference's forward: no reversible recompute
-            forward_calls = fwd_calls - (1 if (s.trace or {}).get("recompute") else 0)
+            forward_calls = fwd_calls - reversible(s)
             flops += 2.0 * (p_run + layer_p * (forward_calls - 1))
             forwards += forward_calls
     mfu = MFU_MAX * tokens / (tokens + MFU_HALF_TOKENS)  # fitted on runs with Liger's kernels and fused loss
@@ -1224,18 +1227,19 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     elif c.stage == 3:
         host = s.num_layers * (fwd_calls + grad_calls * (1 + ckpt)) * _leaf_s(hw.world, len(s.layer_params))
         if hw.world > 1:  # one rank gathers from no other: Mistral-7B (8 layers) at ZeRO-3 ran at ZeRO-2's speed
-            micro += ZERO3_S_PER_GPARAM * p_all / 1e9 * layer_passes(s, c.grad_ckpt)
+            # the layers gathered again at each further call (not the embedding and head)
+            micro += ZERO3_S_PER_GPARAM * (p_all + s.layers_numel * (layer_passes(s, c.grad_ckpt) - 1)) / 1e9
         if offload_param:
             # each rank copies its partition of every layer to the GPU in forward and again in backward
-            micro += (3 if c.grad_ckpt else 2) * 2.0 * p_all / hw.world / PCIE_BYTES_PER_S
+            micro += (3 if ckpt else 2) * layer_passes(s, ckpt) * 2.0 * p_all / hw.world / PCIE_BYTES_PER_S
     if w.reference == "engine":  # the frozen ZeRO-3 copy gathers every layer for its forward (objectives/reference.py)
         if hw.world > 1:  # as the policy's: one rank gathers from no other
             micro += ZERO3_S_PER_GPARAM * p_all / 1e9 / 3
         from toolkit.plan.speedups import reference_leaves
 
         as_leaves = reference_leaves(w.zero3_leaves, model_type=s.model_type, objective=w.objective)
-        host += s.num_layers * fwd_calls * (_leaf_s(hw.world, len(s.layer_params)) if as_leaves
-                                            else _modules(s)[0] * ZERO3_HOOK_S)
+        host += s.num_layers * (fwd_calls - reversible(s)) * (_leaf_s(hw.world, len(s.layer_params)) if as_leaves
+                                                              else _modules(s)[0] * ZERO3_HOOK_S)
     micro = max(micro, host)
     if split_by_hooks(w, c.stage):  # measured against eager with the same hooks
         micro /= ZERO3_COMPILED_SPEED
@@ -1266,6 +1270,11 @@ def run_attention(s: ModelShape, attn: str) -> str:
     return "eager" if attn in ("sdpa", "varlen") and not s.sdpa and s.num_heads else attn  # Mamba: no attention
 
 
+def reversible(s: ModelShape) -> bool:
+    """Reversible layers (Reformer): the trace saw no layer call with gradients and traced one layer's recompute."""
+    return bool((s.trace or {}).get("recompute"))
+
+
 def recompute_bytes(s: ModelShape, *, liger: bool, lora: Lora | None) -> float:
     """Reversible layers (Reformer, traced: no layer call with gradients in forward): what one layer's recompute in
     backward keeps a token, the largest of its parts; 0 for any other model."""
@@ -1276,7 +1285,7 @@ def recompute_bytes(s: ModelShape, *, liger: bool, lora: Lora | None) -> float:
 def layer_passes(s: ModelShape, grad_ckpt: bool) -> float:
     """A step's layer calls (forward, backward, checkpointing's recompute) over those of layers run once."""
     fwd, grad = layer_calls(s)
-    grad_ckpt = grad_ckpt and not (s.trace or {}).get("recompute")
+    grad_ckpt = grad_ckpt and not reversible(s)
     return (fwd + grad * (1 + grad_ckpt)) / (2 + grad_ckpt)
 
 
@@ -1322,6 +1331,8 @@ def choices(w: Workload, hw: Hardware, *, stages: Iterable[int] = (0, 1, 2, 3),
     """Every combination worth predicting. The global batch fixes micro x accumulation per rank."""
     per_rank = per_rank_batch(w.global_batch, hw.world // w.sequence_parallel)
     micros = [m for m in (micro_batches or divisors(per_rank)) if per_rank % m == 0]
+    if not w.shape.checkpointing:  # transformers has none for it (Reformer: its reversible layers recompute anyway)
+        grad_ckpt = [False]
     out: list[Choice] = []
     for stage in stages:
         if stage == 0 and w.sequence_parallel > 1:
@@ -1381,7 +1392,7 @@ def plan(w: Workload, hw: Hardware, **limits: Any) -> list[Prediction]:
         from toolkit.config.checks.sequence import problems
 
         found = problems(w.sequence_parallel, hw.world, heads=w.shape.num_heads, kv_heads=w.shape.num_kv_heads,
-                         seq_len=w.seq_len, attn=w.attn)
+                         seq_len=w.seq_len, attn=run_attention(w.shape, w.attn))
         if found:
             raise ConfigError("; ".join(found))
     if w.shape.max_positions is not None and w.seq_len > w.shape.max_positions:
@@ -1452,7 +1463,7 @@ def speed_caveat(w: Workload, hw: Hardware) -> str | None:
         why.append("eager attention" + (f" ({w.shape.model_type!r} has no sdpa path in transformers)"
                                          if w.attn != "eager" else "") + " is timed at the fused kernels' rates; it "
                    "runs slower, by how much was not measured")
-    if (w.shape.trace or {}).get("recompute"):
+    if reversible(w.shape):
         why.append("reversible layers, each run again in backward from its outputs (traced): counted; Reformer-16K on "
                    "one H200 planned its tokens/s 3% and 10% fast")
     elif layer_calls(w.shape) != (1.0, 1.0):

@@ -86,9 +86,13 @@ class ModelShape:
     num_kv_heads and head_dim are the config's base values, which most of its layers take."""
 
     sdpa: bool = True
-    """transformers runs the model's attention through sdpa. False (Gemma 2's softcapping, gpt-oss's sinks, a family's
-    own attention: MPT, Reformer): a run asked for sdpa takes eager (config/attention.has_sdpa), and the plan counts
-    eager attention's bytes (planner.run_attention)."""
+    """transformers runs the causal LM's attention through sdpa (its class's _supports_sdpa; an encoder: True). False
+    (Gemma 2's softcapping, gpt-oss's sinks, a family's own attention: MPT, Reformer): a run asked for sdpa takes eager
+    (runtime/attention.plan, config/attention.has_sdpa), and the plan counts eager attention's bytes
+    (planner.run_attention)."""
+    checkpointing: bool = True
+    """transformers can checkpoint the model's layers (supports_gradient_checkpointing; not Reformer's, reversible):
+    where not, the plan takes no checkpointing choice."""
     train_seq: int = 0
     """The one row length the model trains at (Reformer: the product of its axial positions, the only length its
     training forward takes); 0: any up to max_positions."""
@@ -379,6 +383,7 @@ def _read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
         **sliding,
         layer_heads=_layer_heads(mc, layers, hidden, windowed=bool(sliding)),
         sdpa=task != "causal_lm" or bool(getattr(type(model), "_supports_sdpa", False)),
+        checkpointing=bool(getattr(model, "supports_gradient_checkpointing", True)),
         train_seq=math.prod(mc.axial_pos_shape) if getattr(mc, "axial_pos_embds", False) else 0,
     )
 

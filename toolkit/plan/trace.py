@@ -52,7 +52,7 @@ DATA_DEPENDENT = ("DataDependentOutputException", "DynamicOutputShapeException")
 # a copy traced on real CPU tensors: 1.4 GB of bf16 weights at most (DBRX's 5-layer copy, 616M, traced in 4 s at
 # 1.8 GB of RSS; JetMoE's, 1,893M, is traced with fewer experts: _fewer_experts)
 REAL_MAX_PARAMS = 700_000_000
-# a larger copy is traced on real tensors without its matmuls (_Creators: each takes an empty output of its shape), so
+# a larger copy is traced on real tensors without its matmuls (_creators: each takes an empty output of its shape), so
 # its weights are never read and their pages never touched: address space, not memory. 16 GB of bf16 address space
 # at most (LongCat-Flash's copies with 12 and 13 of its 512 experts: 4.9B and 5.2B parameters, 0.3 GB of RSS)
 VIRTUAL_MAX_PARAMS = 8_000_000_000
@@ -212,7 +212,7 @@ def _trace_all(mc: Any, n: int, kinds: list[Any] | None, *, real: bool, compute:
                     out["linears"] = r["linears"]
         if first["calls"] != [1.0, 1.0]:  # layers run more than once a forward (HRM's cycles; some without gradients)
             out["calls"] = first["calls"]
-        if first["calls"][1] == 0:
+        if first["calls"][1] == 0 < first["calls"][0]:
             # no layer ran with gradients, yet the model trains: reversible layers (Reformer), which backward runs again
             # with gradients, one at a time, from their outputs. Each layer then runs twice, once with gradients, and
             # what one layer's recompute saves exists only while its backward runs: traced with gradients forced on,
@@ -474,16 +474,27 @@ def _grads_forced(layers: list[Any]) -> Iterator[None]:
                 return forward(*args, **kwargs)
         return run
 
+    class KeepGrads(torch.no_grad):  # a no_grad that changes nothing, as a block or a decorator
+        def __enter__(self) -> None:
+            pass
+
+        def __exit__(self, *exc: Any) -> None:
+            pass
+
     no_grad = torch.no_grad
-    torch.no_grad = contextlib.nullcontext  # the layers' own blocks; restored below
-    for layer in layers:
-        layer.forward = with_grads(layer.forward)
+    own = [vars(layer).get("forward") for layer in layers]  # a forward set on the instance, put back after
     try:
+        torch.no_grad = KeepGrads  # the layers' own blocks
+        for layer in layers:
+            layer.forward = with_grads(layer.forward)
         yield
     finally:
         torch.no_grad = no_grad
-        for layer in layers:
-            del layer.forward
+        for layer, forward in zip(layers, own, strict=True):
+            if forward is None:
+                vars(layer).pop("forward", None)
+            else:
+                layer.forward = forward
 
 
 def _at_length(cfg: Any, seq: int) -> Any:
@@ -598,24 +609,15 @@ def _creators(created: dict[int, int | str], where: list, done: list, keep: list
     on the meta device), so the weights are never read (what autograd saves is the same: it sits above this mode)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves, tree_map
+    from torch.utils._pytree import tree_leaves
 
     skipped = set() if compute else {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
                                      torch.ops.aten.baddbmm.default, torch.ops.aten._grouped_mm.default,
                                      torch.ops.aten.convolution.default}
 
-    def on_meta(x: Any) -> Any:
-        return x.new_empty_strided(x.size(), x.stride(), device="meta") if isinstance(x, torch.Tensor) else x
-
-    def empty_like_meta(x: Any) -> Any:
-        return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype) if isinstance(x, torch.Tensor) else x
-
     class Creators(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if func in skipped:
-                out = tree_map(empty_like_meta, func(*tree_map(on_meta, args), **tree_map(on_meta, kwargs or {})))
-            else:
-                out = func(*args, **(kwargs or {}))
+            out = _unrun(func, args, kwargs or {}) if func in skipped else func(*args, **(kwargs or {}))
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     key = t.untyped_storage()._cdata
@@ -626,6 +628,22 @@ def _creators(created: dict[int, int | str], where: list, done: list, keep: list
 
     with Creators():
         yield
+
+
+def _unrun(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """An op's outputs, empty, of the shapes and strides it gives on the meta device: the op is not run. (The matmuls
+    a copy's weights enter; the matrix-vector and out= forms are not among them: no family's layers were seen to
+    call them.)"""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    def on_meta(x: Any) -> Any:
+        return x.new_empty_strided(x.size(), x.stride(), device="meta") if isinstance(x, torch.Tensor) else x
+
+    def empty(x: Any) -> Any:
+        return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype) if isinstance(x, torch.Tensor) else x
+
+    return tree_map(empty, func(*tree_map(on_meta, args), **tree_map(on_meta, kwargs)))
 
 
 def _kind_weights(sigs: list[Any], kinds: list[Any] | None) -> dict[Any, float]:
@@ -674,10 +692,11 @@ def _decoder_layers(base: Any, n: int, stacked: bool = False) -> list[Any]:
     """The copy's n decoder layers; stacked (per_stack): every list of n, in the model's order (HRM's two stacks)."""
     import torch
 
-    if stacked:
-        lists = [list(mod) for _, mod in base.named_modules() if isinstance(mod, torch.nn.ModuleList) and len(mod) == n]
-        if lists:
-            return [layer for layers in lists for layer in layers]
+    if stacked:  # every list of n not inside another (a layer's own list of n experts is not a stack)
+        found = [(name, mod) for name, mod in base.named_modules() if isinstance(mod, torch.nn.ModuleList) and len(mod) == n]
+        stacks = [mod for name, mod in found if not any(name.startswith(f"{other}.") for other, _ in found)]
+        if stacks:
+            return [layer for stack in stacks for layer in stack]
     for _, mod in base.named_children():
         if isinstance(mod, torch.nn.ModuleList) and len(mod) == n:
             return list(mod)

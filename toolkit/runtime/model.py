@@ -130,6 +130,10 @@ def build_model(cfg: Config, mc: Any, frozen_bf16: bool = False, attn: str | Non
             print(f"model.load_in_4bit: {n} Linear layers in 4-bit {cfg.model.bnb_4bit_quant_type} (double "
                   f"quantization), stored and computed in {name}; the head stays {name}", flush=True)
     if cfg.model.gradient_checkpointing:
+        if not model.supports_gradient_checkpointing:  # transformers raises a bare ValueError
+            raise ConfigError(f"model.gradient_checkpointing=true: transformers has no checkpointing for "
+                              f"{type(model).__name__} (Reformer's reversible layers recompute in backward already); "
+                              "set model.gradient_checkpointing=false")
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora.enabled:

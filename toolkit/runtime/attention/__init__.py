@@ -44,6 +44,12 @@ def plan(attn: str, task: str, packing: bool, cuda: bool, varlen_ok: bool, seque
     the toolkit's own attention computes sdpa's (without Gemma 2's softcapping or gpt-oss's sinks)."""
     from toolkit.runtime.attention.interface import NAME
 
+    if not sdpa and task == "causal_lm" and sequence_parallel > 1:
+        from toolkit.config.ds_config import ConfigError
+
+        raise ConfigError("train.sequence_parallel runs the toolkit's attention, which computes sdpa's; transformers "
+                          "has no sdpa path for this model (softcapping, attention sinks or its own attention), so its "
+                          "ranks would attend wrongly: set train.sequence_parallel=1")
     if not sdpa and task == "causal_lm" and attn in ("sdpa", "varlen"):
         mask = "; packed rows use a block-diagonal mask" if packing else ""
         return AttentionPlan("eager", False, f"attention: eager (model.attn_implementation={attn}, but transformers "
