@@ -647,13 +647,15 @@ def _unrun(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
 
 
 def _kind_weights(sigs: list[Any], kinds: list[Any] | None) -> dict[Any, float]:
-    """Each layer kind (its parameter list) and its share of the full model's layers; without `kinds`, of the copy's."""
+    """Each layer kind (its parameter list) and its share of the full model's layers; without `kinds`, of the copy's.
+    In the order the kinds first appear: a set's order follows the strings' hashes, which change between processes,
+    and so did the kind a tie picks (Reformer's local and LSH layers, six each) and the sums' last bits."""
     if not kinds:
-        return {k: sigs.count(k) / len(sigs) for k in set(sigs)}
+        return {k: sigs.count(k) / len(sigs) for k in dict.fromkeys(sigs)}
     missing = set(kinds) - set(sigs)
     if missing:
         raise TraceError(f"{len(missing)} of the model's layer kinds did not appear in its {len(sigs)}-layer copy")
-    return {k: kinds.count(k) / len(kinds) for k in set(kinds)}
+    return {k: kinds.count(k) / len(kinds) for k in dict.fromkeys(kinds)}
 
 
 def _note_input(seen: list, keep: list, name: str, mod: Any, x: Any) -> None:
