@@ -4,6 +4,8 @@
   it the chunk_mem_const of toolkit/plan/liger.loss_chunk_const for the call's own tokens (recorded from inside).
 - Loss and gradients at auto's chunks of 2,048 rows equal those at Liger's own (chunk_mem_const 1) within bf16
   rounding: the same sums in another order.
+- The fused loss's backward without Liger's synchronize (kernels.fused_loss_backward_without_sync): no synchronize
+  under torch's sync debug mode, where Liger's own raises, and the same gradient bits as Liger's, unscaled and scaled.
 """
 
 from __future__ import annotations
@@ -65,3 +67,45 @@ def test_the_fused_loss_takes_the_planned_chunks_with_the_same_loss_and_gradient
     for name, g in g_auto.items():
         scale = g_one[name].abs().max().item() + 1e-6
         assert (g - g_one[name]).abs().max().item() <= 2e-2 * scale, name
+
+
+def _liger_loss_grads(scale: float, *, sync_check: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+    torch.manual_seed(0)
+    x = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(8192, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, 8192, (2048,), device="cuda")
+    loss = LigerFusedLinearCrossEntropyFunction.apply(x, w, target)[0]
+    out = loss * scale if scale != 1.0 else loss
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error" if sync_check else "default")
+    try:
+        out.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return x.grad, w.grad
+
+
+def test_the_fused_loss_backward_runs_without_a_synchronize_and_gives_liger_s_gradients() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    pytest.importorskip("liger_kernel")
+    from liger_kernel.ops import fused_linear_cross_entropy as flce
+
+    from toolkit.runtime.speed import kernels
+
+    assert kernels.fused_loss_backward_without_sync()
+    ours = flce.fused_linear_cross_entropy_backward
+    assert ours._toolkit_without_sync and kernels.fused_loss_backward_without_sync()  # once per process
+    for scale in (1.0, 0.25):  # a loss as it is, and as DeepSpeed divides it over 4 accumulated micro-steps
+        got = _liger_loss_grads(scale, sync_check=True)
+        flce.fused_linear_cross_entropy_backward = ours._liger
+        try:
+            with pytest.raises(RuntimeError, match="synchroniz"):  # Liger's own asks the GPU
+                _liger_loss_grads(scale, sync_check=True)
+            want = _liger_loss_grads(scale, sync_check=False)
+        finally:
+            flce.fused_linear_cross_entropy_backward = ours
+        for g, h in zip(got, want, strict=True):
+            assert torch.equal(g, h), scale

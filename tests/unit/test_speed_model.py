@@ -178,10 +178,10 @@ def test_the_plan_says_where_its_speeds_were_not_validated() -> None:
 # not eager leaves) overlaps host and GPU less than max() assumes; so do Gemma 3's leaf layers at micro 4 at Liger's
 # own loss chunks (not the default), where the leaves' host time (0.364 s a micro-step) and the GPU's work (about
 # 0.35 s, its 262K head walked in 128 chunks) are alike: measured 0.48 s (bench/results/speed_model/narrow/README.md).
-# On two GPUs Gemma 3's micro-4 steps wait on the host longer still, at ZeRO-2 (0.37 s a step against 0.29-0.34 on one)
-# and as leaves (0.47-0.51 s against 0.37; 9.1-9.7 ms a leaf call): where that time goes is in narrow/README.md.
-FAMILY_SPEED_OFF = {"f-q3-4b-l12-z3-s4096-m4": 0.47, "f-g3-1b-z3-leaves-s4096-m4": 0.34,
-                    "f-g3-1b-z2-s4096-m4-2gpu": 0.32, "f-g3-1b-z3-s4096-m4-2gpu": 0.43}
+# On two GPUs Gemma 3's leaf layers at micro 4 wait on the host longer still (0.45-0.51 s a step against 0.37 on one;
+# 9.1-9.7 ms a leaf call): where that time goes is in narrow/README.md. Its ZeRO-2 row there read +31% until the fused
+# loss's backward lost Liger's synchronize (0.37 s a step, now 0.30: +7.0%; ../fused_loss_sync/README.md).
+FAMILY_SPEED_OFF = {"f-q3-4b-l12-z3-s4096-m4": 0.47, "f-g3-1b-z3-leaves-s4096-m4": 0.34, "f-g3-1b-z3-s4096-m4-2gpu": 0.27}
 
 
 def test_traced_families_peaks_within_10_percent_and_speeds_as_recorded() -> None:
@@ -268,10 +268,11 @@ def test_two_gpu_host_bound_rows_and_the_leaf_call_by_tensors() -> None:
     """Qwen2-0.5B on two H200s at 4K-16K tokens a micro-step (and Gemma-3-1B's leaf row again): peaks within 5%. Beyond
     one rank a leaf layer's call costs by its parameter tensors (ZERO3_LEAF_TENSORS): Qwen2-0.5B's 12 took 6.9-7.1 ms a
     call, planned +45% and +50% fast at llama-1b's per-call time, now within 15%. ZeRO-2's steps there take
-    0.18-0.22 s, a little over one GPU's 0.19-0.20 (micro 4 +17%); Gemma 3's leaf row stays outside (FAMILY_SPEED_OFF)."""
+    0.18-0.22 s, a little over one GPU's 0.19-0.20 (micro 4 +17% until the fused loss's backward lost Liger's
+    synchronize: run again, -2.9%); Gemma 3's leaf row stays outside (FAMILY_SPEED_OFF)."""
     rows = json.loads((RESULTS / "narrow" / "calibration_2gpu.json").read_text())["rows"]
     assert len(rows) == 6 and all(r["rc"] == 0 and r["config"]["gpus"] == 2 for r in rows)
-    allowed = {"n-q05-z2-s4096-m4-2gpu": 0.18, "f-g3-1b-z3-s4096-m4-2gpu": 0.34}
+    allowed = {"f-g3-1b-z3-s4096-m4-2gpu": 0.34}
     for r in rows:
         c, m = r["config"], r["measured"]
         p = _predict(c)

@@ -19,6 +19,15 @@ whatever the micro-batch), and each chunk re-reads the head's weight and its gra
 that walk at every micro-step (Gemma 3's head: 114.8 ms at 16,384 tokens against 52.8 ms in chunks of 2,048 rows;
 toolkit/plan/liger.py). Liger takes `chunk_mem_const` per call but its patched forwards pass none (gpt-oss's passes 8),
 so the toolkit wraps Liger's functional entry point once per process with the run's model.liger_chunk_mem_const.
+
+The fused loss's backward without a synchronize: Liger computes the loss's gradients in forward and, in backward, asks
+`torch.equal(grad_output, 1.0)` to skip scaling them, which copies a tensor to the GPU and reads the answer back: the
+host waits there until the GPU has run the whole forward, and queues nothing of the backward meanwhile. A step whose
+host work outlasts its GPU work (small models: many norms and per-tensor hooks a layer) loses the forward's overlap
+at every micro-step (Gemma-3-1B on two H200s: 37 ms a step waited there, bench/results/speed_model/narrow/README.md).
+The toolkit's backward always scales, with Liger's own in-place kernel: x times 1.0 is x exactly, so the gradients
+are the same bits (tests/gpu/test_gpu_loss_chunks.py), and the scaling reads the head's gradient once (under a
+millisecond on an H200 for a 262K x 1,152 head).
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ def apply(model: Any, choice: LigerChoice) -> None:
     _apply_liger_kernel_to_instance(model=base, **choice.kwargs)
     if choice.kwargs.get("fused_linear_cross_entropy"):
         chunk_fused_loss(choice.chunk_mem_const)
+        fused_loss_backward_without_sync()
     if choice.external_head:
         import deepspeed
 
@@ -80,3 +90,39 @@ def chunk_fused_loss(setting: str) -> None:
 
     chunked._toolkit_inner = inner  # type: ignore[attr-defined]
     functional.liger_fused_linear_cross_entropy = chunked
+
+
+def fused_loss_backward_without_sync() -> bool:
+    """Liger's fused-loss backward (liger_kernel/ops/fused_linear_cross_entropy.py, 0.8.5) replaced, once per process,
+    by one that scales the gradients by grad_output without first asking the GPU whether it is 1.0 (the module
+    docstring says why). True where it is in place; a Liger whose backward or kernel differs from the one this was
+    written against keeps its own."""
+    from liger_kernel.ops import fused_linear_cross_entropy as flce
+    from liger_kernel.ops.utils import element_mul_kernel
+
+    current = flce.fused_linear_cross_entropy_backward
+    if getattr(current, "_toolkit_without_sync", False):
+        return True
+    params = list(inspect.signature(current).parameters)
+    if params != ["grad_output", "grad_input", "grad_weight", "grad_bias"] or "torch.equal" not in inspect.getsource(
+            current) or "X_col_stride" not in element_mul_kernel.arg_names:
+        return False
+
+    def backward(grad_output: Any, grad_input: Any, grad_weight: Any, grad_bias: Any) -> tuple[Any, Any, Any]:
+        # Liger's own scaling, launch for launch, minus the check: in place, with its kernel (torch's in-place ops on
+        # these saved tensors trip autograd's version checks)
+        block = min(flce.MAX_FUSED_SIZE, flce.triton.next_power_of_2(grad_input.shape[1]))
+        warps = 32 if not flce.is_hip() else 16
+        for t in (grad_input, grad_weight):
+            if t is not None:
+                element_mul_kernel[(t.shape[0],)](t, t.stride(-2), grad_output, t.shape[1], BLOCK_SIZE=block,
+                                                  X_col_stride=t.stride(-1), num_warps=warps)
+        if grad_bias is not None:
+            element_mul_kernel[(grad_bias.shape[0],)](grad_bias, grad_bias.stride(-1), grad_output, 1,
+                                                      BLOCK_SIZE=block, num_warps=warps)
+        return grad_input, grad_weight, grad_bias
+
+    backward._toolkit_without_sync = True  # type: ignore[attr-defined]
+    backward._liger = current  # type: ignore[attr-defined]  # Liger's, for tests/gpu to compare against
+    flce.fused_linear_cross_entropy_backward = backward
+    return True
