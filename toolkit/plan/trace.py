@@ -707,7 +707,8 @@ def _beside_layers(base: Any, stacks: list[tuple[str, Any]], where: list, shares
     for name, mod in base.named_modules():
         if id(mod) in inside or mod is embed or not isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)):
             continue
-        hooks.append(mod.register_forward_pre_hook(lambda m, a, key=re.sub(r"\.\d+(?=\.|$)", ".*", name): note(key, m, a)))
+        key = re.sub(r"\.\d+(?=\.|$)", ".*", name)
+        hooks.append(mod.register_forward_pre_hook(lambda m, a, key=key: note(key, m, a)))
     return hooks
 
 
