@@ -432,9 +432,10 @@ class Prediction:
 
 
 def trainable_params(shape: ModelShape, lora: Lora | None) -> int:
-    """Full fine-tune: every parameter. LoRA: r x (in + out) per targeted linear per layer (PEFT)."""
+    """Full fine-tune: every parameter the model builds trainable (BLT builds its patcher frozen: frozen_params).
+    LoRA: r x (in + out) per targeted linear per layer (PEFT)."""
     if lora is None:
-        return shape.total_params
+        return shape.total_params - shape.frozen_params
     per_layer = sum(lora.r * (i + o) for name, i, o in shape.linears if name.rsplit(".", 1)[-1] in lora.targets)
     return per_layer * shape.num_layers
 
@@ -830,7 +831,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
         # a layer run more than once with gradients (HRM's cycles) keeps an input a call and recomputes one call
         grad_calls = layer_calls(s)[1]
         kept = min(s.num_layers, OFFLOAD_INPUTS_ON_GPU) if offloaded else math.ceil(s.num_layers * grad_calls)
-        saved = kept * 2.0 * h * tokens + final
+        saved = kept * checkpoint_input_bytes(s) * tokens + final
         recompute = per_layer / grad_calls * tokens
     else:
         saved = s.num_layers * per_layer * tokens + final
@@ -944,7 +945,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
     # ---- host ------------------------------------------------------------------------------------------
     inputs_host = {}
     if offloaded:  # from the first step on, a host buffer per layer input but the newest (DeepSpeed's keep_last)
-        one = 2.0 * h * tokens
+        one = checkpoint_input_bytes(s) * tokens
         inputs_host[f"checkpointed layer inputs ({offloaded})"] = (s.num_layers - 1) * (
             pinned_bytes(one) if offloaded == "pinned" else one)
     host, build_bytes = _host_bytes(s, c, hw, stage=stage, t_all=t_all, autocast=autocast,
@@ -968,7 +969,7 @@ def predict(w: Workload, c: Choice, hw: Hardware) -> Prediction:
                           offload_param=offload_param, cpu_params=sum(groups) - sum(gpu_groups) if stage == 3
                           else (t_all / n if offload_opt else 0.0))
     if offloaded:  # pageable: each copy out and back waits; pinned: copies out overlap, each copy back is waited for
-        moved = c.grad_accum * (s.num_layers - 1) * 2.0 * h * tokens
+        moved = c.grad_accum * (s.num_layers - 1) * checkpoint_input_bytes(s) * tokens
         step_s += 2 * moved / PAGEABLE_BYTES_PER_S if offloaded == "pageable" else moved / PCIE_BYTES_PER_S
     tps = c.micro_batch * c.grad_accum * w.seq_len * w.sequences / w.sequence_parallel / step_s
     return Prediction(
@@ -1011,7 +1012,7 @@ def _checkpointed_top(s: ModelShape, lora: Lora | None, attn: str, *, tokens: in
     """
     h = s.hidden_size
     # the checkpointed inputs, and the step's int64 ids, labels and positions and RoPE's bf16 cos and sin
-    inputs = (kept * 2.0 * h + 3 * 8 + 2 * 2 * s.head_dim) * tokens
+    inputs = (kept * checkpoint_input_bytes(s) + 3 * 8 + 2 * 2 * s.head_dim) * tokens
     mlp_live = mlp - (2.0 * h * tokens if fused else 0.0)
     # eager attention's score-sized backward tensors are not modelled here (nor were they before): its MLP phase only
     attn_live = attention_backward_bytes(s, lora=lora, autocast=autocast) * tokens if attn != "eager" else 0.0
@@ -1162,11 +1163,16 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     tokens = c.micro_batch * w.seq_len * w.sequences // w.sequence_parallel
     # a token runs through its routed experts only: FLOPs by active parameters (Mixture-of-Experts)
     p_run, t_run = s.active_params, min(t_all, s.active_params)
+    layer_p = p_run - sum(n for _, n in (*s.prefix_params, *s.suffix_params))
+    if s.token_params:  # parts run at other counts than one a token (BLT): the trained matmuls a token runs through
+        p_run, layer_p = s.token_params, s.token_layer_params
+        t_run = min(t_all, p_run)
     flops = 4.0 * p_run + 2.0 * t_run  # toolkit/observe/metrics.py flops_per_token, attention apart
+    # parameters built frozen (BLT's patcher, which picks the patches in every forward): a forward only
+    flops += 2.0 * s.frozen_params
     # layers run more than once a forward (HRM's cycles: 4 calls a layer, 2.5 of them with gradients): the layers'
     # forward FLOPs at every call, their backward's at the calls with gradients
     fwd_calls, grad_calls = layer_calls(s)
-    layer_p = p_run - sum(n for _, n in (*s.prefix_params, *s.suffix_params))
     flops += 2.0 * layer_p * (fwd_calls - 1) + (2.0 * layer_p + 2.0 * t_run * layer_p / p_run) * (grad_calls - 1)
     forwards = 0.0  # attention forwards beyond the step's own forward and backward, in layer calls
     # one more forward of the decoder layers (checkpointed), not of the embedding or the head; a reversible model's
@@ -1213,8 +1219,13 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
         return n * tokens * width * t * (12.0 * runs / attention_rates.rate(head_dim, t) + forwards * 4.0 /
                                          attention_rates.rate(head_dim, t, backward=False))
 
-    if s.layer_heads:  # heads or head dims set per layer (Gemma 4): each layer at its own
-        attention = sum(layers_s(1, t_win if windowed else t_att, heads * dim, dim) for heads, dim, windowed in s.layer_heads)
+    if s.layer_heads:  # heads or head dims set per layer (Gemma 4; BLT's stacks): each layer at its own
+        # a layer over a share r of the row's positions (BLT's global stack: one a patch) attends r x the keys from r x
+        # the queries. BLT's cross-attention modules (a row's bytes against its patches, and back) are not timed: about
+        # a tenth of its global stack's attention at patch_size 4, which this counts at the kernel's causal rate
+        attention = sum(layers_s(1, t_win if windowed else t_att, heads * dim, dim) if r == 1 else
+                        r * layers_s(1, r * (t_win if windowed else t_att), heads * dim, dim)
+                        for (heads, dim, windowed), r in zip(s.layer_heads, layer_shares(s), strict=True))
     else:
         attention = layers_s(s.num_layers - s.sliding_layers, t_att) + layers_s(s.sliding_layers, t_win)
     micro = dense + attention
@@ -1254,6 +1265,25 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
         # the gradient and parameter copies
         step += cpu_params * hw.gpus_per_node / CPU_ADAM_PARAMS_PER_S
     return step / MEMORY_SIZES_SPEED[c.stage] if c.zero_sizes == "memory" else step
+
+
+def checkpoint_input_bytes(s: ModelShape) -> float:
+    """Bytes a token of a decoder layer's input, which checkpointing keeps: 2 x hidden (bf16), or where the stacks
+    have their own widths and token counts (BLT) the mean over the layers of each stack's traced input (its global
+    stack's layers take one 2,048-wide position a patch: 1,024 bytes a byte where its local layers take 2,048)."""
+    stacks = (s.trace or {}).get("stacks")
+    if not stacks:
+        return 2.0 * s.hidden_size
+    return sum(layers * inputs for layers, _, inputs, _ in stacks) / sum(layers for layers, *_ in stacks)
+
+
+def layer_shares(s: ModelShape) -> list[float]:
+    """Each decoder layer's positions over the row's tokens: 1, or where the stacks run at their own counts (BLT) each
+    stack's, as traced (its global stack: 1 / patch_size)."""
+    stacks = (s.trace or {}).get("stacks")
+    if not stacks:
+        return [1.0] * s.num_layers
+    return [share for layers, share, *_ in stacks for _ in range(layers)]
 
 
 def layer_calls(s: ModelShape) -> tuple[float, float]:

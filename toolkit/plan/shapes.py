@@ -32,7 +32,7 @@ from typing import Any
 from toolkit.config.ds_config import ConfigError
 
 SHAPES_FILE = Path(__file__).with_name("model_shapes.json")
-SHAPE_VERSION = 10  # bump when ModelShape or what plans changes: cached and committed shapes are then read again
+SHAPE_VERSION = 11  # bump when ModelShape or what plans changes: cached and committed shapes are then read again
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,15 @@ class ModelShape:
     train_seq: int = 0
     """The one row length the model trains at (Reformer: the product of its axial positions, the only length its
     training forward takes); 0: any up to max_positions."""
+    frozen_params: int = 0
+    """Parameters the model builds with requires_grad=False (BLT's entropy patcher, run in every forward without
+    gradients): held as bf16 weights, no gradients or optimizer states (planner.trainable_params), forward FLOPs only."""
+    token_params: float = 0.0
+    """Where the model's parts run at other counts than one a token (BLT: its global stack once a patch, its
+    cross-attention keys and values once a patch, its hash embeddings looked up): the trained parameters a token runs
+    through in matmuls, each at its share of the row's tokens (the trace's); 0: active_params, as for every other."""
+    token_layer_params: float = 0.0
+    """Of token_params, the decoder layers' (what checkpointing runs again)."""
 
     @property
     def mean_head_dim(self) -> int:
@@ -222,9 +231,12 @@ def family_defaults(model_type: str, max_layers: int = 8) -> Any:
     (tests/unit/test_trace.py, bench/plan_families.py); raises what the family's own validation raises."""
     from transformers import CONFIG_MAPPING
 
-    from toolkit.plan.trace import small_config, sublayers
+    from toolkit.plan.trace import small_config, stack_configs, sublayers
 
     cfg = CONFIG_MAPPING[model_type]()
+    # stacks of their own widths and counts (BLT), which the config does not count as one: each cut on its own
+    if any(int(getattr(cfg, k).num_hidden_layers) > max_layers for k in stack_configs(cfg)):
+        cfg = small_config(cfg, max_layers)
     with contextlib.suppress(Exception):  # encoder-decoders count their layers otherwise
         # a few layers: a layout of unlike layers shows (DeepSeek-V3's 3 dense first, Jamba's 1 attention in 8); the
         # per-layer lists are cut alike (Zamba's block types), as the trace cuts its copy
@@ -322,21 +334,36 @@ def _read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
             continue
         seen.add(id(p))
         params.append((name, p.numel()))
-    stacks = [k for k, sub in (getattr(mc, "sub_configs", None) or {}).items()
-              if getattr(getattr(mc, k, None), "num_hidden_layers", None)]
-    if getattr(mc, "num_hidden_layers", None) is None and len(stacks) > 1:
-        raise ConfigError(f"{mc.model_type!r} is built of {len(stacks)} layer stacks of their own widths and layer counts "
-                          f"({', '.join(stacks)}): toolkit plan models one stack of decoder layers")
-    from toolkit.plan.trace import per_stack, sublayers
+    from toolkit.plan.trace import per_stack, stack_configs, sublayers, trained_stacks
 
+    widths = stack_configs(mc)
+    named = trained_stacks(model) if widths else []
+    if widths and not named:
+        raise ConfigError(f"{mc.model_type!r} is built of {len(widths)} layer stacks of their own widths and layer "
+                          f"counts ({', '.join(widths)}) and none of them trains: toolkit plan models stacks of "
+                          "decoder layers")
     stacked = per_stack(mc)
-    # the decoder layers the model builds: num_hidden_layers of them, or every stack's (HRM: two of 16 a stack)
-    layers = stacked or int(_cfg(mc, "num_hidden_layers", "n_layer")) // sublayers(mc)
-    stacks, by_layer = _split_layers(params, layers, stacked=stacked is not None)
-    layers = len(by_layer)
+    if named:
+        # stacks of their own widths and counts (BLT): the decoder layers are every trained stack's, in parameter
+        # order, of unlike kinds (other_layers); every parameter outside them (cross-attention modules, projections,
+        # hash embeddings, the frozen patcher, the head) is the prefix's (before the first layer) or the suffix's: in
+        # the suffix, those between the stacks come after the last layer, the one order that differs from DeepSpeed's
+        stacks = [name for name, _ in named]
+        inside = tuple(f"{stack}." for stack in stacks)
+        by_layer = [tuple((n, p.numel()) for n, p in layer.named_parameters()) for _, stack in named for layer in stack]
+        layers = len(by_layer)
+        first = next(i for i, (n, _) in enumerate(params) if n.startswith(inside))
+        outside = [(i, x) for i, x in enumerate(params) if not x[0].startswith(inside)]
+        prefix, suffix = [x for i, x in outside if i < first], [x for i, x in outside if i > first]
+    else:
+        # the decoder layers the model builds: num_hidden_layers of them, or every stack's (HRM: two of 16 a stack)
+        layers = stacked or int(_cfg(mc, "num_hidden_layers", "n_layer")) // sublayers(mc)
+        stacks, by_layer = _split_layers(params, layers, stacked=stacked is not None)
+        layers = len(by_layer)
+        first = next(i for i, (n, _) in enumerate(params) if n.startswith(f"{stacks[0]}.0."))
+        last = max(i for i, (n, _) in enumerate(params) if _LAYER.match(n) and n.startswith(f"{stacks[-1]}."))
+        prefix, suffix = params[:first], params[last + 1:]
     per_layer = Counter(by_layer).most_common(1)[0][0]
-    first = next(i for i, (n, _) in enumerate(params) if n.startswith(f"{stacks[0]}.0."))
-    last = max(i for i, (n, _) in enumerate(params) if _LAYER.match(n) and n.startswith(f"{stacks[-1]}."))
     modules = [layer for stack in stacks for layer in model.get_submodule(stack)]
     layer0 = modules[by_layer.index(per_layer)]
     # GPT-2's projections are transformers' Conv1D: a Linear with its weight stored (in, out)
@@ -344,9 +371,11 @@ def _read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
                     else (n, int(m.weight.shape[0]), int(m.weight.shape[1]))
                     for n, m in layer0.named_modules()
                     if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")
-    hidden = int(_cfg(mc, "hidden_size", "n_embd"))
+    # stacks of their own widths (BLT): the widths of the last stack, the one under the head (_top_config)
+    top = _top_config(model, stacks[-1]) if named else mc
+    hidden = int(_cfg(top, "hidden_size", "n_embd"))
     # a state-space model (Mamba, RWKV) has no attention heads: no attention term in its FLOPs, nothing per head
-    heads = int(_cfg(mc, "num_attention_heads", "n_head", default=0))
+    heads = int(_cfg(top, "num_attention_heads", "n_head", default=0))
     # the layer kinds the trace matches its copy's layers against: each layer's own parameters (a layer that shares a
     # block with an earlier one, as Zamba's hybrid layers do, is of that one's kind, though counted once above)
     own = [tuple((n, p.numel()) for n, p in layer.named_parameters()) for layer in modules]
@@ -357,20 +386,22 @@ def _read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
     top_k = int(getattr(mc, "num_experts_per_tok", None) or 0)
     experts = int(getattr(mc, "num_experts", None) or getattr(mc, "num_local_experts", None) or 0) if top_k else 0
     sliding = _sliding(mc, layers)
+    # what the model builds frozen (BLT's patcher): no gradients, no optimizer states, forward FLOPs only
+    frozen = sum(p.numel() for p in {id(p): p for p in model.parameters() if not p.requires_grad}.values())
     return ModelShape(
         model_type=str(mc.model_type),
         vocab_size=int(mc.vocab_size),
         hidden_size=hidden,
-        intermediate_size=_mean_width(_cfg(mc, "intermediate_size", "n_inner", default=None) or 4 * hidden),
+        intermediate_size=_mean_width(_cfg(top, "intermediate_size", "n_inner", default=None) or 4 * hidden),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=int(getattr(mc, "num_key_value_heads", None) or heads),
-        head_dim=int(getattr(mc, "head_dim", None) or (hidden // heads if heads else 0)),
+        num_kv_heads=int(getattr(top, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(top, "head_dim", None) or (hidden // heads if heads else 0)),
         tied_embeddings=bool(getattr(mc, "tie_word_embeddings", False)),
         max_positions=_cfg(mc, "max_position_embeddings", "n_positions", default=None),
-        prefix_params=tuple(params[:first]),
+        prefix_params=tuple(prefix),
         layer_params=per_layer,
-        suffix_params=tuple(params[last + 1:]),
+        suffix_params=tuple(suffix),
         linears=linears,
         task=task,
         num_experts=experts,
@@ -381,11 +412,59 @@ def _read_shape(mc: Any, *, trace: bool = True) -> ModelShape:
         trace_error=trace_error,
         other_layers=tuple((i, p) for i, p in enumerate(by_layer) if p != per_layer),
         **sliding,
-        layer_heads=_layer_heads(mc, layers, hidden, windowed=bool(sliding)),
+        layer_heads=_stack_heads(model, named) if named else _layer_heads(mc, layers, hidden, windowed=bool(sliding)),
         sdpa=task != "causal_lm" or bool(getattr(type(model), "_supports_sdpa", False)),
         checkpointing=bool(getattr(model, "supports_gradient_checkpointing", True)),
         train_seq=math.prod(mc.axial_pos_shape) if getattr(mc, "axial_pos_embds", False) else 0,
+        frozen_params=frozen,
+        **(_token_params(model, named, traced) if named and traced else {}),
     )
+
+
+# Stacks of their own widths (BLT). Where the planner reads one width, it reads the last stack's, under the head: the
+# head's input (the loss, the final norm), and the top layer whose backward runs first (its MLP's and attention's
+# gradients at the peak of a checkpointed backward); LoRA's targets, float8 and Muon read the most common layer kind's
+# Linears (BLT: the global stack's), as for any model of unlike layers. What differs per stack is read per stack: the
+# layers' saved bytes and checkpointed inputs a token (the trace's stacks), the attention's heads (layer_heads, timed at
+# each stack's share of the row: planner._step_time_s) and the FLOPs (token_params).
+
+
+def _top_config(model: Any, stack: str) -> Any:
+    """The config of the module holding the last stack (BLT's local decoder: the layers under the head)."""
+    return model.get_submodule(stack.rpartition(".")[0]).config
+
+
+def _stack_heads(model: Any, named: list[tuple[str, Any]]) -> tuple[tuple[int, int, bool], ...]:
+    """Each layer's (query heads, head dim, windowed) from its stack's config: BLT's global stack at its own width.
+    Not windowed: BLT's local window is a mask sdpa computes whole (it has no varlen path)."""
+    out = []
+    for name, stack in named:
+        cfg = _top_config(model, name)
+        heads = int(cfg.num_attention_heads)
+        dim = int(getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads)
+        out += [(heads, dim, False)] * len(stack)
+    return tuple(out)
+
+
+def _token_params(model: Any, named: list[tuple[str, Any]], traced: dict[str, Any]) -> dict[str, float]:
+    """token_params and token_layer_params: each trained parameter at its share of the row's tokens, as the trace saw
+    its module run (trace.py _beside_layers): a layer's at its stack's share (BLT's global stack: 1 / patch_size), a
+    module outside the layers at its own (cross-attention keys and values once a patch), 0 for an embedding looked up
+    beside the input one (BLT's hash embeddings: no matmul); a module the trace did not run (the head, which the trace
+    leaves out) at every token. Frozen parameters are left out (the planner runs them forward only)."""
+    prefix = f"{model.base_model_prefix}."
+    layer_shares = {name: share for (name, _), (_, share, *_rest) in zip(named, traced["stacks"], strict=True)}
+    layers = outside = 0.0
+    for name, p in {id(p): (n, p) for n, p in model.named_parameters()}.values():
+        if not p.requires_grad:
+            continue
+        stack = next((s for s in layer_shares if name.startswith(f"{s}.")), None)
+        if stack is not None:
+            layers += p.numel() * layer_shares[stack]
+            continue
+        module = re.sub(r"\.\d+(?=\.|$)", ".*", name.rpartition(".")[0].removeprefix(prefix))
+        outside += p.numel() * traced["shares"].get(module, 1.0)
+    return {"token_params": layers + outside, "token_layer_params": layers}
 
 
 def _layer_heads(mc: Any, layers: int, hidden: int, *, windowed: bool) -> tuple[tuple[int, int, bool], ...]:

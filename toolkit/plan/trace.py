@@ -190,7 +190,9 @@ def _trace_all(mc: Any, n: int, kinds: list[Any] | None, *, real: bool, compute:
         # (eager) attention, whose mask MPT builds itself; each from its embeddings, or else from token ids, where the
         # stack takes no embeddings (CPM-Ant) or its layers read the ids too (DeepSeek-V4's hash-routed experts)
         failed: Exception | None = None
-        for ids, attn, mask in WAYS:
+        # stacks of their own widths (BLT): from token ids, which its hash embeddings read (inputs_embeds skips them)
+        ways = tuple(w for w in WAYS if w[0]) if stack_configs(mc) else WAYS
+        for ids, attn, mask in ways:
             try:
                 first = _trace(mc, n, kinds, seq=TRACE_SEQ, liger=False, full=True, attn=attn, mask=mask, real=real,
                                ids=ids, compute=compute)
@@ -199,7 +201,7 @@ def _trace_all(mc: Any, n: int, kinds: list[Any] | None, *, real: bool, compute:
                 raise
             except Exception as e:
                 failed = failed or e  # the first way's failure says most
-                if (ids, attn, mask) == WAYS[-1]:
+                if (ids, attn, mask) == ways[-1]:
                     raise failed from None
         for liger in (False, True):
             for full in (True, False):
@@ -210,6 +212,10 @@ def _trace_all(mc: Any, n: int, kinds: list[Any] | None, *, real: bool, compute:
                 out["layer"][key], out["parts"][key], out["final"][key] = r["layer"], r["parts"], r["final"]
                 if "linears" in r:
                     out["linears"] = r["linears"]
+        if "stacks" in first:  # stacks of their own widths: what the planner reads per stack and per module
+            full = [len(stack) for _, stack in trained_stacks(_meta_model(mc))]
+            out["stacks"] = [[layers, *rest] for layers, rest in zip(full, first["stacks"], strict=True)]
+            out["shares"] = first["shares"]
         if first["calls"] != [1.0, 1.0]:  # layers run more than once a forward (HRM's cycles; some without gradients)
             out["calls"] = first["calls"]
         if first["calls"][1] == 0 < first["calls"][0]:
@@ -254,6 +260,8 @@ def _layer_count(mc: Any, kinds: list[Any] | None, shared: frozenset[Any] = froz
     """Layers to build: MIDDLE + 2, at least two of every layer type of the config's own pattern, and where the layers'
     parameters differ, as many as the full model needs to show each kind once, and twice each kind whose later layers
     share a block with its first (Zamba's hybrid layers: a model with one has nothing to tie its block to)."""
+    if stack_configs(mc):  # each stack cut on its own (small_config): a first, MIDDLE and a last layer a stack
+        return 2 + MIDDLE
     types = getattr(mc, "layer_types", None)
     cycle = len(dict.fromkeys(types)) if types else 1
     n = 2 + max(MIDDLE, 2 * cycle)
@@ -281,10 +289,38 @@ def per_stack(mc: Any) -> int | None:
     return count if isinstance(count, int) and count > 0 else None
 
 
+def stack_configs(mc: Any) -> list[str]:
+    """The sub-configs that each build a stack of layers of its own width and count, where the model's own config
+    counts no layers (BLT: its patcher, local encoder, global transformer and local decoder); [] for any other."""
+    if getattr(mc, "num_hidden_layers", None) is not None:
+        return []
+    return [k for k in (getattr(mc, "sub_configs", None) or {})
+            if isinstance(getattr(getattr(mc, k, None), "num_hidden_layers", None), int)]
+
+
+def trained_stacks(model: Any) -> list[tuple[str, Any]]:
+    """(name, ModuleList) of every stack of decoder layers a model of stack_configs trains, in module order: the lists
+    of transformers' GradientCheckpointingLayer whose parameters the model builds trainable (BLT's local encoder,
+    global transformer and local decoder; not its patcher, frozen at build, nor its cross-attention lists)."""
+    import torch
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [(name, mod) for name, mod in model.named_modules()
+            if isinstance(mod, torch.nn.ModuleList) and len(mod) and all(isinstance(x, GradientCheckpointingLayer)
+                                                                         for x in mod)
+            and all(p.requires_grad for p in mod.parameters())]
+
+
 def small_config(mc: Any, layers: int) -> Any:
     """`mc` with `layers` decoder layers (as the model builds them: sublayers); every per-layer list of the config (layer_types, a hybrid's pattern string,
     Gemma 3n's MLP widths) keeps the model's own interleaving, cut or repeated to the new count."""
     cfg = copy.deepcopy(mc)
+    stacks = stack_configs(cfg)
+    if stacks:  # each stack with at most `layers` (BLT's one-layer local encoder keeps its one)
+        for name in stacks:
+            sub = getattr(cfg, name)
+            sub.num_hidden_layers = min(int(sub.num_hidden_layers), layers)
+        return cfg
     if per_stack(cfg):  # each stack with `layers` (HRM: its cache slots follow, as its config derives them)
         slots = int(cfg.num_hidden_layers) // cfg.num_layers_per_stack
         cfg.num_layers_per_stack, cfg.num_hidden_layers = layers, layers * slots
@@ -348,11 +384,18 @@ def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, f
             model = _build(cfg, attn)
         _bf16_params(model)
         base = getattr(model, model.base_model_prefix, model)
-        layers = _decoder_layers(base, n, stacked=per_stack(cfg) is not None)
-        stack_sizes = [n] * (len(layers) // n)
+        widths = bool(stack_configs(cfg))
+        named_stacks = trained_stacks(base) if widths else []  # read before the parameters are frozen below
+        if widths:  # stacks of their own widths and counts (BLT): every trained stack, in order
+            layers = [layer for _, stack in named_stacks for layer in stack]
+            stack_sizes = [len(stack) for _, stack in named_stacks]
+        else:
+            layers = _decoder_layers(base, n, stacked=per_stack(cfg) is not None)
+            stack_sizes = [n] * (len(layers) // n)
         n = len(layers)
         for p in model.parameters():
-            p.requires_grad_(full)
+            if p.requires_grad:  # what the model freezes at build stays frozen (BLT's patcher)
+                p.requires_grad_(full)
         if liger:
             _liger_like(base)  # the layers' norms and MLPs and the final norm, as Liger patches the instance
         params = {p.untyped_storage()._cdata for p in model.parameters()}
@@ -385,19 +428,27 @@ def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, f
         hooks = []
         calls = [[0, 0] for _ in layers]  # each layer's calls a forward: all, and those with gradients (saved)
 
-        def called(i: int) -> None:
+        rows = [0.0 for _ in layers]  # each layer's input: its positions a row, its bytes (stacks of own widths)
+        in_bytes = [0.0 for _ in layers]
+
+        def called(i: int, a: Any = ()) -> None:
             where[0] = (i, "other")
             calls[i][0] += 1
             calls[i][1] += torch.is_grad_enabled()
+            if a and isinstance(a[0], torch.Tensor):
+                rows[i], in_bytes[i] = a[0].shape[1], a[0].numel() * a[0].element_size()
 
         for i, layer in enumerate(layers):
-            hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: called(i)))
+            hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: called(i, a)))
             hooks.append(layer.register_forward_hook(_after_layer(where, done, i, n)))
             for child_name, child in layer.named_children():
                 hooks.append(child.register_forward_pre_hook(
                     lambda m, a, i=i, c=child_name: where.__setitem__(0, (i, c))))
                 hooks.append(child.register_forward_hook(
                     lambda m, a, o, i=i: where.__setitem__(0, (i, "other"))))
+        shares: dict[str, float] = {}
+        if widths:
+            hooks += _beside_layers(base, named_stacks, where, shares, seq)
         sigs = [tuple((name, p.numel()) for name, p in layer.named_parameters()) for layer in layers]
         weights = _kind_weights(sigs, kinds)
         seen_linears: list[tuple[str, int, int]] = []
@@ -410,7 +461,7 @@ def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, f
                         lambda m, a, name=name: _note_input(seen_linears, keep, name, m, a[0])))
         if ids:  # the stack embeds token ids itself: its embedding's output is made a leaf, as inputs_embeds is
             tokens = torch.randint(1, int(cfg.vocab_size), (1, seq))
-            _embed_as_leaf(base, keep)
+            _embed_as_leaf(base, keep, in_place=widths)
         else:
             embeds = (torch.randn if real else torch.empty)(1, seq, _embedding_width(base, cfg), dtype=torch.bfloat16,
                                                             requires_grad=True)
@@ -421,6 +472,11 @@ def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, f
             given = {"attention_mask": torch.ones(1, seq, dtype=torch.long)} if mask else {}
             # a copy that is not a leaf: some families scale their embeddings in place (CTRL)
             given |= {"input_ids": tokens} if ids else {"inputs_embeds": embeds.clone()}
+            if widths and getattr(cfg, "patch_size", None):
+                # patches of the config's mean length (BLT's patch_size), given: its patcher picks lengths from its
+                # entropies, values fake tensors do not have; its global stack then runs over seq / patch_size
+                size = int(cfg.patch_size)
+                given["patch_lengths"] = torch.full((1, seq // size), size, dtype=torch.long)
             base(use_cache=False, **given)
         for h in hooks:
             h.remove()
@@ -446,7 +502,9 @@ def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, f
     ends = {n - 1} if len(stack_sizes) == 1 else {sum(stack_sizes[:k + 1]) - 1 for k in range(len(stack_sizes))}
     layer, by_part = 0.0, {}
     for sig, weight in weights.items():
-        idx = [i for i in range(n) if i not in ends and sigs[i] == sig] or [n - 1]
+        # a kind only at a stack's end (BLT's one-layer local encoder): that layer
+        idx = [i for i in range(n) if i not in ends and sigs[i] == sig] or (
+            [i for i in range(n) if sigs[i] == sig] if widths else [n - 1])
         layer += weight * sum(per_layer[i] for i in idx) / len(idx)
         for i in idx:
             for child, nbytes in parts[i].items():
@@ -455,6 +513,16 @@ def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, f
     r: dict[str, Any] = {"layer": layer / seq, "parts": {k: v / seq for k, v in by_part.items()}, "final": final / seq,
                          "largest_part": max(max(parts[i].values(), default=0) for i in middle) / seq,
                          "calls": [sum(c[0] for c in calls) / n, sum(c[1] for c in calls) / n]}
+    if widths:
+        # each stack: its layers' positions over the row's tokens (BLT's global stack: one a patch), its inputs' bytes
+        # a token (what checkpointing keeps of a layer) and what one of its layers saves a token (its middle layers')
+        r["stacks"], r["shares"], first = [], shares, 0
+        for size in stack_sizes:
+            own = range(first, first + size)
+            mid = [i for i in own if i not in ends] or list(own)
+            r["stacks"].append([sum(rows[i] for i in own) / size / seq, sum(in_bytes[i] for i in own) / size / seq,
+                                sum(per_layer[i] for i in mid) / len(mid) / seq])
+            first += size
     if linears:
         groups: dict[int, int] = {}
         r["linears"] = [[name, fin, groups.setdefault(key, len(groups)), key in owner]
@@ -585,9 +653,10 @@ def _fake_conversion() -> Iterator[None]:
         torch.nn.Module._apply = orig
 
 
-def _embed_as_leaf(base: Any, keep: list) -> None:
+def _embed_as_leaf(base: Any, keep: list, in_place: bool = False) -> None:
     """The input embedding run without autograd and its output made a leaf that needs a gradient: what the layers see
-    is what they see from inputs_embeds (nothing of the embedding is counted, as with inputs_embeds)."""
+    is what they see from inputs_embeds (nothing of the embedding is counted, as with inputs_embeds). in_place: a
+    copy of the leaf, which the stack may add to in place (BLT adds its hash embeddings), as a leaf refuses."""
     import torch
 
     emb = base.get_input_embeddings()
@@ -597,8 +666,50 @@ def _embed_as_leaf(base: Any, keep: list) -> None:
         with torch.no_grad():
             out = plain(*args, **kwargs)
         keep.append(out)
-        return out.requires_grad_()
+        return out.requires_grad_().clone() if in_place else out.requires_grad_()
     emb.forward = forward
+
+
+def _beside_layers(base: Any, stacks: list[tuple[str, Any]], where: list, shares: dict[str, float],
+                   seq: int) -> list[Any]:
+    """Hooks for a model of stacks of their own widths (BLT). A module list beside a stack in the same module (BLT's
+    cross-attention modules) runs with its layers: its k-th module with the k-th layer where the lists are as long,
+    else each with the stack's last layer (BLT's local encoder: one after its last layer); what it saves is that
+    layer's, so it is counted at each layer of the full model, not once as the stack's own. And every Linear and
+    Embedding outside the layers notes its share (name with its indices as *): the rows it runs a forward over the
+    row's tokens (BLT's cross-attention keys and values, one a patch), 0 for an embedding other than the input one
+    (a lookup: no matmul; BLT's hash embeddings)."""
+    import re
+
+    import torch
+
+    hooks = []
+    layers = [layer for _, stack in stacks for layer in stack]
+    index = {id(layer): i for i, layer in enumerate(layers)}
+    for stack_name, stack in stacks:
+        parent = base.get_submodule(stack_name.rpartition(".")[0])
+        for child_name, other in parent.named_children():
+            if other is stack or not isinstance(other, torch.nn.ModuleList):
+                continue
+            for k, mod in enumerate(other):
+                i = index[id(stack[k] if len(other) == len(stack) else stack[-1])]
+                hooks.append(mod.register_forward_pre_hook(lambda m, a, i=i, c=child_name: where.__setitem__(0, (i, c))))
+                hooks.append(mod.register_forward_hook(lambda m, a, o: where.__setitem__(0, None)))
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    embed = base.get_input_embeddings()
+
+    def note(key: str, mod: Any, a: Any) -> None:
+        x = a[0] if a else None
+        if isinstance(mod, torch.nn.Linear) and isinstance(x, torch.Tensor):
+            shares[key] = x.numel() / mod.in_features / seq
+        elif isinstance(mod, torch.nn.Embedding):
+            shares[key] = 0.0
+    for name, mod in base.named_modules():
+        if id(mod) in inside or mod is embed or not isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)):
+            continue
+        key = re.sub(r"\.\d+(?=\.|$)", ".*", name)
+        hooks.append(mod.register_forward_pre_hook(lambda m, a, key=key: note(key, m, a)))
+    return hooks
 
 
 @contextlib.contextmanager

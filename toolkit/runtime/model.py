@@ -64,7 +64,12 @@ def model_config(cfg: Config) -> Any:
 
 
 def hidden_size(mc: Any) -> int:
-    return int(getattr(mc, "hidden_size", None) or mc.n_embd)
+    width = getattr(mc, "hidden_size", None) or getattr(mc, "n_embd", None)
+    if width is None and getattr(getattr(mc, "decoder_config", None), "hidden_size", None):
+        # stacks of their own widths, none the config's own (BLT): its decoder's, under the head, as toolkit plan
+        # reads it (shapes._top_config), so the ZeRO sizes derived from it are the plan's
+        width = mc.decoder_config.hidden_size
+    return int(width if width is not None else mc.n_embd)
 
 
 def build_tokenizer(cfg: Config) -> Any | None:
