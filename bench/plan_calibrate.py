@@ -236,6 +236,10 @@ FAMILY_CYCLES: tuple[Config, ...] = (
 REFORMER = "reformer-16k"
 FAMILY_REVERSIBLE: tuple[Config, ...] = tuple(
     Config(f"f-ref16k-z2-s16384-m{m}", REFORMER, 16384, m, 1, 2, chunks="auto") for m in (2, 8))
+# stacks of their own widths (BLT-1B's shape, every byte a patch): the global stack over the whole row; ZeRO-2, one GPU
+BLT = "blt-1b-bytes"
+FAMILY_STACKS: tuple[Config, ...] = tuple(
+    Config(f"f-blt1b-bytes-z2-s4096-m{m}", BLT, 4096, m, 1, 2, chunks="auto") for m in (2, 4))
 SMOKE: tuple[Config, ...] = (
     Config("tiny-z2", "tiny", 64, 2, 2, 2, gpus=2),
     Config("tiny-z3all", "tiny", 64, 2, 1, 3, "all", gpus=2),
@@ -393,7 +397,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     if a.only:
         wanted = a.only.split(",")
         every = (CONFIGS + LONG + VALIDATE + LEAVES + FAMILIES + FAMILY_LEAVES + FAMILY_2GPU + FAMILY_CHUNKS + NARROW
-                 + FAMILY_CYCLES + FAMILY_REVERSIBLE)
+                 + FAMILY_CYCLES + FAMILY_REVERSIBLE + FAMILY_STACKS)
         configs = tuple(c for c in (SMOKE if smoke else every) if c.name in wanted)
         configs = tuple(sorted(configs, key=lambda c: wanted.index(c.name)))  # in the order asked
     if a.set:  # e.g. train.stop_after=1, then train.resume=latest: a run longer than one device command

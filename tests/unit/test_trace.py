@@ -148,7 +148,7 @@ SWEEP = Path(__file__).resolve().parents[2] / "bench" / "results" / "speed_model
 def test_every_causal_lm_family_plans_or_is_refused_in_one_line() -> None:
     """Every model type transformers maps to a causal LM, at its config's defaults with at most 8 layers
     (toolkit/plan/families.py; fake tensors: the widths cost nothing), ZeRO-2, one 80 GiB GPU, 8 x 1,024 tokens: the
-    rest end in a ConfigError of one line. Every type the committed sweep plans (166 of 196 with transformers 5.24)
+    rest end in a ConfigError of one line. Every type the committed sweep plans (167 of 196 with transformers 5.24)
     still plans, the issue's families among them."""
     from transformers import __version__
 
@@ -361,6 +361,13 @@ def test_stacks_of_their_own_widths_are_traced_per_byte_with_their_patcher_froze
     assert enc == dec == 1.0 and glob4 == 0.25 and glob2 == 0.5
     assert in4 == 2 * width / 4 and in2 == 2 * width / 2  # a bf16 position a patch, per byte
     assert bytes4 == pytest.approx(bytes2 / 2, rel=1e-3)  # the same layer at half the positions a byte
+    # without its patcher (patch_in_forward false) transformers' BLT makes every byte a patch: so is it traced
+    cfg = family_defaults("blt", max_layers=3)
+    cfg.patch_in_forward = False
+    s1 = read_shape(cfg)
+    assert s1.trace["stacks"][1][1] == 1.0 and s1.frozen_params == 0 and s1.trace["patch_bytes"] == 1
+    assert s4.trace["patch_bytes"] == 4 and "4 bytes a patch" in pl.speed_caveat(pl.Workload(s4, 1024, 8),
+                                                                                   pl.Hardware(1, 1, 80.0))
     # the layers' FLOPs at their shares, the hash embeddings none: far under the parameter count
     hashed = model.model.encoder_hash_tok_embedding.weight.numel()
     assert s4.token_params < s4.total_params - patcher - hashed

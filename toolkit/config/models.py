@@ -76,6 +76,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "hrm-text-1b": dict(model_type="hrm_text", vocab_size=151808, hidden_size=1536, intermediate_size=4096,
                         num_hidden_layers=16, num_attention_heads=12, head_dim=128, max_position_embeddings=2048,
                         H_cycles=2, L_cycles=3, L_bp_cycles=[2], tie_word_embeddings=False),
+    # BLT-1B's shape (transformers' BLT defaults: a one-layer local encoder, a 25-layer global stack at width 2,048, a
+    # nine-layer local decoder with cross-attention, 3.07B parameters of hash embeddings) without its entropy patcher:
+    # every byte a patch, as transformers' BLT makes them without one, so what the global stack runs is the row's
+    # whole length (a patcher at random init makes one a byte too)
+    "blt-1b-bytes": dict(model_type="blt", patch_in_forward=False, tie_word_embeddings=False),
     # a character-level Reformer at width 1,024 (enwik8's scale: 258 byte tokens): 12 reversible layers, local and LSH
     # attention in turn, rows of 16,384 (the product of its axial positions, the only length it trains at)
     "reformer-16k": dict(model_type="reformer", vocab_size=258, hidden_size=1024, feed_forward_size=4096,

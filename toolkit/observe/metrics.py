@@ -67,7 +67,15 @@ def attention_width(config: Any) -> int | None:
     widths = [h * d for h, d in zip(per_layer(text, "num_attention_heads", layers), per_layer(text, "head_dim", layers),
                                     strict=True) if h and d]
     # heads or head dims set per layer (Gemma 4): the mean width, which sums to the layers' attention FLOPs
-    return round(sum(widths) / len(widths)) if len(widths) == layers else (int(hidden) if hidden else None)
+    if len(widths) == layers:
+        return round(sum(widths) / len(widths))
+    if not hidden:
+        # stacks of their own widths, none the config's own (BLT): the widest stack's, every layer at it over the whole
+        # row, an upper bound on their attention (its global stack runs over patches)
+        stacks = [sub for k in (getattr(text, "sub_configs", None) or {})
+                  if isinstance(getattr(sub := getattr(text, k, None), "num_hidden_layers", None), int)]
+        hidden = max((getattr(sub, "hidden_size", 0) or 0 for sub in stacks), default=0)
+    return int(hidden) if hidden else None
 
 
 def count_params(model: Any) -> tuple[int, int]:

@@ -216,6 +216,8 @@ def _trace_all(mc: Any, n: int, kinds: list[Any] | None, *, real: bool, compute:
             full = [len(stack) for _, stack in trained_stacks(_meta_model(mc))]
             out["stacks"] = [[layers, *rest] for layers, rest in zip(full, first["stacks"], strict=True)]
             out["shares"] = first["shares"]
+            if "patch_size" in vars(mc):
+                out["patch_bytes"] = patch_bytes(mc)
         if first["calls"] != [1.0, 1.0]:  # layers run more than once a forward (HRM's cycles; some without gradients)
             out["calls"] = first["calls"]
         if first["calls"][1] == 0 < first["calls"][0]:
@@ -309,6 +311,16 @@ def trained_stacks(model: Any) -> list[tuple[str, Any]]:
             if isinstance(mod, torch.nn.ModuleList) and len(mod) and all(isinstance(x, GradientCheckpointingLayer)
                                                                          for x in mod)
             and all(p.requires_grad for p in mod.parameters())]
+
+
+def patch_bytes(mc: Any) -> int:
+    """The bytes a patch a model of byte patches (BLT) is traced at: its config's patch_size where its entropy patcher
+    picks the patches in forward (the mean length its threshold is set for: BLT's paper reports about 4.5 bytes), 1
+    where it has none (transformers' BLT then makes every byte a patch). A patcher picks them from the data: a row of
+    higher entropy makes more patches (at most one a byte), and a patcher at random init makes one a byte; the plan's
+    caveat says so (planner.speed_caveat)."""
+    entropy = getattr(mc, "patch_in_forward", False) and getattr(mc, "patching_mode", None) == "entropy"
+    return max(1, int(mc.patch_size or 1)) if entropy else 1
 
 
 def small_config(mc: Any, layers: int) -> Any:
@@ -472,10 +484,10 @@ def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, f
             given = {"attention_mask": torch.ones(1, seq, dtype=torch.long)} if mask else {}
             # a copy that is not a leaf: some families scale their embeddings in place (CTRL)
             given |= {"input_ids": tokens} if ids else {"inputs_embeds": embeds.clone()}
-            if widths and getattr(cfg, "patch_size", None):
-                # patches of the config's mean length (BLT's patch_size), given: its patcher picks lengths from its
-                # entropies, values fake tensors do not have; its global stack then runs over seq / patch_size
-                size = int(cfg.patch_size)
+            if widths and "patch_size" in vars(cfg):
+                # patches given (patch_bytes): its patcher picks lengths from its entropies, values fake tensors do not
+                # have; its global stack then runs over seq / patch_bytes positions
+                size = patch_bytes(cfg)
                 given["patch_lengths"] = torch.full((1, seq // size), size, dtype=torch.long)
             base(use_cache=False, **given)
         for h in hooks:

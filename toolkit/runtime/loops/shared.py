@@ -56,16 +56,13 @@ def metrics_logger(p: RunSpec, model: Any) -> MetricsLogger:
     total, trainable = count_params(model)
     mc = p.model_config
     layers = getattr(mc, "num_hidden_layers", None) or getattr(mc, "n_layer", None)
-    width = attention_width(mc)
-    if layers is None or width is None:
-        # stacks of their own widths, none the config's own (BLT): every stack's layers at the widest one's width
-        # over the whole row, an upper bound on their attention (its global stack runs over patches); MFU only
+    if layers is None:
+        # stacks of their own widths, none the config's own (BLT): every stack's layers, at the widest one's width
+        # (attention_width), an upper bound on their attention; MFU only
         from toolkit.plan.trace import stack_configs
 
-        stacks = [getattr(mc, k) for k in stack_configs(mc)]
-        layers = layers or sum(int(s.num_hidden_layers) for s in stacks)
-        width = width or max(int(s.hidden_size) for s in stacks)
-    fpt = flops_per_token(total, trainable, int(layers), width, p.cfg.data.seq_len)
+        layers = sum(int(getattr(mc, k).num_hidden_layers) for k in stack_configs(mc))
+    fpt = flops_per_token(total, trainable, int(layers), attention_width(mc), p.cfg.data.seq_len)
     name = None if dist.on_cpu() else torch.cuda.get_device_name(dist.local_rank())
     peak = peak_flops_per_gpu(name, p.precision, p.cfg.metrics.peak_tflops)
     return MetricsLogger(p.run_dir, p.total_steps, TokenCounter(), flops_per_token=fpt,
