@@ -189,6 +189,20 @@ def test_layers_plans_a_preset_with_fewer_layers_and_the_training_yaml_builds_it
     assert main(["plan", "--model", str(tmp_path / "dir"), "--gpus", "1", "--seq", "64", "--global-batch", "1",
                  "--layers", "1"]) == 1  # the run would refuse model.num_layers for a directory: so does the plan
     assert "--layers applies to presets" in capsys.readouterr().err
+    # stacks of their own widths (BLT): one count cuts none of them alike; the plan and the run both refuse it
+    assert main(["plan", "--model", "blt-1b-bytes", "--gpus", "1", "--seq", "4096", "--global-batch", "2",
+                 "--layers", "8"]) == 1
+    assert "layer stacks of their own widths" in capsys.readouterr().err
+    from omegaconf import OmegaConf
+
+    from toolkit.config.ds_config import ConfigError
+    from toolkit.config.schema import Config
+    from toolkit.runtime.model import model_config
+
+    cfg = OmegaConf.structured(Config)
+    cfg.model.name, cfg.model.num_layers = "blt-1b-bytes", 8
+    with pytest.raises(ConfigError, match="layer stacks of their own widths"):
+        model_config(cfg)
 
 
 def test_a_grpo_plan_writes_the_runs_rl_settings(capsys: pytest.CaptureFixture[str]) -> None:

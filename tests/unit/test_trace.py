@@ -355,8 +355,12 @@ def test_stacks_of_their_own_widths_are_traced_per_byte_with_their_patcher_froze
     assert s4.frozen_params == patcher > 0 and pl.trainable_params(s4, None) == s4.total_params - patcher
     layers = [len(m.layers) for m in (model.model.local_encoder, model.model.global_transformer, model.model.local_decoder)]
     assert s4.num_layers == sum(layers) and [n for n, *_ in s4.trace["stacks"]] == layers
-    (_, enc, *_), (_, glob4, in4, bytes4), (_, dec, *_) = s4.trace["stacks"]
-    (_, glob2, in2, bytes2) = s2.trace["stacks"][1]
+    (_, enc, *_), (_, glob4, in4, bytes4, beside4), (_, dec, _, dec_bytes, dec_beside) = s4.trace["stacks"]
+    (_, glob2, in2, bytes2, _) = s2.trace["stacks"][1]
+    # the decoder's cross-attention runs beside each of its layers, outside them: checkpointing keeps what it saves
+    assert beside4 == 0 < dec_beside < dec_bytes
+    kept = pl.checkpoint_input_bytes(s4)
+    assert kept == pytest.approx(sum(st[0] * (st[2] + st[4]) for st in s4.trace["stacks"]) / s4.num_layers)
     width = model.config.global_config.hidden_size
     assert enc == dec == 1.0 and glob4 == 0.25 and glob2 == 0.5
     assert in4 == 2 * width / 4 and in2 == 2 * width / 2  # a bf16 position a patch, per byte

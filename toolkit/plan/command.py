@@ -135,6 +135,9 @@ def _workload(args: Any) -> tuple[pl.Workload, pl.Hardware]:
         if args.model not in PRESETS:  # as model.num_layers: a directory's weights fix its layer count
             raise ConfigError(f"--layers applies to presets; {args.model} is a directory: its config.json's layer "
                               "count is what its weights hold")
+        if (shape.trace or {}).get("stacks"):  # one count cannot cut stacks of their own widths alike
+            raise ConfigError(f"--layers cuts one stack of decoder layers; {args.model} ({shape.model_type}) is built "
+                              "of layer stacks of their own widths: set each stack's num_hidden_layers in a config")
         shape = dataclasses.replace(shape, num_layers=args.layers)
     if args.rope_factor < 1:
         raise ConfigError(f"--rope-factor must be at least 1, got {args.rope_factor}")

@@ -1268,13 +1268,15 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
 
 
 def checkpoint_input_bytes(s: ModelShape) -> float:
-    """Bytes a token of a decoder layer's input, which checkpointing keeps: 2 x hidden (bf16), or where the stacks
-    have their own widths and token counts (BLT) the mean over the layers of each stack's traced input (its global
-    stack's layers take one 2,048-wide position a patch: 1,024 bytes a byte where its local layers take 2,048)."""
+    """Bytes a token a checkpointed decoder layer keeps: its input, 2 x hidden (bf16); or where the stacks have their
+    own widths and token counts (BLT) the mean over the layers of each stack's traced input (its global stack's layers
+    take one 2,048-wide position a patch: 1,024 bytes a byte at patch_size 4, where its local layers take 2,048) and
+    what the modules run beside a layer save (its cross-attention, which checkpointing does not run again; traced
+    full fine-tune, an upper bound under LoRA)."""
     stacks = (s.trace or {}).get("stacks")
     if not stacks:
         return 2.0 * s.hidden_size
-    return sum(layers * inputs for layers, _, inputs, _ in stacks) / sum(layers for layers, *_ in stacks)
+    return sum(st[0] * (st[2] + (st[4] if len(st) > 4 else 0.0)) for st in stacks) / sum(st[0] for st in stacks)
 
 
 def layer_shares(s: ModelShape) -> list[float]:

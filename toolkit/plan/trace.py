@@ -313,6 +313,9 @@ def trained_stacks(model: Any) -> list[tuple[str, Any]]:
             and all(p.requires_grad for p in mod.parameters())]
 
 
+BESIDE = "beside."  # the part name prefix of a module run beside a layer, outside it (_beside_layers)
+
+
 def patch_bytes(mc: Any) -> int:
     """The bytes a patch a model of byte patches (BLT) is traced at: its config's patch_size where its entropy patcher
     picks the patches in forward (the mean length its threshold is set for: BLT's paper reports about 4.5 bytes), 1
@@ -527,13 +530,16 @@ def _trace(mc: Any, n: int, kinds: list[Any] | None, *, seq: int, liger: bool, f
                          "calls": [sum(c[0] for c in calls) / n, sum(c[1] for c in calls) / n]}
     if widths:
         # each stack: its layers' positions over the row's tokens (BLT's global stack: one a patch), its inputs' bytes
-        # a token (what checkpointing keeps of a layer) and what one of its layers saves a token (its middle layers')
+        # a token (what checkpointing keeps of a layer), what one of its layers saves a token (its middle layers'),
+        # and of that what the modules beside the layer save (BLT's cross-attention: checkpointing does not run them
+        # again, so a checkpointed layer keeps them too)
         r["stacks"], r["shares"], first = [], shares, 0
         for size in stack_sizes:
             own = range(first, first + size)
             mid = [i for i in own if i not in ends] or list(own)
+            beside = sum(n for i in own for child, n in parts[i].items() if child.startswith(BESIDE))
             r["stacks"].append([sum(rows[i] for i in own) / size / seq, sum(in_bytes[i] for i in own) / size / seq,
-                                sum(per_layer[i] for i in mid) / len(mid) / seq])
+                                sum(per_layer[i] for i in mid) / len(mid) / seq, beside / size / seq])
             first += size
     if linears:
         groups: dict[int, int] = {}
@@ -705,7 +711,8 @@ def _beside_layers(base: Any, stacks: list[tuple[str, Any]], where: list, shares
                 continue
             for k, mod in enumerate(other):
                 i = index[id(stack[k] if len(other) == len(stack) else stack[-1])]
-                hooks.append(mod.register_forward_pre_hook(lambda m, a, i=i, c=child_name: where.__setitem__(0, (i, c))))
+                hooks.append(mod.register_forward_pre_hook(
+                    lambda m, a, i=i, c=f"{BESIDE}{child_name}": where.__setitem__(0, (i, c))))
                 hooks.append(mod.register_forward_hook(lambda m, a, o: where.__setitem__(0, None)))
     inside = {id(m) for layer in layers for m in layer.modules()}
     embed = base.get_input_embeddings()

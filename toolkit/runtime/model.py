@@ -28,9 +28,15 @@ def model_config(cfg: Config) -> Any:
     name = cfg.model.name
     if is_preset(name):
         spec = dict(PRESETS[name])
+        kind = CONFIG_MAPPING[spec.pop("model_type")]
         if cfg.model.num_layers:  # before the config is built: Qwen3-MoE derives per-layer lists from the count
+            from toolkit.plan.trace import stack_configs
+
+            if stack_configs(kind(**spec)):  # BLT: the count would be set on its config and read by none of its stacks
+                raise ConfigError(f"model.num_layers cuts one stack of decoder layers; {name} is built of layer "
+                                  "stacks of their own widths: set each stack's num_hidden_layers in a config")
             spec["n_layer" if "n_layer" in spec else "num_hidden_layers"] = cfg.model.num_layers
-        mc = CONFIG_MAPPING[spec.pop("model_type")](**spec, **SPECIAL_IDS)
+        mc = kind(**spec, **SPECIAL_IDS)
     else:
         if cfg.model.num_layers:
             raise ConfigError(f"model.num_layers applies to presets; {name} is a directory: its config.json's "

@@ -57,11 +57,12 @@ def metrics_logger(p: RunSpec, model: Any) -> MetricsLogger:
     mc = p.model_config
     layers = getattr(mc, "num_hidden_layers", None) or getattr(mc, "n_layer", None)
     if layers is None:
-        # stacks of their own widths, none the config's own (BLT): every stack's layers, at the widest one's width
-        # (attention_width), an upper bound on their attention; MFU only
-        from toolkit.plan.trace import stack_configs
+        # stacks of their own widths, none the config's own (BLT): the trained stacks' layers the model built (not a
+        # patcher, frozen or not built), at the widest one's width (attention_width), an upper bound on their
+        # attention; MFU only
+        from toolkit.plan.trace import trained_stacks
 
-        layers = sum(int(getattr(mc, k).num_hidden_layers) for k in stack_configs(mc))
+        layers = sum(len(stack) for _, stack in trained_stacks(model))
     fpt = flops_per_token(total, trainable, int(layers), attention_width(mc), p.cfg.data.seq_len)
     name = None if dist.on_cpu() else torch.cuda.get_device_name(dist.local_rank())
     peak = peak_flops_per_gpu(name, p.precision, p.cfg.metrics.peak_tflops)
