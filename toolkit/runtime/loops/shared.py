@@ -60,9 +60,11 @@ def metrics_logger(p: RunSpec, model: Any) -> MetricsLogger:
         # stacks of their own widths, none the config's own (BLT): the trained stacks' layers the model built (not a
         # patcher, frozen or not built), at the widest one's width (attention_width), an upper bound on their
         # attention; MFU only
-        from toolkit.plan.trace import trained_stacks
+        from toolkit.plan.trace import stack_configs, trained_stacks
 
-        layers = sum(len(stack) for _, stack in trained_stacks(model))
+        # under LoRA nothing of a stack trains: then every stack its config counts
+        layers = sum(len(stack) for _, stack in trained_stacks(model)) or sum(
+            int(getattr(mc, k).num_hidden_layers) for k in stack_configs(mc))
     fpt = flops_per_token(total, trainable, int(layers), attention_width(mc), p.cfg.data.seq_len)
     name = None if dist.on_cpu() else torch.cuda.get_device_name(dist.local_rank())
     peak = peak_flops_per_gpu(name, p.precision, p.cfg.metrics.peak_tflops)
