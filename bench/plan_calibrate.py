@@ -238,8 +238,11 @@ FAMILY_REVERSIBLE: tuple[Config, ...] = tuple(
     Config(f"f-ref16k-z2-s16384-m{m}", REFORMER, 16384, m, 1, 2, chunks="auto") for m in (2, 8))
 # stacks of their own widths (BLT-1B's shape, every byte a patch): the global stack over the whole row; ZeRO-2, one GPU
 BLT = "blt-1b-bytes"
-FAMILY_STACKS: tuple[Config, ...] = tuple(
-    Config(f"f-blt1b-bytes-z2-s4096-m{m}", BLT, 4096, m, 1, 2, chunks="auto") for m in (2, 4))
+FAMILY_STACKS: tuple[Config, ...] = (
+    *(Config(f"f-blt1b-bytes-z2-s4096-m{m}", BLT, 4096, m, 1, 2, chunks="auto") for m in (2, 4)),
+    # checkpointed: each layer keeps its input and what its cross-attention saves beside it (not run again)
+    Config("f-blt1b-bytes-z2-s4096-m16-ckpt", BLT, 4096, 16, 1, 2, ckpt=True, chunks="auto"),
+)
 SMOKE: tuple[Config, ...] = (
     Config("tiny-z2", "tiny", 64, 2, 2, 2, gpus=2),
     Config("tiny-z3all", "tiny", 64, 2, 1, 3, "all", gpus=2),

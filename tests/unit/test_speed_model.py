@@ -315,10 +315,12 @@ def test_the_fused_loss_time_fits_its_measured_rows() -> None:
 def test_stacks_of_their_own_widths_peaks_within_a_percent_and_speeds_as_recorded() -> None:
     """BLT-1B's shape without its patcher (blt-1b-bytes: every byte a patch, its global stack over the whole row; a
     one-layer local encoder, 25 global layers at width 2,048, nine local decoder layers with cross-attention, 3.07B
-    parameters of hash embeddings), ZeRO-2, seq 4,096, one H200: the peaks at micro 2 (the optimizer step) and micro 4
-    (the top layer's backward) within 1% (-0.1%, -0.5%). Its tokens/s planned 33% and 20% fast: both steps took 0.13 s
-    more than planned, a per-step cost the plan lacks (not traced); the plan's speed caveat says so."""
-    errors = _one_gpu_errors("stacks.json", "blt-1b-bytes", 2)
+    parameters of hash embeddings), ZeRO-2, seq 4,096, one H200: the peaks at micro 2 (the optimizer step), micro 4
+    and micro 16 with checkpointing (the top layer's backward; a checkpointed layer keeps what its cross-attention saves
+    beside it) within 1% (-0.1%, -0.5%, +0.5%). Its tokens/s at micro 16 within 2%; at micro 2 and 4 planned 33% and
+    20% fast: both steps took 0.13 s more than planned, a per-step cost the plan lacks (not traced); the plan's speed
+    caveat says so."""
+    errors = _one_gpu_errors("stacks.json", "blt-1b-bytes", 3)
     for name, peak, speed in errors:
         assert abs(peak) <= 0.01, name
-        assert abs(speed) <= 0.35, (name, speed)
+        assert abs(speed) <= (0.15 if name.endswith("-ckpt") else 0.35), (name, speed)

@@ -1501,8 +1501,8 @@ def speed_caveat(w: Workload, hw: Hardware) -> str | None:
                    "(patch_size where its entropy patcher picks them; one a byte without it): the patcher picks them "
                    "from the data, and a row of higher entropy (or a patcher at random init) makes more, up to one a "
                    "byte, whose global stack holds and runs more than planned; BLT-1B's shape at one a byte on one "
-                   "H200 planned its peaks within 0.5% and its tokens/s 20% and 33% fast (0.13 s a step more than "
-                   "planned at both micro-batches)")
+                   "H200 planned its peaks within 0.5%, its tokens/s 2% fast at micro 16 with checkpointing and 20% "
+                   "and 33% fast at micro 4 and 2 (0.13 s a step more than planned)")
     if reversible(w.shape):
         why.append("reversible layers, each run again in backward from its outputs (traced): counted; Reformer-16K on "
                    "one H200 planned its tokens/s 3% and 10% fast")
