@@ -102,3 +102,23 @@ def test_a_window_after_the_last_step_is_refused_before_launch(tmp_path: Path) -
     with pytest.raises(ConfigError, match=r"starts after the run's last step \(5\)"):
         build_spec(read_inputs(load_config(None, [*common, "train.profile_steps=[6,8]"])))
     assert list(build_spec(read_inputs(load_config(None, [*common, "train.profile_steps=[5,8]"]))).cfg.train.profile_steps) == [5, 8]
+
+
+def test_profile_functions_counts_a_function_nested_in_itself_once() -> None:
+    """bench/profile_functions.py: calls count every event, milliseconds only the outermost of a name on a thread (a
+    module's `_call_impl` inside another's is wall time once), and the patterns keep what holds one of them."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from profile_functions import functions
+
+    def ev(name: str, ts: float, dur: float, tid: int = 1) -> dict:
+        return {"ph": "X", "cat": "python_function", "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
+
+    trace = {"traceEvents": [ev("call", 0, 1000), ev("call", 100, 500), ev("call", 2000, 1000),
+                             ev("call", 0, 3000, tid=2), ev("fetch", 200, 300),
+                             {"ph": "X", "cat": "cpu_op", "name": "call", "ts": 0, "dur": 9e9}]}
+    rows = {r["name"]: r for r in functions(trace, [])}
+    assert rows["call"]["calls"] == 4 and rows["call"]["ms"] == 5.0  # 1 + 1 on thread 1, 3 on thread 2
+    assert rows["fetch"] == {"name": "fetch", "calls": 1, "ms": 0.3, "per_call_ms": 0.3}
+    assert [r["name"] for r in functions(trace, ["fet"])] == ["fetch"]
