@@ -145,13 +145,21 @@ MUST_PLAN = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmo
 SWEEP = Path(__file__).resolve().parents[2] / "bench" / "results" / "speed_model" / "families" / "sweep.json"
 
 
-def test_every_causal_lm_family_plans_or_is_refused_in_one_line() -> None:
+def test_every_causal_lm_family_plans_or_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every model type transformers maps to a causal LM, at its config's defaults with at most 8 layers
     (toolkit/plan/families.py; fake tensors: the widths cost nothing), ZeRO-2, one 80 GiB GPU, 8 x 1,024 tokens: the
     rest end in a ConfigError of one line. Every type the committed sweep plans (167 of 196 with transformers 5.24)
     still plans, the issue's families among them."""
     from transformers import __version__
 
+    from toolkit.plan import trace as tr
+
+    # Traced at 64 tokens (eager attention's slope at 64 and 128), not the planner's 256: the families that run a
+    # Python loop a token (RWKV, Mamba's slow path, Zamba) cost the suite minutes at 256. The same 167 types plan at
+    # both, and all but the chunked-scan SSMs (Mamba-2, Bamba, Zamba2, Falcon-H1) and XLNet to within 1% of the
+    # committed sweep (bench/plan_families.py, at the planner's lengths), in 253 s against 595 s on 2 cores.
+    monkeypatch.setattr(tr, "TRACE_SEQ", 64)
+    monkeypatch.setattr(tr, "EAGER_SEQS", (64, 128))
     r = sweep()
     for model_type, why in r["refused"].items():
         assert why and "\n" not in why, model_type

@@ -72,9 +72,9 @@ def attention_width(config: Any) -> int | None:
     if not hidden:
         # stacks of their own widths, none the config's own (BLT): the widest stack's, every layer at it over the whole
         # row, an upper bound on their attention (its global stack runs over patches)
-        stacks = [sub for k in (getattr(text, "sub_configs", None) or {})
-                  if isinstance(getattr(sub := getattr(text, k, None), "num_hidden_layers", None), int)]
-        hidden = max((getattr(sub, "hidden_size", 0) or 0 for sub in stacks), default=0)
+        from toolkit.plan.trace import stack_configs
+
+        hidden = max((getattr(getattr(text, k), "hidden_size", 0) or 0 for k in stack_configs(text)), default=0)
     return int(hidden) if hidden else None
 
 

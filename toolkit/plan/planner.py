@@ -1178,6 +1178,7 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
     # one more forward of the decoder layers (checkpointed), not of the embedding or the head; a reversible model's
     # recompute is its second call (layer_calls), whatever checkpointing says
     ckpt = c.grad_ckpt and not reversible(s)
+    calls = s.num_layers * (fwd_calls + grad_calls * (1 + ckpt))  # a micro-step's layer calls, the recompute's too
     if ckpt:
         flops += 2.0 * layer_p * grad_calls
         forwards += grad_calls
@@ -1230,13 +1231,13 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
         attention = layers_s(s.num_layers - s.sliding_layers, t_att) + layers_s(s.sliding_layers, t_win)
     micro = dense + attention
     if w.load_in_4bit:  # each quantized Linear's dequantize-then-matmul, per call
-        micro += s.num_layers * len(s.linears) * (fwd_calls + grad_calls * (1 + ckpt)) * BNB4_CALL_S
+        micro += calls * len(s.linears) * BNB4_CALL_S
     host = 0.0  # host time per micro-step the GPU waits on: ZeRO-3's fetch and release of each module or layer
     if c.stage == 3 and not leaves(w, c.stage):
         # the gathers ride inside the hooks' host time as fitted (one and two GPUs); not measured across nodes
         host = _hook_time_s(w, c, hw, offload_param) * layer_passes(s, c.grad_ckpt)
     elif c.stage == 3:
-        host = s.num_layers * (fwd_calls + grad_calls * (1 + ckpt)) * _leaf_s(hw.world, len(s.layer_params))
+        host = calls * _leaf_s(hw.world, len(s.layer_params))
         if hw.world > 1:  # one rank gathers from no other: Mistral-7B (8 layers) at ZeRO-3 ran at ZeRO-2's speed
             # the layers gathered again at each further call (not the embedding and head)
             micro += ZERO3_S_PER_GPARAM * (p_all + s.layers_numel * (layer_passes(s, c.grad_ckpt) - 1)) / 1e9
@@ -1256,8 +1257,7 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
         micro /= ZERO3_COMPILED_SPEED
     step = c.grad_accum * micro
     if c.stage < 3 and w.lora is None:  # the host's work of the step, which the GPU waits on where it is longer
-        step = max(step, c.grad_accum * s.num_layers * (fwd_calls + grad_calls * (1 + ckpt)) / 2 * HOST_LAYER_S
-                   + HOST_STEP_S)
+        step = max(step, c.grad_accum * calls / 2 * HOST_LAYER_S + HOST_STEP_S)
     if w.optimizer == "muon" and w.lora is None:  # LoRA's adapters are r-wide: their Newton-Schulz is negligible
         step += muon_step_s(s, c.stage, hw.world)
     if offload_opt:
