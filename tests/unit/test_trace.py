@@ -157,7 +157,8 @@ def test_every_causal_lm_family_plans_or_is_refused_in_one_line(monkeypatch: pyt
     # Traced at 64 tokens (eager attention's slope at 64 and 128), not the planner's 256: the families that run a
     # Python loop a token (RWKV, Mamba's slow path, Zamba) cost the suite minutes at 256. The same 167 types plan at
     # both, and all but the chunked-scan SSMs (Mamba-2, Bamba, Zamba2, Falcon-H1) and XLNet to within 1% of the
-    # committed sweep (bench/plan_families.py, at the planner's lengths), in 253 s against 595 s on 2 cores.
+    # committed sweep (bench/plan_families.py, at the planner's lengths). In CI on 2 cores this test took 366 s, 664 s
+    # at 256.
     monkeypatch.setattr(tr, "TRACE_SEQ", 64)
     monkeypatch.setattr(tr, "EAGER_SEQS", (64, 128))
     r = sweep()
