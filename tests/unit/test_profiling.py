@@ -107,10 +107,14 @@ def test_a_window_after_the_last_step_is_refused_before_launch(tmp_path: Path) -
 def test_profile_functions_counts_a_function_nested_in_itself_once() -> None:
     """bench/profile_functions.py: calls count every event, milliseconds only the outermost of a name on a thread (a
     module's `_call_impl` inside another's is wall time once), and the patterns keep what holds one of them."""
-    import sys
+    import importlib.util
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    from profile_functions import functions
+    spec = importlib.util.spec_from_file_location(
+        "profile_functions", Path(__file__).resolve().parents[2] / "bench" / "profile_functions.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    functions = module.functions
 
     def ev(name: str, ts: float, dur: float, tid: int = 1) -> dict:
         return {"ph": "X", "cat": "python_function", "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
