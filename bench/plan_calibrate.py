@@ -223,6 +223,13 @@ NARROW: tuple[Config, ...] = (
     *(Config(f"n-q05-z3-leaves-s4096-m{m}-2gpu", Q, 4096, m, 1, 3, gpus=2, chunks="auto",
              extra=("train.zero3_leaves=true",)) for m in (1, 4)),
 )
+# A leaf layer's host time a call on two GPUs (issue 60), run by turns in one lease
+# (bench/results/speed_model/families/leaf_calls/): llama-1b, Gemma-3-1B and Qwen3-4B (12 layers at full width) at
+# micro 1 x 1,024, where the GPU's work is a few milliseconds a layer and each step waits on the host's leaf calls,
+# beside Qwen2-0.5B's micro 1 (above) and the default rows of llama-1b and Gemma-3-1B
+LEAF_CALLS: tuple[Config, ...] = tuple(
+    Config(f"f-{tag}-z3-s1024-m1-2gpu", model, 1024, 1, 1, 3, gpus=2, layers=layers, chunks="auto")
+    for tag, model, layers in (("l", L, 0), ("g3-1b", GM3, 0), ("q3-4b-l12", Q3_4, 12)))
 # HRM-Text-1B's shape (issue 60): layers run several times a forward (planner.layer_calls), ZeRO-2 with and without
 # checkpointing and ZeRO-3, seq 2,048 (its positions), one GPU, today's defaults
 HRM = "hrm-text-1b"
@@ -400,7 +407,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     if a.only:
         wanted = a.only.split(",")
         every = (CONFIGS + LONG + VALIDATE + LEAVES + FAMILIES + FAMILY_LEAVES + FAMILY_2GPU + FAMILY_CHUNKS + NARROW
-                 + FAMILY_CYCLES + FAMILY_REVERSIBLE + FAMILY_STACKS)
+                 + FAMILY_CYCLES + FAMILY_REVERSIBLE + FAMILY_STACKS + LEAF_CALLS)
         configs = tuple(c for c in (SMOKE if smoke else every) if c.name in wanted)
         configs = tuple(sorted(configs, key=lambda c: wanted.index(c.name)))  # in the order asked
     if a.set:  # e.g. train.stop_after=1, then train.resume=latest: a run longer than one device command
