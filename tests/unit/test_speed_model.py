@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,10 @@ KNOWN_OFF = {
     ("validation.json", "v-g2-z0-s1024-m32"): (0.35, 0.05),
     ("validation.json", "v-g2-z0-s1024-m32-a2"): (0.20, 0.05),
     ("validation.json", "v-g2-z2-s1024-m16-a4"): (0.20, 0.05),
+    # leaf layers on two GPUs, host-bound: the row the leaf call was first fitted on, one run (0.152 s a step). Three
+    # runs of the same row by turns in one lease took 0.208-0.223 s (families/leaf_calls/, where the call is fitted
+    # now: +11.5% at their median): a lease's host moves it by a fifth or more
+    ("validation.json", "lv-l-z3-s2048-m2-2gpu-true"): (0.22, 0.05),
     # hooks on every submodule, host-bound: ran beside another GPU's queue at 108.5k here, 77.6k (+2.5%) in session 57
     ("validation.json", "v-g2-z3-s1024-m16"): (0.30, 0.05),
     # one rank with hooks is host-bound: the H100 host ran each hook call 1.21x faster than the H200 host it was
@@ -178,10 +184,11 @@ def test_the_plan_says_where_its_speeds_were_not_validated() -> None:
 # not eager leaves) overlaps host and GPU less than max() assumes; so do Gemma 3's leaf layers at micro 4 at Liger's
 # own loss chunks (not the default), where the leaves' host time (0.364 s a micro-step) and the GPU's work (about
 # 0.35 s, its 262K head walked in 128 chunks) are alike: measured 0.48 s (bench/results/speed_model/narrow/README.md).
-# On two GPUs Gemma 3's leaf layers at micro 4 wait on the host longer still (0.45-0.51 s a step against 0.37 on one;
-# 9.1-9.7 ms a leaf call): where that time goes is in narrow/README.md. Its ZeRO-2 row there read +31% until the fused
-# loss's backward lost Liger's synchronize (0.37 s a step, now 0.30: +7.0%; ../fused_loss_sync/README.md).
-FAMILY_SPEED_OFF = {"f-q3-4b-l12-z3-s4096-m4": 0.47, "f-g3-1b-z3-leaves-s4096-m4": 0.34, "f-g3-1b-z3-s4096-m4-2gpu": 0.27}
+# On two GPUs Gemma 3's leaf layers at micro 4 wait on the host (0.34-0.54 s a step over its runs): its 13
+# modules a layer against llama-1b's 9 (planner.ZERO3_LEAF_MODULES; families/leaf_calls/README.md). Its ZeRO-2 row
+# there read +31% until the fused loss's backward lost Liger's synchronize (0.37 s a step, now 0.30: +7.0%;
+# ../fused_loss_sync/README.md).
+FAMILY_SPEED_OFF = {"f-q3-4b-l12-z3-s4096-m4": 0.47, "f-g3-1b-z3-leaves-s4096-m4": 0.34}
 
 
 def test_traced_families_peaks_within_10_percent_and_speeds_as_recorded() -> None:
@@ -264,15 +271,14 @@ def test_narrow_rows_within_15_percent_and_the_host_step_below_zero3() -> None:
     assert _predict(micro1["config"]).tokens_per_s_per_gpu == pytest.approx(4096 / host, rel=1e-6)
 
 
-def test_two_gpu_host_bound_rows_and_the_leaf_call_by_tensors() -> None:
-    """Qwen2-0.5B on two H200s at 4K-16K tokens a micro-step (and Gemma-3-1B's leaf row again): peaks within 5%. Beyond
-    one rank a leaf layer's call costs by its parameter tensors (ZERO3_LEAF_TENSORS): Qwen2-0.5B's 12 took 6.9-7.1 ms a
-    call, planned +45% and +50% fast at llama-1b's per-call time, now within 15%. ZeRO-2's steps there take
-    0.18-0.22 s, a little over one GPU's 0.19-0.20 (micro 4 +17% until the fused loss's backward lost Liger's
-    synchronize: run again, -2.9%); Gemma 3's leaf row stays outside (FAMILY_SPEED_OFF)."""
+def test_two_gpu_host_bound_rows() -> None:
+    """Qwen2-0.5B on two H200s at 4K-16K tokens a micro-step (and Gemma-3-1B's leaf row again), one run each: peaks
+    within 5%, speeds within 15% but Qwen2's leaf layers at micro 1 (+18.6%: 11,987 tokens/s here, three runs in
+    another lease 13,220-14,801, families/leaf_calls/). ZeRO-2's steps there take 0.18-0.22 s, a little over one GPU's
+    0.19-0.20 (micro 4 +17% until the fused loss's backward lost Liger's synchronize: run again, -2.9%)."""
     rows = json.loads((RESULTS / "narrow" / "calibration_2gpu.json").read_text())["rows"]
     assert len(rows) == 6 and all(r["rc"] == 0 and r["config"]["gpus"] == 2 for r in rows)
-    allowed = {"f-g3-1b-z3-s4096-m4-2gpu": 0.34}
+    allowed = {"n-q05-z3-leaves-s4096-m1-2gpu": 0.20}
     for r in rows:
         c, m = r["config"], r["measured"]
         p = _predict(c)
@@ -280,10 +286,40 @@ def test_two_gpu_host_bound_rows_and_the_leaf_call_by_tensors() -> None:
         assert abs(speed) <= allowed.get(c["name"], 0.15), (c["name"], speed)
         for rank in m["per_rank"].values():
             assert abs(p.peak_allocated_gib / rank["peak_allocated_gib"] - 1) <= 0.05, c["name"]
-    qwen2, llama = load_shape("qwen2-0.5b"), load_shape("llama-1b")
-    assert len(llama.layer_params) == pl.ZERO3_LEAF_TENSORS
-    assert pl._leaf_s(2, len(qwen2.layer_params)) == pytest.approx(pl.ZERO3_LEAF_S[2] * 12 / 9)
-    assert pl._leaf_s(1, len(qwen2.layer_params)) == pl.ZERO3_LEAF_S[1]
+
+
+def test_leaf_calls_by_modules_within_15_percent_of_three_runs_by_turns() -> None:
+    """ZeRO-3's leaf layers on two H200s, each row run three times by turns in one lease (families/leaf_calls/): at
+    micro 1 four families whose steps wait on the host alone, and the default rows of llama-1b and Gemma-3-1B. Every
+    row's median within 15% of the plan. A call's host time grows with the modules that hold the layer's parameters
+    (ZERO3_LEAF_MODULES), not its parameter tensors: Qwen2-0.5B's 12 tensors are 9 modules (its q/k/v biases)."""
+    import statistics
+
+    runs: dict[str, list[float]] = {}
+    configs = {}
+    for path in sorted((RESULTS / "families" / "leaf_calls").glob("round_*.json")):
+        for r in json.loads(path.read_text())["rows"]:
+            assert r["rc"] == 0, r["config"]["name"]
+            runs.setdefault(r["config"]["name"], []).append(r["measured"]["tokens_per_s_per_gpu"])
+            configs[r["config"]["name"]] = r["config"]
+    assert len(runs) == 6 and all(len(v) == 3 for v in runs.values())
+    assert {c["model"] for c in configs.values()} == {"llama-1b", "qwen2-0.5b", "qwen3-4b", "gemma3-1b"}
+    errors = {}
+    for name, v in runs.items():
+        errors[name] = _predict(configs[name]).tokens_per_s_per_gpu / statistics.median(v) - 1
+        assert abs(errors[name]) <= 0.15, (name, errors[name])
+    # the README's table comes from bench/leaf_calls.py: the same medians and errors
+    files = sorted(str(p) for p in (RESULTS / "families" / "leaf_calls").glob("round_*.json"))
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "leaf_calls.py"), *files], capture_output=True,
+                         text=True, check=True).stdout
+    table = {r["row"]: r for r in map(json.loads, out.splitlines())}
+    assert table.keys() == errors.keys()
+    assert all(table[n]["error"] == pytest.approx(e, abs=1e-4) for n, e in errors.items())
+    qwen2, llama, gemma = (load_shape(m) for m in ("qwen2-0.5b", "llama-1b", "gemma3-1b"))
+    assert (llama.layer_modules, qwen2.layer_modules, gemma.layer_modules) == (pl.ZERO3_LEAF_MODULES, 9, 13)
+    assert len(qwen2.layer_params) == 12
+    assert pl._leaf_s(2, gemma.layer_modules) == pytest.approx(pl.ZERO3_LEAF_S[2] * 13 / 9)
+    assert pl._leaf_s(1, gemma.layer_modules) == pl.ZERO3_LEAF_S[1]
 
 
 def test_the_fused_loss_time_fits_its_measured_rows() -> None:

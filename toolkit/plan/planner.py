@@ -172,22 +172,29 @@ ZERO3_S_PER_GPARAM = 0.012
 # measured, 0.41 s from 2 passes).
 ZERO3_HOOK_S = 1.43e-3
 # The same for decoder layers as leaf modules: each layer's call (forward, checkpointing's recompute, backward) fetches
-# and releases the whole layer. Fitted to llama-1b at micro 2, 32 calls a micro-step: on 2 H200s 0.152 s a micro-step
-# (the GPU's work 0.11 s), on one 0.224 s (why one rank costs more was not traced); at micro 8 with checkpointing on
-# one the 48 calls take 0.34 s, under the GPU's 0.39 (measured 0.369). On 4 H100s the same micro 2 took 0.261 s a
-# micro-step (8.2 ms a call; 5.1 ms on 2 of those H100s, 6.7 on one): the 4-rank value, which also gives micro 8 with
-# checkpointing on 4 within 3% (bench/results/speed_model/README.md). 3 ranks and more than 4 were not measured.
-# Beyond one rank a call's time grows with the layer's parameter tensors (llama-1b's 9, ZERO3_LEAF_TENSORS), each
-# gathered from its partitions and released: on 2 H200s Qwen2-0.5B's 12 took 6.9-7.1 ms a call, Gemma-3-1B's 13 took
-# 9.1-9.7 (bench/results/speed_model/narrow/README.md). On one rank the three took 6.1-7.0 ms whatever their tensors.
-ZERO3_LEAF_S = {1: 7.0e-3, 2: 4.75e-3, 4: 8.2e-3}  # by world size: the largest measured size at or below it
-ZERO3_LEAF_TENSORS = 9
+# and releases the whole layer. On one H200 7.0 ms a call, fitted to llama-1b at micro 2, 32 calls a micro-step (0.224
+# s a micro-step, the GPU's work 0.11 s; Qwen2-0.5B and Gemma-3-1B took 6.1-7.0 ms there too, whatever their layers);
+# at micro 8 with checkpointing the 48 calls take 0.34 s, under the GPU's 0.39 (measured 0.369). On 4 H100s llama-1b's
+# micro 2 took 0.261 s a micro-step (8.2 ms a call), which also gives micro 8 with checkpointing on 4 within 3%
+# (bench/results/speed_model/README.md). 3 ranks and more than 4 were not measured.
+# Beyond one rank a call's time grows with the modules that hold the layer's parameters (layer_modules: llama-1b's and
+# Qwen2-0.5B's 9, Qwen3's 11 with its q/k norms, Gemma 3's 13 with six norms). On 2 H200s, the medians of three runs by
+# turns in one lease (bench/results/speed_model/families/leaf_calls/README.md): at micro 1, where the step waits on
+# the host alone, llama-1b 5.7, Qwen2-0.5B 5.9, Qwen3-4B 6.6 and Gemma-3-1B 7.9 ms a call, 0.60-0.66 ms a module (by
+# parameter tensors Qwen2's biases read 0.49 ms, the others 0.60-0.64); llama-1b's micro 2 x 2,048 took 0.74 ms a
+# module, where host and GPU overlap less. 6.0 ms for 9 modules keeps the largest error of those six rows least (11.8%).
+# Single runs in other leases read 0.53 (llama-1b, 2026-11-28) to 0.78 ms a module (Qwen2-0.5B, 2026-11-29): a lease's
+# host moves these rows by about a fifth.
+ZERO3_LEAF_S = {1: 7.0e-3, 2: 6.0e-3, 4: 8.2e-3}  # by world size: the largest measured size at or below it
+ZERO3_LEAF_MODULES = 9  # llama-1b's, for which ZERO3_LEAF_S holds
 
 
-def _leaf_s(world: int, tensors: int) -> float:
-    """Host seconds of one call of a leaf layer of `tensors` parameter tensors (ZERO3_LEAF_S: llama-1b's 9)."""
+def _leaf_s(world: int, modules: int) -> float:
+    """Host seconds of one call of a leaf layer whose parameters `modules` modules hold (ZERO3_LEAF_S: llama-1b's 9)."""
     per_call = ZERO3_LEAF_S[max(n for n in ZERO3_LEAF_S if n <= world)]
-    return per_call if world == 1 else per_call * tensors / ZERO3_LEAF_TENSORS
+    return per_call if world == 1 else per_call * modules / ZERO3_LEAF_MODULES
+
+
 # train.zero_sizes=memory (h^2 buckets, ~2-layer live limit) against the speed sizes: llama-1b ZeRO-3
 # lost 35% of its tokens/s, GPT-2 ZeRO-2 a quarter (ds_config.py SPEED_SIZES comment).
 MEMORY_SIZES_SPEED = {3: 0.65, 2: 0.75, 1: 0.75, 0: 1.0}
@@ -1237,7 +1244,7 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
         # the gathers ride inside the hooks' host time as fitted (one and two GPUs); not measured across nodes
         host = _hook_time_s(w, c, hw, offload_param) * layer_passes(s, c.grad_ckpt)
     elif c.stage == 3:
-        host = calls * _leaf_s(hw.world, len(s.layer_params))
+        host = calls * _leaf_s(hw.world, s.layer_modules)
         if hw.world > 1:  # one rank gathers from no other: Mistral-7B (8 layers) at ZeRO-3 ran at ZeRO-2's speed
             # the layers gathered again at each further call (not the embedding and head)
             micro += ZERO3_S_PER_GPARAM * (p_all + s.layers_numel * (layer_passes(s, c.grad_ckpt) - 1)) / 1e9
@@ -1250,7 +1257,7 @@ def _step_time_s(w: Workload, c: Choice, hw: Hardware, *, p_all: int, t_all: int
         from toolkit.plan.speedups import reference_leaves
 
         as_leaves = reference_leaves(w.zero3_leaves, model_type=s.model_type, objective=w.objective)
-        host += s.num_layers * (fwd_calls - reversible(s)) * (_leaf_s(hw.world, len(s.layer_params)) if as_leaves
+        host += s.num_layers * (fwd_calls - reversible(s)) * (_leaf_s(hw.world, s.layer_modules) if as_leaves
                                                               else _modules(s)[0] * ZERO3_HOOK_S)
     micro = max(micro, host)
     if split_by_hooks(w, c.stage):  # measured against eager with the same hooks
@@ -1324,7 +1331,7 @@ def layer_passes(s: ModelShape, grad_ckpt: bool) -> float:
 def _modules(s: ModelShape, lora: Lora | None = None) -> tuple[int, int, int]:
     """(modules with parameters in a decoder layer, those in its MLP, the MLP's parameters); under LoRA each targeted
     Linear holds two more (PEFT's lora_A and lora_B)."""
-    owners = {name.rsplit(".", 1)[0] for name, _ in s.layer_params}
+    owners = s.layer_owners
     mlp = {o for o in owners if o.startswith("mlp.")}
     extra = {o for o in owners if lora is not None and o.rsplit(".", 1)[-1] in lora.targets}
     n_mlp = len(mlp) + 2 * len(extra & mlp)

@@ -130,6 +130,16 @@ class ModelShape:
         return self.total_params - experts * (self.num_experts - self.experts_per_token) // self.num_experts
 
     @property
+    def layer_owners(self) -> set[str]:
+        """The modules that hold one decoder layer's parameters, by name inside the layer (a Linear's weight and bias
+        are one): what ZeRO-3's hooks run for, and what a leaf layer's host time a call grows with beyond one rank."""
+        return {name.rsplit(".", 1)[0] for name, _ in self.layer_params}
+
+    @property
+    def layer_modules(self) -> int:
+        return len(self.layer_owners)
+
+    @property
     def layer_numel(self) -> int:
         """One decoder layer's parameters: the mean over the layers where they differ."""
         return self.layers_numel // self.num_layers
