@@ -182,10 +182,12 @@ LEAVES: tuple[Config, ...] = (
 )
 # Families the planner knows only from their own code (issue 60, toolkit/plan/trace.py), run with --only: Qwen3-4B and
 # Phi-3-mini at full width in 12 of their layers, Gemma-3-1B whole; seq 4,096, ZeRO-2 and ZeRO-3, with and without
-# checkpointing, one GPU.
+# checkpointing, one GPU. Their ZeRO-3 rows ran with a hook on each submodule, then these types' default: HOOKS keeps
+# the names running what their rows in families.json ran (leaf layers, the default now, are FAMILY_LEAVES).
 Q3_4, P3, GM3 = "qwen3-4b", "phi3-mini", "gemma3-1b"
 FAMILIES: tuple[Config, ...] = tuple(
-    Config(f"f-{tag}-z{stage}-s4096-m{m}{'-ckpt' * ck}", model, 4096, m, 1, stage, ckpt=ck, layers=layers)
+    Config(f"f-{tag}-z{stage}-s4096-m{m}{'-ckpt' * ck}", model, 4096, m, 1, stage, ckpt=ck, layers=layers,
+           extra=HOOKS if stage == 3 else ())
     for tag, model, layers in (("q3-4b-l12", Q3_4, 12), ("p3-l12", P3, 12), ("g3-1b", GM3, 0))
     for stage in (2, 3) for m, ck in ((4, False), (16, True)))
 # the same families at ZeRO-3 with their decoder layers as leaf modules (train.zero3_leaves=true): one gather and one
