@@ -180,9 +180,10 @@ def test_the_plan_says_where_its_speeds_were_not_validated() -> None:
 
 
 # Families traced from their own code (issue 60; bench/results/speed_model/families/README.md): the speed model's
-# error per row as measured, where it is outside 15%. ZeRO-3 with DeepSpeed's hook on every submodule (these types are
-# not eager leaves) overlaps host and GPU less than max() assumes; so do Gemma 3's leaf layers at micro 4 at Liger's
-# own loss chunks (not the default), where the leaves' host time (0.364 s a micro-step) and the GPU's work (about
+# error per row as measured, where it is outside 15%. Qwen3-4B at ZeRO-3 with DeepSpeed's hook on every submodule (the
+# default for these types then; leaf layers now) was measured in three steps, 0.776 and 0.427 s after the first (not run
+# again: families/leaf_calls/README.md). Gemma 3's leaf layers at micro 4 at Liger's own loss chunks (not the default)
+# overlap host and GPU less than max() assumes, where the leaves' host time (0.364 s a micro-step) and the GPU's work (about
 # 0.35 s, its 262K head walked in 128 chunks) are alike: measured 0.48 s (bench/results/speed_model/narrow/README.md).
 # On two GPUs Gemma 3's leaf layers at micro 4 wait on the host (0.34-0.54 s a step over its runs): its 13
 # modules a layer against llama-1b's 9 (planner.ZERO3_LEAF_MODULES; families/leaf_calls/README.md). Its ZeRO-2 row
