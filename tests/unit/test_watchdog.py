@@ -27,14 +27,15 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _watchdog(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, world: int) -> Iterator[tuple[Watchdog, TCPStore]]:
+def _watchdog(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, world: int,
+              run_id: str = "") -> Iterator[tuple[Watchdog, TCPStore]]:
     port = _port()
     master = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                       timeout=datetime.timedelta(seconds=10))
     for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": str(world)}.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(Watchdog, "_judge", lambda self: None)  # decisions are called by hand below
-    dog = Watchdog(tmp_path, heartbeat_timeout_s=2, collective_timeout_s=5, where=lambda: ("train", 3))
+    dog = Watchdog(tmp_path, heartbeat_timeout_s=2, collective_timeout_s=5, where=lambda: ("train", 3), run_id=run_id)
     yield dog, master
     dog.stop.set()
 
@@ -231,3 +232,32 @@ def test_a_dead_peers_last_beat_noticed_late_is_no_answer(wd: tuple[Watchdog, TC
     _beat(store, 8)  # a live peer's next beat, written now: more than ANSWER_SKEW_S after the error
     time.sleep(1.2)
     assert dog._answered_since(began)
+
+
+def test_a_run_after_a_failed_one_in_the_same_processes_is_not_ended_by_its_verdict(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 83: a NaN run's "failed" verdict stayed in the rendezvous store, which outlives a run, and the next run
+    of the same processes (a shared test launch, a library user training twice) read it as its own: every rank
+    ended it once the grace ran out, with the old run's message ("NaN/Inf at step 3", its samples). A Muon run
+    compiling for more than the grace after a NaN run died so on a fresh machine. Each run's keys are its own."""
+    monkeypatch.setattr(watchdog, "FAILED_GRACE_S", 0.2)
+    first = _watchdog(tmp_path / "first", monkeypatch, 2, run_id="run-a")
+    dog, store = next(first)
+    dog._publish("failed", {"rank": 1, "host": "elsewhere", "error": "NonFiniteError: NaN at step 3", "peer": False})
+    assert json.loads(store.get(_PREFIX + "run-a/failed"))["rank"] == 1
+    dog.stop.set()
+    # the next run: same store, same rank 0; its peer beats on, and nobody failed in this run
+    port = os.environ["MASTER_PORT"]
+    monkeypatch.setattr(Watchdog, "_judge", lambda self: None)
+    again = Watchdog(tmp_path / "second", heartbeat_timeout_s=2, collective_timeout_s=5, where=lambda: ("train", 1),
+                     run_id="run-b")
+    try:
+        assert os.environ["MASTER_PORT"] == port
+        deadline = time.monotonic() + 3
+        while not again.view and time.monotonic() < deadline:  # the I/O thread has read the store at least once
+            time.sleep(0.1)
+        time.sleep(1.0)  # several reads later, past the grace
+        assert again.view and again.failed_verdict is None
+        assert again._failed(time.monotonic()) is None
+    finally:
+        again.stop.set()

@@ -115,10 +115,14 @@ class Watchdog:
     """One per rank, for the whole run. The loop calls step_begin/step_end, failing(exc) and close()."""
 
     def __init__(self, run_dir: Path, heartbeat_timeout_s: float, collective_timeout_s: float,
-                 where: Callable[[], tuple[str, int]]) -> None:
+                 where: Callable[[], tuple[str, int]], run_id: str = "") -> None:
         import psutil
 
         self.run_dir = Path(run_dir)
+        # The store outlives a run: a second run in the same processes (a library user's, a shared test launch)
+        # talks to the same TCPStore, where the first run's verdicts and goodbyes stay. Each run's keys live under
+        # an id all its ranks were given, or a NaN of the run before would end this one once its grace ran out.
+        self.prefix = _PREFIX + (f"{run_id}/" if run_id else "")
         self.rank, self.world = dist.rank(), dist.world_size()
         self.timeout_s = float(heartbeat_timeout_s)
         self.beat_s = max(0.5, self.timeout_s / 10)
@@ -151,7 +155,7 @@ class Watchdog:
         self._beat()  # before the loop's barrier: rank 0 sees every rank from its first look
         if self.rank == 0:  # created empty where missing, so reading them never waits for them
             for key in ("view", "lost", "failed", *(f"beat/{r}" for r in range(self.world))):
-                self.store.compare_set(_PREFIX + key, "", "")
+                self.store.compare_set(self.prefix + key, "", "")
         self.threads = [threading.Thread(target=self._io, name="toolkit-heartbeat", daemon=True),
                         threading.Thread(target=self._judge, name="toolkit-watchdog", daemon=True)]
         for t in self.threads:
@@ -227,7 +231,7 @@ class Watchdog:
 
         def put() -> None:
             with contextlib.suppress(Exception):
-                self.store.set(_PREFIX + f"beat/{self.rank}", bye)
+                self.store.set(self.prefix + f"beat/{self.rank}", bye)
         t = threading.Thread(target=put, daemon=True)
         t.start()
         t.join(timeout=2.0)  # the store may be gone already (rank 0 left first)
@@ -239,11 +243,11 @@ class Watchdog:
         phase, step = self.where()
         # "t": when it was written, by this host's clock: what tells a peer's answer after an error from a beat
         # it wrote before dying (see _answered_since)
-        self.store.set(_PREFIX + f"beat/{self.rank}", json.dumps({**self.me, "n": self.n, "phase": phase, "step": step,
+        self.store.set(self.prefix + f"beat/{self.rank}", json.dumps({**self.me, "n": self.n, "phase": phase, "step": step,
                                                                  "bye": False, "t": time.time()}))
 
     def _io(self) -> None:
-        keys = [_PREFIX + f"beat/{r}" for r in range(self.world)]
+        keys = [self.prefix + f"beat/{r}" for r in range(self.world)]
         counters: dict[int, int] = {}
         changed = {r: time.monotonic() for r in range(self.world)}
         seq = 0
@@ -265,10 +269,10 @@ class Watchdog:
                     # string keys, as every other rank reads them back from JSON
                     view = {"seq": seq, "ranks": {str(r): rec for r, rec in ranks.items()},
                             "ages": {str(r): round(now - changed[r], 1) for r in ranks}}
-                    self.store.set(_PREFIX + "view", json.dumps(view))
-                    raw_lost, raw_failed = self.store.multi_get([_PREFIX + "lost", _PREFIX + "failed"])
+                    self.store.set(self.prefix + "view", json.dumps(view))
+                    raw_lost, raw_failed = self.store.multi_get([self.prefix + "lost", self.prefix + "failed"])
                 else:
-                    shared = [_PREFIX + "view", _PREFIX + "lost", _PREFIX + "failed"]
+                    shared = [self.prefix + "view", self.prefix + "lost", self.prefix + "failed"]
                     # until rank 0 has created them: a get would wait for them, and a key made by
                     # compare_set does not wake a waiting get (seen: a 60 s stall at start)
                     ready = self.store.check(shared)
@@ -291,7 +295,7 @@ class Watchdog:
         verdict of each kind stays ("lost" is not hidden behind a "failed" it caused)."""
         def put() -> None:
             with contextlib.suppress(Exception):
-                _client(5.0).compare_set(_PREFIX + kind, "", json.dumps(verdict))
+                _client(5.0).compare_set(self.prefix + kind, "", json.dumps(verdict))
         t = threading.Thread(target=put, daemon=True)
         t.start()
         t.join(timeout=3.0)
@@ -502,7 +506,7 @@ class Watchdog:
             # before its judge had written its dump (2 of 46 launched dead-host runs).
             def ack() -> None:
                 with contextlib.suppress(Exception):
-                    _client(5.0).add(_PREFIX + "acks", 1)
+                    _client(5.0).add(self.prefix + "acks", 1)
             t = threading.Thread(target=ack, daemon=True)
             t.start()
             t.join(timeout=2.0)
@@ -512,7 +516,7 @@ class Watchdog:
             def acked() -> None:
                 with contextlib.suppress(Exception):
                     store = _client(5.0)
-                    while others and store.add(_PREFIX + "acks", 0) < others:
+                    while others and store.add(self.prefix + "acks", 0) < others:
                         time.sleep(0.1)
             t = threading.Thread(target=acked, daemon=True)
             t.start()
@@ -575,12 +579,13 @@ class Watchdog:
 _current: Watchdog | None = None
 
 
-def start(run_dir: Path, heartbeat_timeout_s: float, collective_timeout_s: float) -> Watchdog | None:
-    """Every rank, after the process group exists; nothing on one process or with heartbeat_timeout_s=0."""
+def start(run_dir: Path, heartbeat_timeout_s: float, collective_timeout_s: float, run_id: str = "") -> Watchdog | None:
+    """Every rank, after the process group exists; nothing on one process or with heartbeat_timeout_s=0. `run_id`:
+    the same on every rank of this run and new for each run (the store's keys are kept apart by it)."""
     global _current
     if dist.world_size() < 2 or heartbeat_timeout_s <= 0 or "MASTER_ADDR" not in os.environ:
         return None
-    _current = Watchdog(run_dir, heartbeat_timeout_s, collective_timeout_s, lambda: ("start", 0))
+    _current = Watchdog(run_dir, heartbeat_timeout_s, collective_timeout_s, lambda: ("start", 0), run_id=run_id)
     return _current
 
 

@@ -14,6 +14,7 @@ import contextlib
 import json
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,9 +69,9 @@ def run(p: RunSpec) -> int:
     cfg, r = p.cfg, p.resolved
     rank = dist.rank()
     gqa = attention.install(r.attention, r.machine.cuda)
-    refused = _claim_run_dir(p)
+    refused, run_id = _claim_run_dir(p)
     if refused is None:  # heartbeats from here on: a rank that dies, stops or hangs ends the job everywhere
-        watchdog.start(p.run_dir, cfg.train.heartbeat_timeout_s, cfg.train.collective_timeout_s)
+        watchdog.start(p.run_dir, cfg.train.heartbeat_timeout_s, cfg.train.collective_timeout_s, run_id)
     if refused is None and p.resume_from:  # before anything is loaded or moved aside
         refused = resume.check_intact(p.resume_from, cfg.train.path)
         if refused:  # this run's own directory: its status says why the resume stopped
@@ -125,9 +126,10 @@ def _announce(p: RunSpec, gqa: str | None) -> None:
         atomic_write(p.run_dir / autotune.RECORD, json.dumps(p.autotune, indent=1) + "\n")
 
 
-def _claim_run_dir(p: RunSpec) -> str | None:
-    """Rank 0 decides (nothing is written yet), every rank learns the outcome: the refusal, or None."""
-    outcome: list[str | None] = [None, None]  # [note, error]
+def _claim_run_dir(p: RunSpec) -> tuple[str | None, str]:
+    """Rank 0 decides (nothing is written yet), every rank learns the outcome: (the refusal or None, this run's id for
+    the watchdog's keys, new for every run, also the second run of one process)."""
+    outcome: list[str | None] = [None, None, uuid.uuid4().hex[:12]]  # [note, error, run id]
     if dist.rank() == 0:
         t = p.cfg.train
         try:
@@ -135,10 +137,10 @@ def _claim_run_dir(p: RunSpec) -> str | None:
                                        default=Path(t.run_dir) == Path(DEFAULT_RUN_DIR))
         except ConfigError as e:
             outcome[1] = str(e)
-    note, error = dist.broadcast_object(outcome)
+    note, error, run_id = dist.broadcast_object(outcome)
     if note and dist.rank() == 0:
         print(note, flush=True)
-    return error
+    return error, run_id
 
 
 def _train(p: RunSpec) -> int:
