@@ -75,15 +75,88 @@ def _suite_limit_s(config: pytest.Config) -> float | None:
     return None
 
 
+def suite_home() -> Path:
+    """The suite's own folder that outlives a session: DeepSpeed's built ops (TORCH_EXTENSIONS_DIR), so the second
+    run of the suite on a machine does not build them again. Outside the user's home: over ssh, the simulated hosts'
+    ranks would otherwise build into the login user's ~/.cache/torch_extensions (issue 83: a build the dead-host
+    test killed left its lock there, and every later run on that machine, the user's too, waited on it forever)."""
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"ds-toolkit-suite-{os.getuid()}"
+
+
+# The ops the CPU tests load: shared-memory all-reduce (every gloo run), CPU Adam (offload), FusedAdam's CPU build
+# (any config optimizer), async I/O (NVMe offload, where libaio is installed).
+SUITE_OPS = ("ShareMemCommBuilder", "CPUAdamBuilder", "FusedAdamBuilder", "AsyncIOBuilder")
+_BUILD_OPS = """
+import sys, time
+from deepspeed.accelerator import get_accelerator
+for name in sys.argv[1:]:
+    t0 = time.monotonic()
+    b = get_accelerator().create_op_builder(name)
+    if b is None or not b.is_compatible(verbose=False):
+        print(f"{name}: not buildable here", flush=True)
+        continue
+    b.load(verbose=False)
+    print(f"{name}: ready in {time.monotonic() - t0:.0f} s", flush=True)
+"""
+
+
+def _needs_ops(config: pytest.Config) -> bool:
+    """Whether the selection may launch DeepSpeed (not a run of tests/unit, or of -m unit, alone)."""
+    if (config.getoption("markexpr") or "").strip() == "unit":
+        return False
+    args = [Path(a.split("::")[0]).resolve() for a in config.args] or [TESTS]
+    return any(not a.is_relative_to(TESTS / "unit") for a in args)
+
+
+def _build_ops(config: pytest.Config) -> None:
+    """Build the DeepSpeed ops the distributed tests load, once, before any test runs: a test's deadline that kills
+    its ranks then never kills a build (a killed build leaves a lock every later load waits on), and no test's wall
+    time counts one. On a fresh machine this takes a few minutes, then seconds."""
+    import subprocess
+    import sys
+
+    started = time.monotonic()
+    env = os.environ | {"DS_ACCELERATOR": "cpu"}
+    out = subprocess.run([sys.executable, "-c", _BUILD_OPS, *SUITE_OPS], env=env, capture_output=True, text=True,
+                         timeout=1800, stdin=subprocess.DEVNULL)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    lines = [ln for ln in out.stdout.splitlines() if ln.endswith((" s", "here"))]
+    line = (f"DeepSpeed ops in {os.environ['TORCH_EXTENSIONS_DIR']}: {'; '.join(lines)} "
+            f"({time.monotonic() - started:.0f} s in all)")
+    if out.returncode != 0:
+        line += f"; the build failed, the tests that load them will say so: {out.stderr.strip().splitlines()[-1:]}"
+    if reporter:
+        reporter.write_line(line)
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     session.config.stash[_START] = time.monotonic()
-    # Fresh means fresh: the toolkit's caches (tokenized data, model shapes, micro-batch records) live in this
-    # session's own folder, never in ~/.cache where an earlier run (or the user's work) would answer for the suite.
+    # Fresh means fresh, and the suite keeps to its own folders: the toolkit's caches (tokenized data, model shapes,
+    # micro-batch records), the XDG cache (Hugging Face, matplotlib, torch's own) and inductor's compiled kernels live
+    # in this session's folder, removed at the end; never in ~/.cache, where an earlier run (or the user's work) would
+    # answer for the suite and the suite would write into the user's. Every launched rank inherits them, and
+    # launch.sh's .deepspeed_env carries them to the simulated hosts.
     if "TOOLKIT_CACHE" not in os.environ or os.environ.get("TOOLKIT_SUITE_OWN_CACHE"):
         import tempfile
 
-        os.environ["TOOLKIT_CACHE"] = session.config.stash[_CACHE] = tempfile.mkdtemp(prefix="toolkit-test-cache-")
+        root = Path(tempfile.mkdtemp(prefix="toolkit-test-cache-"))
+        session.config.stash[_CACHE] = str(root)
+        os.environ["TOOLKIT_CACHE"] = str(root)
+        os.environ["XDG_CACHE_HOME"] = str(root / "xdg")
+        # a cold inductor cache every session: what a fresh machine compiles is what the suite compiles (issue 83's
+        # NaN stop only showed where muon_update compiled for longer than the watchdog's grace)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
         os.environ["TOOLKIT_SUITE_OWN_CACHE"] = "1"
+    import sys
+    from importlib import metadata
+
+    # by Python and torch: ops built against another torch are not loaded by this one
+    built_for = f"py{sys.version_info.major}{sys.version_info.minor}_torch{metadata.version('torch').split('+')[0]}"
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(suite_home() / "torch_extensions" / built_for))
+    if not hasattr(session.config, "workerinput") and _needs_ops(session.config):  # the controller, before workers
+        _build_ops(session.config)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

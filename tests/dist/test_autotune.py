@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from _load import load_seen
 from _net import free_port
 from conftest import write_tokenizer
 
@@ -55,7 +56,7 @@ def test_auto_micro_batch_survives_an_oom_probe_records_and_reuses_its_choice(tm
         micro, 8 // (2 * micro), 8)
     assert json.loads((run / "status.json").read_text())["status"] == "completed"
     # the failed probe's peer was stopped at once, not after its collective timeout (600 s)
-    assert took < 400, took
+    assert took < 400, (took, load_seen())
     # the probes' folder, as the run printed it: another test's probes may run beside this one (pytest -n 2)
     root = re.search(r"micro_batch_size=auto: probing .* in (\S+)", log).group(1)
     assert not [p for p in psutil.process_iter(["cmdline"])

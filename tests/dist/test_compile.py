@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _launch import launch, run_logs
+from _launch import Runs, launch, run_logs
 
 from tests.dist._jsonl import lines
 
@@ -54,7 +54,7 @@ def _runs(tmp: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
-    tmp = tmp_path_factory.mktemp("compile")
+    tmp = Runs(tmp_path_factory.mktemp("compile"))
     launch(tmp, _runs(tmp), name="compile", timeout=1400)
     return tmp, run_logs(tmp / "compile.log")
 

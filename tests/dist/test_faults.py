@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 from _jsonl import lines
+from _load import load_seen
 from _net import free_port
 
 from toolkit.runtime.faults.watchdog import EXIT_LOST
@@ -49,7 +50,7 @@ def test_a_killed_rank_takes_the_job_down_within_60s_and_records_stay_intact(tmp
     print(f"launcher exited {rc} {took:.1f} s after the kill")
     # DeepSpeed's launcher exits with the first failed rank's code it polls: the killed one (-9, which its
     # sys.exit turns into 256 - 9) or rank 0, which the watchdog ends with EXIT_LOST (75)
-    assert rc in (247, EXIT_LOST) and took < 60, (rc, took)
+    assert rc in (247, EXIT_LOST) and took < 60, (rc, took, load_seen())
     assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]  # nobody left waiting
     status = json.loads((run_dir / "status.json").read_text())
     assert status["status"] == "failed" and status["phase"] == "train" and status["step"] >= 5, status
@@ -85,7 +86,7 @@ def test_a_stopped_rank_ends_the_job_within_the_bound_with_the_live_stacks_and_i
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
     print(f"stopped rank 1: launcher exited {rc}, every rank gone {took:.1f} s after the SIGSTOP")
-    assert rc in (EXIT_LOST, 247) and not alive and took < timeout_s + 30, (rc, alive, took)
+    assert rc in (EXIT_LOST, 247) and not alive and took < timeout_s + 30, (rc, alive, took, load_seen())
     status = json.loads((run_dir / "status.json").read_text())
     assert status["status"] == "failed" and status["lost_ranks"] == [1], status
     assert "no heartbeat for" in status["error"] and "stopped: SIGSTOP or a debugger" in status["error"], status
@@ -132,7 +133,7 @@ def test_sigterm_checkpoints_marks_preempted_and_resume_continues_the_curve(tmp_
         # DeepSpeed's per-node launch.py lets the ranks save; the ranks exit 0 and status.json says preempted
         assert rc == -signal.SIGTERM and not alive, (rc, alive)
         status = json.loads((run_dir / "status.json").read_text())
-        assert status["status"] == "preempted" and 3 <= status["steps"] < 40 and took < 40, (status, took)
+        assert status["status"] == "preempted" and 3 <= status["steps"] < 40 and took < 40, (status, took, load_seen())
         assert (run_dir / "checkpoints").is_dir()
         # resume: the same loss curve as the uninterrupted run (paths agree to 1e-4 in fp32)
         assert _launch(run_dir, tmp_path, f"train.path={path}", "train.resume=latest").wait(timeout=300) == 0

@@ -24,6 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 from _jsonl import lines
+from _load import load_seen
 from _net import free_port
 from _small_disk import SmallDisk, problem
 
@@ -137,7 +138,7 @@ def test_kill_in_a_save_full_disk_and_a_flipped_byte_lose_only_the_steps_since_t
         _, alive = psutil.wait_procs(list(ranks.values()), timeout=60)
         took = time.monotonic() - t0
         print(f"A: killed in the save; launcher exit {rc}, every rank gone {took:.1f} s after the kill")
-        assert rc != 0 and not alive and took < 60, (rc, alive, took)
+        assert rc != 0 and not alive and took < 60, (rc, alive, took, load_seen())
         whole = json.loads((run.ckpt("global_step2") / "complete.json").read_text())["files"][SHARD.format(1)][0]
         assert written < whole, "the kill came after the shard was written: not a kill during the write"
         assert not (run.ckpt("global_step4") / "complete.json").exists()

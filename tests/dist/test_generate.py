@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _launch import Runs, run_logs
 from _launch import launch as launch_runs
-from _launch import run_logs
 from _net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -270,7 +270,7 @@ def _lora_reference(run: Path, prompts: list[list[int]], eos: int) -> list[list[
 @pytest.fixture(scope="module")
 def runs(base: Base, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
     """The training runs that generate, in one launch after the base run: (their folder, each run's output)."""
-    tmp = tmp_path_factory.mktemp("gen_runs")
+    tmp = Runs(tmp_path_factory.mktemp("gen_runs"))
     eos = f"eval.eos_token_id={base.eos}"
     specs = {
         "trainer": ["train.path=trainer", "eval.generate=true", eos, "eval.generate_batch_size=1"],

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from _launch import ROOT, launch, reload_logits
+from _launch import ROOT, Runs, launch, reload_logits
 
 pytestmark = pytest.mark.dist
 
@@ -91,7 +91,7 @@ def _aux_runs(tmp: Path, world: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("moe")
+    tmp = Runs(tmp_path_factory.mktemp("moe"))
     launch(tmp, _runs(tmp), 2, "launch", timeout=600)
     launch(tmp, _aux_runs(tmp, world=1), 1, "launch1", timeout=600)
     return tmp

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from _hosts import Cluster, missing_tools, namespace_problem
 from _jsonl import lines
+from _load import load_seen
 from _net import free_port
 
 from toolkit.runtime.faults.watchdog import EXIT_LOST
@@ -69,7 +70,7 @@ def _run_until_fault(c: Cluster, tmp: Path, fault: str) -> tuple[int, float, Pat
     try:
         deadline = time.monotonic() + 400
         while not (run_dir / "metrics.jsonl").exists() or len(lines(run_dir / "metrics.jsonl")) < 3:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-5000:]
+            assert proc.poll() is None and time.monotonic() < deadline, (load_seen(), log.read_text(errors="replace")[-5000:])
             time.sleep(0.2)
         t0 = time.monotonic()
         if fault == "kill":
@@ -90,7 +91,7 @@ def _run_until_fault(c: Cluster, tmp: Path, fault: str) -> tuple[int, float, Pat
             proc.kill()
             proc.wait()
     text = log.read_text(errors="replace")
-    assert not left, f"left running {took:.0f} s after the fault: {left}\n{text[-3000:]}"
+    assert not left, f"left running {took:.0f} s after the fault ({load_seen()}): {left}\n{text[-3000:]}"
     return rc, took, run_dir, text
 
 
@@ -100,7 +101,7 @@ def test_a_dead_host_ends_the_job_on_every_host_within_60s(cluster: Cluster, tmp
     rc, took, run_dir, out = _run_until_fault(cluster, tmp_path, fault)
     print(f"node1 {'killed' if fault == 'kill' else 'cut off'}: launcher exit {rc}, every process of the job "
           f"gone {took:.1f} s later")
-    assert rc != 0 and took < BOUND_S, (rc, took, out[-3000:])
+    assert rc != 0 and took < BOUND_S, (rc, took, load_seen(), out[-3000:])
     status = json.loads((run_dir / "status.json").read_text())
     assert status["status"] == "failed" and status["lost_ranks"] == [2] and status["lost_hosts"] == ["node1"], status
     assert status["detected_by"] == 0 and "no heartbeat for" in status["error"], status

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 import pytest
-from _launch import ROOT, launch
+from _launch import ROOT, Runs, launch
 from conftest import write_tokenizer
 
 pytestmark = pytest.mark.dist
@@ -86,7 +86,7 @@ def _runs(tmp: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("pref")
+    tmp = Runs(tmp_path_factory.mktemp("pref"))
     launch(tmp, _runs(tmp), timeout=900)
     return tmp
 

@@ -1,8 +1,8 @@
 """Every shipped preset passes `toolkit check --world-size 2` AND DeepSpeed itself accepts it: one real
 `deepspeed --num_gpus 2` launch on CPU runs initialize + one step per preset (tests/dist/_init_presets.py).
 
-First run on a machine JIT-builds cpu_adam (~1 min) and, for the NVMe preset, async_io (needs libaio-dev;
-~8 min on a loaded 16-core box); both are cached in ~/.cache/torch_extensions afterwards.
+The ops it loads (cpu_adam, and async_io for the NVMe preset, which needs libaio-dev) are built once before the suite
+starts, into its own TORCH_EXTENSIONS_DIR (tests/conftest.py), and kept there for the next session.
 """
 
 from __future__ import annotations

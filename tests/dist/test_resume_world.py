@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from _jsonl import lines
-from _launch import launch
+from _launch import Runs, launch
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = ("train.max_steps=8", "train.micro_batch_size=2", "train.precision=fp32", "train.export=false",
@@ -44,7 +44,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     then every case's resume on 1 rank in one launch, and on 4 ranks in another."""
     from toolkit.config import ds_config as dc
 
-    tmp = tmp_path_factory.mktemp("resume_world")
+    tmp = Runs(tmp_path_factory.mktemp("resume_world"))
     dc.write_config(dc.gen_config(2, optimizer_states="bf16", precision="bf16"), tmp / "bf16states.json")
     cases = [*CASES, BF16]
     two = [{"name": "reference", "argv": _argv(tmp / "reference", "zero2", "train.path=raw", "train.grad_accum=2")}]

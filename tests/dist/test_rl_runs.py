@@ -13,7 +13,7 @@ import random
 from pathlib import Path
 
 import pytest
-from _launch import ROOT, launch
+from _launch import ROOT, Runs, launch
 from conftest import write_tokenizer
 
 from toolkit.config import ds_config as dc
@@ -124,7 +124,7 @@ def _runs(tmp: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("rl")
+    tmp = Runs(tmp_path_factory.mktemp("rl"))
     launch(tmp, _runs(tmp), timeout=900)
     return tmp
 

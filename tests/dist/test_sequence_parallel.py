@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
-from _launch import ROOT, launch, write_chat
+from _launch import ROOT, Runs, launch, write_chat
 from conftest import write_tokenizer
 
 pytestmark = pytest.mark.dist
@@ -93,7 +93,7 @@ def _runs(tmp: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("sp")
+    tmp = Runs(tmp_path_factory.mktemp("sp"))
     launch(tmp, _runs(tmp), timeout=900)
     return tmp
 

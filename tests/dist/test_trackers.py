@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
 from pathlib import Path
 
 import pytest
-from _net import free_port
+from _launch import Runs, launch
 
 pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +56,7 @@ def _wandb_file(path: Path) -> list[dict[str, float]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("trackers")
+    tmp = Runs(tmp_path_factory.mktemp("trackers"))
     common = [f"train.max_steps={STEPS}", "train.precision=fp32", "train.warmup_steps=1", "memory.every=1",
               "data.num_samples=64", "train.export=false", "metrics.report_to=[tensorboard,wandb,mlflow]",
               "metrics.peak_tflops=0.001"]  # a made-up peak, so that CPU runs log an MFU too
@@ -67,15 +66,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     spec += [{"name": f"resume-{i}", "argv": ["--ds", str(ROOT / "ds_configs" / "zero2.json"), *common,
                                              "train.path=raw", f"train.run_dir={tmp / 'resumed'}", *extra]}
              for i, extra in enumerate((["train.stop_after=2"], ["train.resume=latest"]))]
-    (tmp / "runs.json").write_text(json.dumps(spec))
-    env = os.environ | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline",
-                        "WANDB_PROJECT": "toolkit-test", "MLFLOW_TRACKING_URI": f"file:{tmp / 'mlruns'}",
-                        "MLFLOW_ALLOW_FILE_STORE": "true", "MLFLOW_EXPERIMENT_NAME": "toolkit-test"}
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), str(ROOT / "tests/dist/_multi_train.py"),
-           str(tmp / "runs.json")]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=800)
-    if p.returncode != 0:
-        pytest.fail(f"launcher exited {p.returncode}:\n{(p.stdout + p.stderr)[-6000:]}")
+    env = {"WANDB_MODE": "offline", "WANDB_PROJECT": "toolkit-test", "MLFLOW_TRACKING_URI": f"file:{tmp / 'mlruns'}",
+           "MLFLOW_ALLOW_FILE_STORE": "true", "MLFLOW_EXPERIMENT_NAME": "toolkit-test"}
+    launch(tmp, spec, name="runs", timeout=800, env=env)
     return tmp
 
 

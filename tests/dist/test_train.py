@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _launch import launch, reload_logits, run_logs, write_chat
+from _launch import Runs, launch, reload_logits, run_logs, write_chat
 from conftest import write_tokenizer
 
 from tests.dist._jsonl import lines
@@ -131,9 +131,17 @@ def _runs(tmp: Path) -> list[dict]:
     for family, stage, seq in (("gemma2", "zero3", 64), ("reformer", "zero2", 64), ("hrm_text", "zero2", 32)):
         add(f"raw-{family}", stage, "train.path=raw", f"model.name={_family_dir(tmp / family, family, tok)}",
             f"data.seq_len={seq}", "train.micro_batch_size=2", "train.max_steps=3", "train.export=false")
+    # a fault in the launch itself: rank 1 killed as the run starts (tests/dist/_multi_train.py kill_rank). That run
+    # fails alone; the one after it goes on in a new launch (test_a_run_that_fails_fails_only_the_tests_that_read_it)
+    killed = {"name": KILLED, "argv": ["--ds", ds["zero2"], *COMMON, f"train.run_dir={tmp / KILLED}", "train.path=raw",
+                                       "train.export=false"], "kill_rank": 1}
     # muon-z2-clipped (refused before any collective) stays last: its rank 0 prints the refusal while rank 1 may
     # already print the next run's marker, so a run after it could take its line in run_logs' split
-    return runs + _qlora_runs(tmp) + _optimizer_runs(tmp)
+    *optimizers, clipped = _optimizer_runs(tmp)
+    return runs + _qlora_runs(tmp) + optimizers + [killed, clipped]
+
+
+KILLED = "injected-rank-killed"
 
 
 FAMILY_CONFIGS = {
@@ -240,16 +248,16 @@ def _qlora_runs(tmp: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("train")
-    port = launch(tmp, _runs(tmp), timeout=1500)
-    (tmp / "master_port").write_text(str(port))
+    tmp = Runs(tmp_path_factory.mktemp("train"))
+    ports = launch(tmp, _runs(tmp), timeout=1500)
+    (tmp / "master_ports").write_text(" ".join(map(str, ports)))
     return tmp
 
 
 def test_no_deepspeed_shared_memory_left(runs: Path) -> None:
     # DeepSpeed's CPU allreduce makes a 66 MB /dev/shm file per rank and never unlinks it; init_distributed does
-    port = (runs / "master_port").read_text()
-    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+    for port in (runs / "master_ports").read_text().split():  # one a launch: a run that fails relaunches the rest
+        assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -758,3 +766,36 @@ def test_a_qlora_adapter_trained_at_zero3_merges_into_its_base(runs: Path, tmp_p
     ids = torch.randint(0, 64, (2, 16))
     with torch.no_grad():
         assert torch.allclose(merged(ids).logits, trained(ids).logits, atol=1e-4)
+
+
+@pytest.mark.timeout(120)
+def test_a_run_that_fails_fails_only_the_tests_that_read_it(runs: Path, tmp_path: Path) -> None:
+    """Issue 83: one run's failure (a NaN stop on one rank, ended by the watchdog) ended the shared launch and errored
+    all 69 tests of this file. Here a rank is killed as a run starts: that run alone is failed, the runs after it go
+    on in a new launch, and of three tests, the one that reads it fails naming it while the two that read the runs
+    before and after it pass."""
+    failed = json.loads((runs / "failed_runs.json").read_text())
+    assert list(failed) == [KILLED] and "its processes ended" in failed[KILLED], failed
+    assert len((runs / "master_ports").read_text().split()) == 2  # the runs after it: a second launch
+    probe = tmp_path / "test_reads.py"
+    probe.write_text(f"""
+import sys
+sys.path.insert(0, {str(ROOT / "tests" / "dist")!r})
+from _launch import Runs
+RUNS = Runs({str(runs)!r})
+
+def test_reads_the_killed_run():
+    assert (RUNS / {KILLED!r} / "config.yaml").exists()
+
+def test_reads_the_run_before_it():
+    assert (RUNS / "bf16-states-z2-nearest" / "status.json").exists()
+
+def test_reads_the_run_after_it():  # refused on purpose, as it should be: no run folder, and not failed
+    assert not (RUNS / "muon-z2-clipped" / "metrics.jsonl").exists()
+""")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                          "--rootdir", str(tmp_path), str(probe)], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=100)
+    assert "1 failed, 2 passed" in out.stdout, out.stdout[-3000:]
+    assert f"FAILED test_reads.py::test_reads_the_killed_run - Failed: run {KILLED} of the shared launch failed" \
+        in out.stdout, out.stdout[-3000:]

@@ -264,7 +264,13 @@ ENV_ALLOW_EXACT = frozenset(
         "HF_DATASETS_OFFLINE",
         "TRANSFORMERS_OFFLINE",
         "TORCH_CUDA_ARCH_LIST",
+        # where every node's ranks keep their caches: DeepSpeed's built ops, inductor's kernels, the XDG cache (Hugging
+        # Face, matplotlib, torch) and the toolkit's own (tokenized data, model shapes); without them a rank started
+        # over ssh writes into the login user's ~/.cache
         "TORCH_EXTENSIONS_DIR",
+        "TORCHINDUCTOR_CACHE_DIR",
+        "XDG_CACHE_HOME",
+        "TOOLKIT_CACHE",
         "DS_ACCELERATOR",
         "OMP_NUM_THREADS",
         "TOKENIZERS_PARALLELISM",
