@@ -6,7 +6,8 @@ imports per run, which keeps the distributed suite inside CI's budget. Usage (th
 RUNS.json: [{"name": str, "argv": [...], "expect_rc": 0, "partial": "checkpoints/x", "kill_rank": 1}, ...];
 results go to each run's own run_dir. "expect_rc": the exit code the run must give (a refused run: 1). "partial": a
 checkpoint directory rank 0 leaves half-written under the run_dir first, as a save killed mid-way would.
-"kill_rank": that rank is SIGKILLed once the run has started (a fault injected into the launch itself).
+"kill_rank": that rank is SIGKILLed once the run has started (a fault injected into the launch itself). "env":
+variables set for that run alone (a TOOLKIT_FAULT_* hook).
 
 With TOOLKIT_TEST_OUTCOMES=PREFIX (tests/dist/_launch.py sets it), each rank appends a line to PREFIX.rankN.jsonl
 when a run starts and when it ends ({"i", "name", "rc", "expect_rc", "error"}): the launch reads which runs ended as
@@ -78,12 +79,16 @@ def main() -> int:
             (partial / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"cut off mid-write")
         if run.get("kill_rank") == int(os.environ.get("RANK", "0")):
             os.kill(os.getpid(), signal.SIGKILL)
-        error = None
+        error, saved = None, {k: os.environ.get(k) for k in run.get("env", {})}
+        os.environ.update(run.get("env", {}))
         try:
             rc = train.main(run["argv"])
         except Exception as e:  # record and go on: the test reads status.json per run
             print(f"=== run {run['name']} raised {type(e).__name__}: {e}", flush=True)
             rc, error = 1, f"{type(e).__name__}: {e}"[:500]
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         if rc != expect and error is None:
             error = _status_error(run)
         record(i=index, name=run["name"], rc=rc, expect_rc=expect, error=error)

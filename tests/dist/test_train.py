@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -138,7 +139,53 @@ def _runs(tmp: Path) -> list[dict]:
     # muon-z2-clipped (refused before any collective) stays last: its rank 0 prints the refusal while rank 1 may
     # already print the next run's marker, so a run after it could take its line in run_logs' split
     *optimizers, clipped = _optimizer_runs(tmp)
-    return runs + _qlora_runs(tmp) + optimizers + [killed, clipped]
+    # a parameter whose gradient never arrives (its gradient zeroed by a test hook): named after the first two steps
+    # with a learning rate, and stopped on, or warned about with train.check_moved=warn (issue 81)
+    for name, stage, path, extra in (("unmoved-z3", "zero3", "raw", []), ("unmoved-z2-trainer", "zero2", "trainer", []),
+                                     ("unmoved-z0-lora", "zero0", "raw", ["lora.enabled=true"]),
+                                     ("unmoved-z2-warn", "zero2", "raw", ["train.check_moved=warn"])):
+        zeroed = UNMOVED_LORA if "lora" in name else DROPPED
+        add(name, stage, f"train.path={path}", "train.export=false", *extra, env={"TOOLKIT_FAULT_ZERO_GRAD": zeroed},
+            expect_rc=0 if "warn" in name else 1)
+    return runs + _bad_checkpoint_runs(tmp, ds) + _qlora_runs(tmp) + optimizers + [killed, clipped]
+
+
+UNMOVED_LORA = "base_model.model.model.layers.1.self_attn.v_proj.lora_A.default.weight"  # B moves without it
+
+
+# A model directory whose checkpoint does not match the model (issue 81): each refused before any weight is read, at
+# every stage and on both paths, QLoRA too; name -> (fault, stage, path, extra)
+BAD_CHECKPOINTS = {
+    "ckpt-removed-z3": ("removed", "zero3", "raw", []),
+    "ckpt-removed-z0-trainer": ("removed", "zero0", "trainer", []),
+    "ckpt-shape-z2": ("shape", "zero2", "raw", []),
+    "ckpt-stray-z3-trainer": ("stray", "zero3", "trainer", []),
+    "ckpt-removed-qlora-z3": ("removed", "zero3", "raw", ["model.load_in_4bit=true", "lora.enabled=true"]),
+    "ckpt-removed-allowed-z3": ("removed", "zero3", "raw", ["model.new_weights=[model.layers.1.mlp.*]"]),
+}
+DROPPED = "model.layers.1.mlp.down_proj.weight"
+
+
+def _bad_checkpoint_runs(tmp: Path, ds: dict[str, str]) -> list[dict]:
+    from safetensors.torch import load_file, save_file
+
+    base, out = _qlora_base(tmp), []
+    for fault in ("removed", "shape", "stray"):
+        bad = tmp / f"ckpt-{fault}"
+        shutil.copytree(base, bad)
+        tensors = load_file(str(bad / "model.safetensors"))
+        if fault == "removed":
+            del tensors[DROPPED]
+        elif fault == "shape":
+            tensors[DROPPED] = tensors[DROPPED][:, :8].contiguous()
+        else:
+            tensors["model.layers.1.mlp.extra.weight"] = tensors[DROPPED][:4, :4].contiguous()
+        save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    for name, (fault, stage, path, extra) in BAD_CHECKPOINTS.items():
+        out.append({"name": name, "argv": ["--ds", ds[stage], *COMMON, f"train.run_dir={tmp / name}", f"train.path={path}",
+                                           f"model.name={tmp / f'ckpt-{fault}'}", "train.export=false", *extra],
+                    "expect_rc": 0 if "allowed" in name else 1})
+    return out
 
 
 KILLED = "injected-rank-killed"
@@ -699,6 +746,67 @@ def test_a_clip_under_muon_at_zero2_is_refused_in_one_line(runs: Path) -> None:
     errors = [x for x in log.splitlines() if x.startswith("error:")]
     assert len(errors) == 1 and "train.grad_clip=1.0 with Muon at ZeRO-2" in errors[0], log[-3000:]
     assert not (tmp / "muon-z2-clipped" / "metrics.jsonl").exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", list(BAD_CHECKPOINTS))
+def test_a_checkpoint_that_does_not_match_its_model_stops_before_loading(runs: Path, name: str) -> None:
+    """Issue 81: with one tensor removed, transformers printed "MISSING: those params were newly initialized" among
+    the console's lines and the run trained that layer from random init. Now a removed tensor, one of another shape
+    and one that belongs to no module each stop the run before any weight is read, in one line naming them, at every
+    stage and on both paths, QLoRA too; model.new_weights lets the removed one train from new weights on purpose."""
+    fault = BAD_CHECKPOINTS[name][0]
+    log = run_logs(runs / "launch.log")[name]
+    errors = [x for x in log.splitlines() if x.startswith("error: model.name=")]
+    if "allowed" in name:
+        assert not errors and json.loads((runs / name / "status.json").read_text())["status"] == "completed"
+        report = json.loads((runs / name / "load_report.json").read_text())
+        assert report["new_weights"] == [DROPPED] and report["missing"] == [], report
+        assert "1 new on purpose (model.new_weights): " + DROPPED in log, log[-2000:]
+        return
+    want = {"removed": f"1 tensor(s) missing from the checkpoint (they would train from random init): {DROPPED}",
+            "shape": f"1 tensor(s) of another shape: {DROPPED}: checkpoint [64, 8], model [64, 128]",
+            "stray": "1 tensor(s) in the checkpoint but in no module of the model: model.layers.1.mlp.extra.weight"}
+    assert len(errors) == 1 and want[fault] in errors[0], log[-3000:]
+    assert "MISSING" not in log  # stopped before transformers loaded (and filled) anything
+    d = runs / name
+    assert json.loads((d / "status.json").read_text())["status"] == "failed"
+    assert not (d / "metrics.jsonl").exists() and not (d / "checkpoints").exists()  # nothing half written
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["unmoved-z3", "unmoved-z2-trainer", "unmoved-z0-lora", "unmoved-z2-warn"])
+def test_a_trainable_parameter_that_does_not_move_is_named(runs: Path, name: str) -> None:
+    """Issue 81: a parameter that trains on no gradient (a ZeRO-3 hook that never fires, a freeze by mistake) ended
+    in no error. Its gradient zeroed by a test hook, it is named once the first two steps with a learning rate are
+    done (warmup starts at 0: steps 2-3 here), on every rank alike, and the run stops, or warns where it is told to."""
+    log = run_logs(runs / "launch.log")[name]
+    zeroed = UNMOVED_LORA if "lora" in name else DROPPED
+    lines = [x for x in log.splitlines() if "did not move over optimizer steps 2-3" in x]
+    assert len(lines) == 1 and f"they train on no gradient ({zeroed})" in lines[0], log[-3000:]
+    status = json.loads((runs / name / "status.json").read_text())
+    if "warn" in name:
+        assert lines[0].startswith("warning: 1 of ") and status["status"] == "completed", status
+    else:
+        assert lines[0].startswith("error: 1 of ") and status["status"] == "failed" and status["step"] == 3, status
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["raw-zero3", "trainer-zero2_offload", "raw-lora", "trainer-lora-bf16", "qlora-z3",
+                                  "muon-z3"])
+def test_every_trainable_parameter_moved_in_the_runs_that_train(runs: Path, name: str) -> None:
+    """Full fine-tuning, LoRA (A moves at the second step: B starts at zero), bf16 under autocast, QLoRA and Muon, at
+    ZeRO-0 to 3 and with offload: the check passes and says so."""
+    log = run_logs(runs / "launch.log")[name]
+    assert re.search(r"every trainable parameter moved over steps \d+-\d+ \(\d+ tensors\)", log), log[-3000:]
+
+
+@pytest.mark.timeout(60)
+def test_a_matching_checkpoint_is_said_in_one_line(runs: Path) -> None:
+    log = run_logs(runs / "launch.log")["qlora-z3"]
+    assert "checkpoint: " in log and "tensors matched the model by name, shape and dtype" in log, log[-3000:]
+    report = json.loads((runs / "qlora-z3" / "load_report.json").read_text())
+    assert report["checked"] == "index" and not (report["missing"] or report["unexpected"] or report["shapes"])
 
 
 # ---------------------------------------------------------------- QLoRA

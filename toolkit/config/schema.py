@@ -68,6 +68,10 @@ class ModelConfig:
     tokens per rank, bf16). true: on. Host buffers: pinned (copies overlap compute; PyTorch rounds each to a power of
     two) when they fit in half the host's memory, else pageable (exact sizes, each copy waits); pinned or pageable
     turn it on with that kind. The run says which (toolkit/runtime/sequence/offload.py)."""
+    new_weights: list[str] = field(default_factory=list)
+    """Tensors a model directory's checkpoint may lack, to be trained from new (random) weights on purpose: fnmatch
+    patterns of their names, e.g. ['score.*'] or ['model.layers.*.mlp.gate.*']. Any other tensor it lacks, one it holds
+    that no module has, or one of another shape stops the run before loading (toolkit/runtime/faults/load_report.py)."""
     tokenizer: str | None = None
     """Local tokenizer directory for text data; defaults to the model directory."""
     num_layers: int = 0
@@ -167,6 +171,11 @@ class TrainConfig:
     muon_lr: float = 0.02
     """With the DeepSpeed config's Muon optimizer: the learning rate of its 2-D hidden matrices (DeepSpeed's
     muon_lr; its default, Keller Jordan's). train.lr is its Adam half's (embeddings, head, norms, biases)."""
+    check_moved: str = "error"
+    """error, warn or off: after the first two optimizer steps with a learning rate, every trainable parameter must
+    have moved; one that did not (frozen by mistake, a ZeRO-3 hook that never passes its gradient) is named and stops
+    the run (error) or is warned about (warn). Experts that got no tokens are named, never stopped on
+    (toolkit/runtime/faults/moved.py)."""
     bf16_rounding: str = "auto"
     """With bf16 master weights and optimizer states (the DeepSpeed config's bf16_master_weights_and_grads and
     bf16_optimizer_states) and AdamW on the GPU: stochastic (torchao's AdamW rounds each update into the bf16 master
@@ -546,6 +555,8 @@ class Config:
              f"train.precision must be auto, bf16, fp16, fp32 or fp8, got {t.precision!r}"),
             (t.fp8_recipe in ("tensorwise", "rowwise"), f"train.fp8_recipe must be tensorwise or rowwise, got {t.fp8_recipe!r}"),
             (t.zero_sizes in ("speed", "memory"), f"train.zero_sizes must be speed or memory, got {t.zero_sizes!r}"),
+            (t.check_moved in ("error", "warn", "off"),
+             f"train.check_moved must be error, warn or off, got {t.check_moved!r}"),
             (t.compile in ("off", "torch", "auto"), f"train.compile must be auto, off or torch, got {t.compile!r}"),
             (t.zero3_leaves in ("auto", "true", "false"),
              f"train.zero3_leaves must be auto, true or false, got {t.zero3_leaves!r}"),

@@ -111,6 +111,7 @@ def build_model(cfg: Config, mc: Any, frozen_bf16: bool = False, attn: str | Non
 
     from toolkit.config.checkpoint import checkpoint_files, model_keys
     from toolkit.runtime import quant
+    from toolkit.runtime.faults import load_report
 
     auto = AutoModelForSequenceClassification if cfg.model.task == "seq_cls" else AutoModelForCausalLM
     kwargs = dict(attn_implementation=attn or cfg.model.attn_implementation, dtype=torch.float32)
@@ -122,6 +123,11 @@ def build_model(cfg: Config, mc: Any, frozen_bf16: bool = False, attn: str | Non
             raise ValueError("build_model: model.load_in_4bit needs the run's precision (the storage dtype)")
         four_bit = dict(dtype=quant.storage_dtype(precision), quant_type=cfg.model.bnb_4bit_quant_type,
                         device=dist.device())
+    report = None if is_preset(cfg.model.name) else load_report.check(
+        Path(cfg.model.name), auto, mc, kwargs, cfg.model.task, list(cfg.model.new_weights))
+    error = report and report.error(cfg.model.name)
+    if error:  # before a weight is read: every rank reads the same index and stops alike
+        raise ConfigError(error)
     with quant.without_zero_init(cfg.model.load_in_4bit):
         # a 4-bit base is quantized while it is built or read, module by module: the float model is never whole
         files = None if is_preset(cfg.model.name) or not cfg.model.load_in_4bit else checkpoint_files(
@@ -131,7 +137,9 @@ def build_model(cfg: Config, mc: Any, frozen_bf16: bool = False, attn: str | Non
         elif is_preset(cfg.model.name):
             model = _random_init(auto, mc, cfg.train.seed, kwargs)
         else:
-            model = auto.from_pretrained(cfg.model.name, config=mc, local_files_only=True, **kwargs)
+            model, info = auto.from_pretrained(cfg.model.name, config=mc, local_files_only=True,
+                                               output_loading_info=True, **kwargs)
+            load_report.after_load(report, info, list(cfg.model.new_weights))
     if cfg.model.load_in_4bit:
         dtype = four_bit["dtype"]
         if not n:  # a directory whose names transformers converts: loaded whole, then each Linear quantized in place
@@ -158,6 +166,7 @@ def build_model(cfg: Config, mc: Any, frozen_bf16: bool = False, attn: str | Non
         for param in model.parameters():
             if not param.requires_grad:
                 param.data = param.data.to(torch.bfloat16)
+    model.toolkit_load_report = report  # what the checkpoint held (None for a preset): said and kept by the loop
     return model
 
 

@@ -41,6 +41,7 @@ def build(p: RunSpec) -> Built:
         p.model_config._experts_implementation = r.experts.implementation
     model = build_model(cfg, p.model_config, frozen_bf16=r.adapter_autocast, attn=r.attention.implementation,
                         precision=p.precision)
+    _say_load_report(p, model)
     kernels.apply(model, r.liger)
     _tile_loss(p, model)
     if r.stage == 3:
@@ -63,6 +64,19 @@ def build(p: RunSpec) -> Built:
         if cfg.train.sequence_parallel > 1 else None
     _fp8_and_compile(p, model)
     return Built(model, aux_coef, sp)
+
+
+def _say_load_report(p: RunSpec, model: Any) -> None:
+    """Rank 0: the checkpoint's line, and load_report.json in the run dir (what was expected, and why)."""
+    report = getattr(model, "toolkit_load_report", None)
+    if report is None or dist.rank() != 0:
+        return
+    import json
+
+    from toolkit.runtime.faults.checkpoint import atomic_write
+
+    print(report.line(), flush=True)
+    atomic_write(p.run_dir / "load_report.json", json.dumps(report.to_dict(), indent=1) + "\n")
 
 
 def _tile_loss(p: RunSpec, model: Any) -> None:

@@ -29,6 +29,7 @@ from toolkit.runtime.data.batches import (
 from toolkit.runtime.faults import resume, watchdog
 from toolkit.runtime.faults.checkpoint import save_deepspeed_checkpoint
 from toolkit.runtime.faults.guards import NonFiniteGuard
+from toolkit.runtime.faults.moved import MoveCheck
 from toolkit.runtime.loops.evaluate import target_count
 from toolkit.runtime.loops.shared import autoep_check, first_step, leaf_check
 from toolkit.runtime.loops.state import RunState
@@ -252,6 +253,7 @@ class RawLoop:
         state.phase = "train"
         last = min(p.total_steps, t.stop_after) if t.stop_after else p.total_steps
         guard = NonFiniteGuard(self.device, dist.rank(), p.precision == "fp16", t.max_skipped_steps)
+        moved = MoveCheck(engine.module, t.check_moved)
         engine.train()
         state.profiler.step_done(step)  # a window that includes step + 1 (1, or the resumed step + 1) opens here
         window: Window | None = None
@@ -259,9 +261,13 @@ class RawLoop:
             watchdog.step_begin(step + 1)  # the hang deadline covers the step, not the save or eval after it
             # a new window each step, or each rl.num_iterations steps (a resume inside them draws its window again)
             window = self.batch(stream, sampler) if window is None or step % self.repeats == 0 else window.again()
+            moved.step_begin(engine)
             self.forward_backward(engine, window)
             step += 1
             state.step = step
+            line = moved.step_end(engine, step)
+            if line and dist.rank() == 0:
+                print(line, flush=True)
             logged = self.observe(engine, scheduler, step, last, window, guard)
             watchdog.step_end()
             if state.evaluate:

@@ -165,7 +165,11 @@ def _train(p: RunSpec) -> int:
 
     autotune.inject_fault_for_tests(cfg.train.micro_batch_size)
     keep_alive = _deepspeed_config_alive(p)  # must exist before the model under ZeRO-3
-    built = build(p)
+    try:
+        built = build(p)
+    except ConfigError as e:  # a checkpoint that does not match its model (faults/load_report.py), ...: said, not running
+        write_status(p.run_dir, "failed", error=str(e)[:2000], phase="build", step=0)
+        raise
     model, sp = built.model, built.sp
     pref = _preference(p, keep_alive, model, rows, eval_rows, pad_id, tokenizer)
     metrics = metrics_logger(p, model)

@@ -34,5 +34,7 @@ class RunState:
     """SIGTERM agreed by every rank: the run stopped at a step with a checkpoint."""
     breakdown_done: bool = False
     """The memory breakdown after the first optimizer step is written (observe/breakdown.py)."""
+    moved: Any = None
+    """The check that every trainable parameter moves (faults/moved.py MoveCheck), made once the engine exists."""
     pending_save: Any = None
     """HF Trainer path: the save begun in on_step_end, ended in on_save (faults/checkpoint.py begin_save)."""

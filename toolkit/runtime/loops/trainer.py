@@ -16,6 +16,7 @@ from toolkit.runtime.data.batches import Collator, EpochOrder, ListDataset, Shar
 from toolkit.runtime.faults import integrity, resume, watchdog
 from toolkit.runtime.faults.checkpoint import begin_save, end_save, mark_complete
 from toolkit.runtime.faults.guards import NonFiniteError
+from toolkit.runtime.faults.moved import MoveCheck
 from toolkit.runtime.loops.raw import loader_kwargs
 from toolkit.runtime.loops.shared import autoep_check, first_loss_check, leaf_check
 from toolkit.runtime.loops.state import RunState
@@ -142,6 +143,7 @@ def run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collato
             if p.resume_from:  # the Trainer has loaded the checkpoint by now
                 resume.verify(trainer.model_wrapped, state.fixed_batch, p.resume_from, p.run_dir, p.precision,
                               p.world_size, t.grad_accum, universal)
+            state.moved = MoveCheck(trainer.model, t.check_moved)  # the engine's module, as the raw loop checks it
             state.phase = "train"
             metrics.start(st.global_step)
             state.profiler.step_done(st.global_step)  # a window that includes the first step opens here
@@ -154,10 +156,14 @@ def run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collato
 
         def on_step_begin(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
             watchdog.step_begin(st.global_step + 1)  # the hang deadline covers the step, not the save after it
+            state.moved.step_begin(trainer.model_wrapped)
 
         def on_step_end(self, args: Any, st: Any, control: Any, **kw: Any) -> Any:
             watchdog.step_end()
             state.step = st.global_step
+            line = state.moved.step_end(trainer.model_wrapped, st.global_step)
+            if line and dist.rank() == 0:
+                print(line, flush=True)
             state.profiler.step_done(st.global_step)
             if not state.breakdown_done:  # after this process's first optimizer step: states exist
                 breakdown.record(p.run_dir, dist.rank(), trainer.model_wrapped, st.global_step)
