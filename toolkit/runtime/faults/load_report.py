@@ -43,6 +43,7 @@ class LoadReport:
     dtypes: list[str] = field(default_factory=list)
     expected: dict[str, str] = field(default_factory=dict)  # key -> why it is not an error
     allowed: list[str] = field(default_factory=list)  # keys model.new_weights lets train from new weights
+    seconds: float = 0.0  # the check's own time (headers read, the model built on the meta device)
 
     def error(self, where: str) -> str | None:
         """One line naming what is wrong, or None."""
@@ -66,12 +67,12 @@ class LoadReport:
         extra = [f"{len(self.expected)} expected ({_kinds(self.expected)})"] if self.expected else []
         if self.allowed:
             extra.append(f"{len(self.allowed)} new on purpose (model.new_weights): {', '.join(self.allowed[:SHOWN])}")
-        return f"checkpoint: {how}" + (f"; {'; '.join(extra)}" if extra else "")
+        return f"checkpoint: {how}" + (f"; {'; '.join(extra)}" if extra else "") + f" (checked in {self.seconds:.2f} s)"
 
     def to_dict(self) -> dict[str, Any]:
         return {"checked": self.checked, "tensors": self.tensors, "missing": self.missing,
                 "unexpected": self.unexpected, "shapes": self.shapes, "dtypes": self.dtypes,
-                "expected": self.expected, "new_weights": self.allowed}
+                "expected": self.expected, "new_weights": self.allowed, "seconds": round(self.seconds, 3)}
 
 
 def _kinds(expected: dict[str, str]) -> str:
@@ -130,6 +131,15 @@ def _floating(dtype: str) -> bool:
 
 def check(path: Path, auto: Any, mc: Any, kwargs: dict[str, Any], task: str, new_weights: list[str]) -> LoadReport:
     """Hold a directory's checkpoint to the model it is loaded into (see the module's docstring)."""
+    import time
+
+    t0 = time.perf_counter()
+    report = _check(path, auto, mc, kwargs, task, new_weights)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _check(path: Path, auto: Any, mc: Any, kwargs: dict[str, Any], task: str, new_weights: list[str]) -> LoadReport:
     index = checkpoint_index(path)
     if index is None:
         return LoadReport("transformers")

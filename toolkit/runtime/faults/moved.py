@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from typing import Any
 
 from toolkit.config.ds_config import ConfigError
@@ -40,6 +41,7 @@ class MoveCheck:
         self.steps = 0  # optimizer steps with a learning rate since `before`
         self.done = not self.params
         self._skipped, self._counts = 0, False
+        self.spent_s = 0.0  # the check's own time (two fingerprints and the all-reduce), said with its verdict
         fault = os.environ.get(FAULT_ENV)  # tests: one parameter's gradient zeroed, as a hook that never passes it
         for name, p in self.params:
             if fault and name == fault:
@@ -85,7 +87,9 @@ class MoveCheck:
         self._skipped = engine.skipped_steps
         self._counts = engine.get_lr()[0] > 0  # the learning rate this step uses (warmup starts at 0)
         if self._counts and self.before is None:
+            t0 = time.perf_counter()
             self.before = self._prints()
+            self.spent_s += _synced(t0)
 
     def step_end(self, engine: Any, step: int) -> str | None:
         """After the step: on the second step with a learning rate, the verdict (every rank alike). Raises
@@ -98,9 +102,11 @@ class MoveCheck:
         import torch
 
         self.done = True
+        t0 = time.perf_counter()
         changed = (self._prints() != self.before).any(dim=1).to(torch.int32)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(changed, op=torch.distributed.ReduceOp.MAX)
+        self.spent_s += _synced(t0)
         still = [n for (n, _), c in zip(self.params, changed.tolist(), strict=True) if not c]
         self.before = None
         experts = [n for n in still if _EXPERT.search(n)]
@@ -118,8 +124,18 @@ class MoveCheck:
                 raise NotTrainingError(line)
             lines.append(f"warning: {line}")
         if not still:
-            lines.append(f"every trainable parameter moved over steps {step - 1}-{step} ({len(self.params)} tensors)")
+            lines.append(f"every trainable parameter moved over steps {step - 1}-{step} ({len(self.params)} tensors; "
+                         f"checked in {self.spent_s * 1e3:.1f} ms)")
         return "; ".join(lines)
+
+
+def _synced(t0: float) -> float:
+    """Seconds since t0, the GPU's queued work included (the check runs once a run: the sync costs nothing)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def _names(names: list[str]) -> str:
