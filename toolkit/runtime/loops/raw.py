@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from tqdm import tqdm
 
 from toolkit.launch import dist
 from toolkit.observe import breakdown
@@ -267,7 +268,7 @@ class RawLoop:
             state.step = step
             line = moved.step_end(engine, step)
             if line and dist.rank() == 0:
-                print(line, flush=True)
+                tqdm.write(line)  # through the progress bar: the line starts a line of its own
             logged = self.observe(engine, scheduler, step, last, window, guard)
             watchdog.step_end()
             if state.evaluate:

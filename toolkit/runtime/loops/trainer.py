@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tqdm import tqdm
+
 from toolkit.launch import dist
 from toolkit.observe import breakdown
 from toolkit.observe.memory import MemoryCallback, MemoryMonitor
@@ -163,7 +165,7 @@ def run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collato
             state.step = st.global_step
             line = state.moved.step_end(trainer.model_wrapped, st.global_step)
             if line and dist.rank() == 0:
-                print(line, flush=True)
+                tqdm.write(line)  # through the progress bar: the line starts a line of its own
             state.profiler.step_done(st.global_step)
             if not state.breakdown_done:  # after this process's first optimizer step: states exist
                 breakdown.record(p.run_dir, dist.rank(), trainer.model_wrapped, st.global_step)
