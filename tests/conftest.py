@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
-SUITE_LIMIT_MIN = 45.0  # CI lands nothing past 90 minutes in all; the aim is 30 (docs/testing.md)
+# CI lands nothing past 90 minutes in all; the aim is 30 (docs/testing.md). 75: the 2-core machine of 2026-12-02 ran
+# the suite in 59 min where that of 2026-11-30 took 31-35 (its slowest test 2.5x slower), and a fresh machine first
+# builds DeepSpeed's ops (about 8 minutes); the guard still fails a run well before CI's 90 minutes would.
+SUITE_LIMIT_MIN = 75.0
 
 # Tests that launch DeepSpeed in this process tree run on the CPU accelerator unless GPUs exist.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -38,10 +41,17 @@ def tier(item: pytest.Item) -> str:
 # The order files are handed to the workers: the long ones first, so that the last minutes are short unit files
 # filling in beside the last long one (tests/dist files launch DeepSpeed; multinode ones make hosts as well).
 TIER_ORDER = {"multinode": 0, "dist": 1, "unit": 2, "gpu": 3}
+# Unit files that take minutes on 2 cores go out first: the sweep of every causal LM family ran last, alone, for
+# 6-15 minutes while the other worker had nothing left (CI, 2026-12-02).
+LONG_UNIT_FILES = {"test_trace.py"}
+
+
+def _order(item: pytest.Item) -> int:
+    return -1 if Path(str(item.path)).name in LONG_UNIT_FILES else TIER_ORDER[tier(item)]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: TIER_ORDER[tier(item)])  # stable: a file's tests keep their order
+    items.sort(key=_order)  # stable: a file's tests keep their order
     have = None
     for item in items:
         t = tier(item)
@@ -64,7 +74,7 @@ _CACHE = pytest.StashKey[str]()
 
 
 def _suite_limit_s(config: pytest.Config) -> float | None:
-    """The limit in seconds where it applies: TOOLKIT_SUITE_LIMIT_MIN for any run; under CI, 45 minutes for a run
+    """The limit in seconds where it applies: TOOLKIT_SUITE_LIMIT_MIN for any run; under CI, SUITE_LIMIT_MIN for a run
     of the whole suite (a selection of it is not what the limit is for)."""
     if os.environ.get("TOOLKIT_SUITE_LIMIT_MIN"):
         limit = float(os.environ["TOOLKIT_SUITE_LIMIT_MIN"])
@@ -148,6 +158,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         # a cold inductor cache every session: what a fresh machine compiles is what the suite compiles (issue 83's
         # NaN stop only showed where muon_update compiled for longer than the watchdog's grace)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
+        # wandb's system monitor (a binary of its own) reads WANDB_CACHE_DIR, else ~/.cache/wandb, never the XDG cache
+        os.environ["WANDB_CACHE_DIR"] = os.environ["WANDB_DATA_DIR"] = str(root / "wandb")
+        os.environ["WANDB_CONFIG_DIR"] = str(root / "wandb-config")
         os.environ["TOOLKIT_SUITE_OWN_CACHE"] = "1"
     import sys
     from importlib import metadata

@@ -143,10 +143,11 @@ def _runs(tmp: Path) -> list[dict]:
     # with a learning rate, and stopped on, or warned about with train.check_moved=warn (issue 81)
     for name, stage, path, extra in (("unmoved-z3", "zero3", "raw", []), ("unmoved-z2-trainer", "zero2", "trainer", []),
                                      ("unmoved-z0-lora", "zero0", "raw", ["lora.enabled=true"]),
-                                     ("unmoved-z2-warn", "zero2", "raw", ["train.check_moved=warn"])):
+                                     ("unmoved-z2-warn", "zero2", "raw", [])):
         zeroed = UNMOVED_LORA if "lora" in name else DROPPED
-        add(name, stage, f"train.path={path}", "train.export=false", *extra, env={"TOOLKIT_FAULT_ZERO_GRAD": zeroed},
-            expect_rc=0 if "warn" in name else 1)
+        mode = "train.check_moved=warn" if "warn" in name else "train.check_moved=error"
+        add(name, stage, f"train.path={path}", "train.export=false", mode, *extra,
+            env={"TOOLKIT_FAULT_ZERO_GRAD": zeroed}, expect_rc=0 if "warn" in name else 1)
     return runs + _bad_checkpoint_runs(tmp, ds) + _qlora_runs(tmp) + optimizers + [killed, clipped]
 
 
