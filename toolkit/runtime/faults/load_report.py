@@ -175,6 +175,10 @@ def _check(path: Path, auto: Any, mc: Any, kwargs: dict[str, Any], task: str, ne
             report.expected[name] = "unused head: the causal LM's head, which a seq_cls model does not have"
         else:
             report.unexpected.append(name)
+    if (report.missing or report.unexpected) and _converts(model):
+        # names the family's own conversions may map (per-expert tensors fused into one, renamed layouts): held to
+        # transformers' report after the load instead (a fused-experts MoE read from a per-expert checkpoint)
+        return LoadReport("transformers", tensors=len(index))
     for name in sorted(shared):
         (ckpt_shape, ckpt_dtype), (shape, floating) = index[name], tensors[name]
         if list(ckpt_shape) != shape:
@@ -182,6 +186,17 @@ def _check(path: Path, auto: Any, mc: Any, kwargs: dict[str, Any], task: str, ne
         elif _floating(ckpt_dtype) != floating:
             report.dtypes.append(f"{name}: checkpoint {ckpt_dtype}, model {'floating' if floating else 'integer'}")
     return report
+
+
+def _converts(model: Any) -> bool:
+    """Whether transformers converts checkpoint names for this model while loading (its family's own weight
+    conversions, not the legacy renames every model gets)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        return bool(get_model_conversion_mapping(model, add_legacy=False))
+    except Exception:  # another transformers: assume it may, and let its report judge
+        return True
 
 
 def _patterns(found: Any, *more: str) -> re.Pattern[str] | None:
