@@ -171,11 +171,13 @@ class TrainConfig:
     muon_lr: float = 0.02
     """With the DeepSpeed config's Muon optimizer: the learning rate of its 2-D hidden matrices (DeepSpeed's
     muon_lr; its default, Keller Jordan's). train.lr is its Adam half's (embeddings, head, norms, biases)."""
-    check_moved: str = "error"
-    """error, warn or off: after the first two optimizer steps with a learning rate, every trainable parameter must
-    have moved; one that did not (frozen by mistake, a ZeRO-3 hook that never passes its gradient) is named and stops
-    the run (error) or is warned about (warn). Experts that got no tokens are named, never stopped on
-    (toolkit/runtime/faults/moved.py)."""
+    check_moved: str = "warn"
+    """warn, error or off: after the first two optimizer steps with a learning rate, every trainable parameter should
+    have moved; one that did not (frozen by mistake, a ZeRO-3 hook that never passes its gradient) is named in a
+    warning (warn) or stops the run (error). Experts that got no tokens are named, never stopped on
+    (toolkit/runtime/faults/moved.py). warn, not error, by default: some parameters legitimately stay, e.g.
+    Reformer's unused lm_head.bias, or norm weights at 1.0 under bf16 master weights rounded to nearest, whose
+    updates fall below bf16's resolution."""
     bf16_rounding: str = "auto"
     """With bf16 master weights and optimizer states (the DeepSpeed config's bf16_master_weights_and_grads and
     bf16_optimizer_states) and AdamW on the GPU: stochastic (torchao's AdamW rounds each update into the bf16 master

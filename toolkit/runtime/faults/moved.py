@@ -9,7 +9,8 @@ zero (warmup starts at 0) and again after the second such step: LoRA's B starts 
 zero and A first moves at the second step. One all-reduce (MAX) of a changed flag per parameter then says, on every
 rank, which parameters did not move.
 
-A parameter that did not move is named and stops the run (train.check_moved=error), or is warned about (warn).
+A parameter that did not move is named in a warning (train.check_moved=warn, the default), or stops the run
+(error).
 Experts of a Mixture-of-Experts layer that did not move got no tokens in those steps: named as such, never stopped
 on. The cost is two reads of the trainable weights and one small all-reduce, once a run (bench/results/faults/).
 """
@@ -119,7 +120,7 @@ class MoveCheck:
             line = (f"{len(others)} of {len(self.params)} trainable parameter(s) did not move over optimizer steps "
                     f"{step - 1}-{step}, the first two with a learning rate: they train on no gradient "
                     f"({_names(others)}). Frozen after the optimizer was built, or a ZeRO-3 leaf or hook that never "
-                    "passes their gradient; train.check_moved=warn lets the run go on")
+                    "passes their gradient" + ("; train.check_moved=warn lets the run go on" if self.mode == "error" else ""))
             if self.mode == "error":
                 raise NotTrainingError(line)
             lines.append(f"warning: {line}")
