@@ -206,8 +206,6 @@ FAMILY_CONFIGS = {
 
 def _family_dir(out: Path, model_type: str, tokenizer: Path) -> Path:
     """A tiny model of `model_type` at random init, saved with the test tokenizer's files beside it."""
-    import shutil
-
     import torch
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 

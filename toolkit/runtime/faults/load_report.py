@@ -113,12 +113,10 @@ def expected_tensors(auto: Any, mc: Any, kwargs: dict[str, Any]) -> tuple[dict[s
 
     with without_zero_init(True), torch.device("meta"), no_init_weights():  # ZeRO-3's zero.Init would shard it
         model = auto.from_config(mc, **kwargs)
-    before = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
     model.tie_weights()
     kept = dict(model.named_parameters())
     by_id = {id(p): n for n, p in kept.items()}
     tied = {n: by_id[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if n not in kept}
-    tied |= {n: "(tied)" for n in before if n not in kept and n not in tied}
     state = model.state_dict()
     tensors = {n: (list(p.shape), p.is_floating_point()) for n, p in kept.items()}
     tensors |= {n: (list(b.shape), b.is_floating_point()) for n, b in model.named_buffers() if n in state}
