@@ -132,6 +132,15 @@ def _runs(tmp: Path) -> list[dict]:
     for family, stage, seq in (("gemma2", "zero3", 64), ("reformer", "zero2", 64), ("hrm_text", "zero2", 32)):
         add(f"raw-{family}", stage, "train.path=raw", f"model.name={_family_dir(tmp / family, family, tok)}",
             f"data.seq_len={seq}", "train.micro_batch_size=2", "train.max_steps=3", "train.export=false")
+    # what a family keeps in fp32 (its routers' e_score_correction_bias) stays fp32 under bf16, both paths; cast to
+    # bf16 after the engine started (a test hook), the run stops in one line (issue 81)
+    deepseek = _family_dir(tmp / "deepseek_v3", "deepseek_v3", tok)
+    for name, stage, path, env in (("fp32-kept-z3", "zero3", "raw", {}), ("fp32-kept-z2-trainer", "zero2", "trainer", {}),
+                                   ("fp32-cast-z3-trainer", "zero3", "trainer", {"TOOLKIT_FAULT_CAST_FP32_KEPT": "1"}),
+                                   ("fp32-cast-z2", "zero2", "raw", {"TOOLKIT_FAULT_CAST_FP32_KEPT": "1"})):
+        add(name, stage, f"train.path={path}", f"model.name={deepseek}", "train.precision=bf16", "data.seq_len=32",
+            "train.micro_batch_size=2", "train.max_steps=2", "train.export=false", env=env,
+            expect_rc=1 if env else 0)
     # a fault in the launch itself: rank 1 killed as the run starts (tests/dist/_multi_train.py kill_rank). That run
     # fails alone; the one after it goes on in a new launch (test_a_run_that_fails_fails_only_the_tests_that_read_it)
     killed = {"name": KILLED, "argv": ["--ds", ds["zero2"], *COMMON, f"train.run_dir={tmp / KILLED}", "train.path=raw",
@@ -201,6 +210,10 @@ FAMILY_CONFIGS = {
                      attn_layers=["local", "lsh"], local_attn_chunk_length=16, lsh_attn_chunk_length=16),
     "hrm_text": dict(intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, head_dim=16,
                      max_position_embeddings=256),
+    "deepseek_v3": dict(intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, first_k_dense_replace=1,
+                        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                        n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=256),
 }
 
 
@@ -773,6 +786,28 @@ def test_a_checkpoint_that_does_not_match_its_model_stops_before_loading(runs: P
     assert error.startswith(f"model.name={runs / f'ckpt-{fault}'}: the checkpoint does not match") and want[fault] in error
     assert f"error: {error}" in (runs / "launch.log").read_text()
     assert not (d / "metrics.jsonl").exists() and not (d / "checkpoints").exists()  # nothing half written
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["fp32-kept-z3", "fp32-kept-z2-trainer", "fp32-cast-z3-trainer", "fp32-cast-z2"])
+def test_what_a_family_keeps_in_fp32_stays_fp32_under_bf16(runs: Path, name: str) -> None:
+    """Issue 81: DeepSeek-V3's routers' e_score_correction_bias (its _keep_in_fp32_modules_strict) in bf16 holds a few
+    distinct values and sends tokens to other experts. Under bf16 at ZeRO-2 and ZeRO-3 on both paths it is fp32 once
+    the engine exists, recorded with the router weights DeepSpeed trains in bf16 (fp32 masters); cast to bf16 after
+    the engine started (a test hook), the run stops before its first step in one line naming it."""
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    status = json.loads((runs / name / "status.json").read_text())
+    record = json.loads((runs / name / "fp32_kept.json").read_text())
+    assert record["params_in_training_dtype"] == ["model.layers.1.mlp.gate.weight"], record
+    if "cast" in name:
+        line = f"1 buffer(s) the family keeps in fp32 are not fp32 once the engine started: {bias} (bfloat16)"
+        assert status["status"] == "failed" and status["step"] == 0 and line in status["error"], status
+        assert "\n" not in status["error"] and record["not_fp32"] == [f"{bias} (bfloat16)"]
+        assert not (runs / name / "metrics.jsonl").exists()
+    else:
+        assert status["status"] == "completed" and record["fp32_buffers"] == [bias] and record["not_fp32"] == []
+        assert "fp32-kept tensors (the family's _keep_in_fp32_modules lists): 1 buffer(s) kept in fp32 " \
+            f"({bias})" in run_logs(runs / "launch.log")[name]
 
 
 @pytest.mark.timeout(60)

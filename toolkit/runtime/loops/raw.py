@@ -27,7 +27,7 @@ from toolkit.runtime.data.batches import (
     to_device,
     window_repeats,
 )
-from toolkit.runtime.faults import resume, watchdog
+from toolkit.runtime.faults import fp32_kept, resume, watchdog
 from toolkit.runtime.faults.checkpoint import save_deepspeed_checkpoint
 from toolkit.runtime.faults.guards import NonFiniteGuard
 from toolkit.runtime.faults.moved import MoveCheck
@@ -118,6 +118,7 @@ class RawLoop:
         leaf_check(engine.module)
         autoep_check(p, engine.module)
         optimizer_groups.record(p.run_dir, engine.module)
+        fp32_kept.check(p.run_dir, engine.module, ds, p.precision)
         step = 0
         if p.resume_from:
             ck = p.resume_from

@@ -15,7 +15,7 @@ from toolkit.observe.memory import MemoryCallback, MemoryMonitor
 from toolkit.observe.metrics import MetricsLogger
 from toolkit.runtime import low_precision, moe, optimizer_groups
 from toolkit.runtime.data.batches import Collator, EpochOrder, ListDataset, ShardedBatches, steps_per_epoch
-from toolkit.runtime.faults import integrity, resume, watchdog
+from toolkit.runtime.faults import fp32_kept, integrity, resume, watchdog
 from toolkit.runtime.faults.checkpoint import begin_save, end_save, mark_complete
 from toolkit.runtime.faults.guards import NonFiniteError
 from toolkit.runtime.faults.moved import MoveCheck
@@ -136,6 +136,7 @@ def run_trainer(p: RunSpec, args: Any, model: Any, dataset: ListDataset, collato
             leaf_check(trainer.model)  # the Trainer has built the engine by now
             autoep_check(p, trainer.model)
             optimizer_groups.record(p.run_dir, trainer.model)
+            fp32_kept.check(p.run_dir, trainer.model, p.ds, p.precision)
             low_precision.share_masters(trainer.model_wrapped.optimizer)
             integrity.install(trainer.model_wrapped)  # shards digested as they are written
             if pref is not None:  # a precomputed reference: its values before the first step (loaded on a resume)
