@@ -157,6 +157,10 @@ def _runs(tmp: Path) -> list[dict]:
         mode = "train.check_moved=warn" if "warn" in name else "train.check_moved=error"
         add(name, stage, f"train.path={path}", "train.export=false", mode, *extra,
             env={"TOOLKIT_FAULT_ZERO_GRAD": zeroed}, expect_rc=0 if "warn" in name else 1)
+    # an export with a tensor dropped from its written files (a test hook): the check names it, nothing marked done
+    add("export-dropped-z3", "zero3", "train.path=raw", env={"TOOLKIT_FAULT_EXPORT_DROP": DROPPED}, expect_rc=1)
+    add("export-dropped-lora-trainer", "zero2", "train.path=trainer", "lora.enabled=true",
+        env={"TOOLKIT_FAULT_EXPORT_DROP": "*layers.1.self_attn.v_proj.lora_A.weight"}, expect_rc=1)
     return runs + _bad_checkpoint_runs(tmp, ds) + _qlora_runs(tmp) + optimizers + [killed, clipped]
 
 
@@ -786,6 +790,35 @@ def test_a_checkpoint_that_does_not_match_its_model_stops_before_loading(runs: P
     assert error.startswith(f"model.name={runs / f'ckpt-{fault}'}: the checkpoint does not match") and want[fault] in error
     assert f"error: {error}" in (runs / "launch.log").read_text()
     assert not (d / "metrics.jsonl").exists() and not (d / "checkpoints").exists()  # nothing half written
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["raw-zero3", "trainer-zero3", "raw-lora", "trainer-lora-bf16", "qlora-z3",
+                                  "export-dropped-z3", "export-dropped-lora-trainer"])
+def test_an_export_is_held_to_the_trained_model_before_it_is_marked_done(runs: Path, name: str) -> None:
+    """Issue 81: an export's files hold every tensor of the trained model (a LoRA adapter's under PEFT's names) with
+    its shape and dtype, and reloaded in plain transformers (PEFT onto the base for an adapter) give the engine's
+    logits; a QLoRA adapter is held by its keys, and says why not by logits. A tensor dropped from the written files
+    (a test hook) stops the run in one line naming it, and the files stay in <dir>.tmp, not marked done."""
+    d = runs / name
+    kind = "adapter" if "lora" in name else "export"
+    status = json.loads((d / "status.json").read_text())
+    if "dropped" in name:
+        dropped = DROPPED if kind == "export" else "base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight"
+        assert status["status"] == "failed" and status["phase"] == "final", status
+        assert f"train.export: the files written for {d / kind} do not hold the trained model (1 tensor(s) of the " \
+               f"trained model missing from the files: {dropped})" in status["error"] and "\n" not in status["error"]
+        assert not (d / kind).exists() and json.loads((d / f"{kind}.tmp" / "export_check.json").read_text())[
+            "missing"] == [dropped]
+        return
+    assert status["status"] == "completed", status
+    report = json.loads((d / kind / "export_check.json").read_text())
+    assert report["missing"] == report["unexpected"] == report["shapes"] == report["dtypes"] == [], report
+    if name.startswith("qlora"):
+        assert report["logits"]["skipped"].startswith("a QLoRA adapter's base is a 4-bit model"), report
+    else:  # fp32 runs agree to rounding; bf16 adapters under autocast within bf16's noise
+        assert report["logits"]["max_rel_diff"] <= (1e-4 if "bf16" not in name else 5e-2), report
+        assert "export checked: " in run_logs(runs / "launch.log")[name]
 
 
 @pytest.mark.timeout(60)

@@ -212,3 +212,35 @@ def test_a_directory_read_module_by_module_has_the_weights_of_the_whole_load(tmp
     state["legacy." + first] = state.pop(first)
     save_file(state, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
     assert checkpoint_files(str(tmp_path / "m"), model_keys(AutoModelForCausalLM, mc, kwargs)) is None
+
+
+def test_a_merge_is_held_to_the_base_plus_adapter_before_it_is_marked_done(tmp_path, capsys, monkeypatch) -> None:
+    """Issue 81 item 4: the merged files hold every tensor of the merged model with its shape and dtype, and
+    reloaded in plain transformers give the unmerged base + adapter's logits (bf16: within its noise); a tensor
+    dropped from the written files (a test hook) ends in one line, the files left in <out>.tmp."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.cli import main
+    from toolkit.runtime.faults import export_check
+
+    _tiny_base(tmp_path / "base")
+    torch.manual_seed(1)
+    trained = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32),
+                             LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    trained.save_pretrained(tmp_path / "run" / "adapter")
+    args = ["merge-adapter", str(tmp_path / "run" / "adapter"), "--base", str(tmp_path / "base"), "--out"]
+    assert main([*args, str(tmp_path / "merged"), "--dtype", "bf16"]) == 0
+    report = json.loads((tmp_path / "merged" / "export_check.json").read_text())
+    assert report["missing"] == report["shapes"] == report["dtypes"] == [] and report["tensors"] == 21, report
+    assert 0 < report["logits"]["max_rel_diff"] <= export_check.TOLERANCE["bf16"], report  # bf16 rounding, not 0
+
+    monkeypatch.setenv(export_check.FAULT_ENV, "model.layers.1.mlp.down_proj.weight")
+    capsys.readouterr()
+    assert main([*args, str(tmp_path / "dropped")]) == 1
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]  # after transformers' bars
+    assert len(err) == 1 and "toolkit merge-adapter: the files written for" in err[0], err
+    err = err[0]
+    assert "1 tensor(s) of the trained model missing from the files: model.layers.1.mlp.down_proj.weight" in err
+    assert not (tmp_path / "dropped").exists() and (tmp_path / "dropped.tmp" / "export_check.json").is_file()

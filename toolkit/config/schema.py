@@ -219,6 +219,13 @@ class TrainConfig:
     job ends on every host with its stacks in logs/rank{N}.log and the lost ranks in status.json; a training
     step past train.collective_timeout_s + twice the slowest step is a hang and ends it the same way
     (toolkit/runtime/faults/watchdog.py). 0: off."""
+    check_export: str = "auto"
+    """auto, full, keys or off: after train.export writes its files, they are held to the trained model (every
+    tensor, its shape and dtype; a LoRA adapter's under PEFT's names), then reloaded in plain transformers (PEFT for an
+    adapter) on the CPU and run on two rows: its logits must equal the engine's within the precision's noise. A
+    failed check stops the run in one line and leaves the files in <dir>.tmp (toolkit/runtime/faults/export_check.py).
+    auto: the logits where the model in fp32 takes at most half the host's free memory; full: always; keys: names,
+    shapes and dtypes only."""
     save_probe: bool = False
     """Save the final engine's logits on two samples (probe.pt) to verify the export against."""
     zero_sizes: str = "speed"
@@ -557,6 +564,8 @@ class Config:
              f"train.precision must be auto, bf16, fp16, fp32 or fp8, got {t.precision!r}"),
             (t.fp8_recipe in ("tensorwise", "rowwise"), f"train.fp8_recipe must be tensorwise or rowwise, got {t.fp8_recipe!r}"),
             (t.zero_sizes in ("speed", "memory"), f"train.zero_sizes must be speed or memory, got {t.zero_sizes!r}"),
+            (t.check_export in ("auto", "full", "keys", "off"),
+             f"train.check_export must be auto, full, keys or off, got {t.check_export!r}"),
             (t.check_moved in ("error", "warn", "off"),
              f"train.check_moved must be error, warn or off, got {t.check_moved!r}"),
             (t.compile in ("off", "torch", "auto"), f"train.compile must be auto, off or torch, got {t.compile!r}"),

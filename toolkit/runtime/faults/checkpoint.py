@@ -60,9 +60,14 @@ def gathered_state_dict(engine: Any) -> dict[str, Any] | None:
     return engine.module.state_dict() if dist.rank() == 0 else None
 
 
-def export_model(engine: Any, out_dir: Path, tokenizer: Any | None = None) -> Path | None:
-    """Write an HF directory (safetensors) or, for a PEFT model, the adapter directory. All ranks call."""
+def export_model(engine: Any, out_dir: Path, tokenizer: Any | None = None,
+                 verify: Callable[[Path], str | None] | None = None) -> Path | None:
+    """Write an HF directory (safetensors) or, for a PEFT model, the adapter directory. All ranks call.
+
+    verify (rank 0): the written `<dir>.tmp` held to the trained model (faults/export_check.py); the line it
+    returns is an ExportError on every rank, and the files stay in `<dir>.tmp`, not marked done."""
     state = gathered_state_dict(engine)
+    error = None
     if dist.rank() == 0:
         assert state is not None
         empty = [k for k, v in state.items() if v.numel() == 0]
@@ -85,9 +90,16 @@ def export_model(engine: Any, out_dir: Path, tokenizer: Any | None = None) -> Pa
                 c.use_cache = False
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        tmp.rename(out_dir)
-    dist.barrier()
+        del state  # rank 0 held the whole model: freed before the check reloads it
+        error = verify(tmp) if verify is not None else None
+        if error is None:
+            shutil.rmtree(out_dir, ignore_errors=True)
+            tmp.rename(out_dir)
+    error = dist.broadcast_object(error)
+    if error is not None:
+        from toolkit.runtime.faults.export_check import ExportError
+
+        raise ExportError(error)
     return out_dir
 
 

@@ -39,7 +39,7 @@ from toolkit.runtime.data.batches import (
     row_lengths,
     steps_per_epoch,
 )
-from toolkit.runtime.faults import resume, watchdog
+from toolkit.runtime.faults import export_check, resume, watchdog
 from toolkit.runtime.faults.checkpoint import (
     DEFAULT_RUN_DIR,
     atomic_write,
@@ -210,7 +210,8 @@ def _train(p: RunSpec) -> int:
                                                 state).train()
             state.profiler.close(step)
             state.phase = "final"
-            _finish(p, engine, tokenizer, rows, pad_id, stopped, generate and (lambda e: generate(e, step, True)))
+            _finish(p, engine, tokenizer, rows, pad_id, stopped, generate and (lambda e: generate(e, step, True)),
+                    state.fixed_batch)
             if cfg.train.path == "raw":  # the Trainer path's final snapshot comes from MemoryCallback
                 mem.phase_boundary("final", step)
             breakdown.finish(p.run_dir, rank, mem.run_peaks)
@@ -369,7 +370,7 @@ def _generation(p: RunSpec, tokenizer: Any, rows: Rows, metrics: MetricsLogger
 
 
 def _finish(p: RunSpec, engine: Any, tokenizer: Any, rows: Rows, pad_id: int, stopped: bool,
-            generate: Callable[[Any], None] | None) -> None:
+            generate: Callable[[Any], None] | None, fixed_batch: dict[str, Any]) -> None:
     cfg = p.cfg
     if cfg.train.save_probe:
         _save_probe(p, engine, rows, pad_id)
@@ -381,7 +382,9 @@ def _finish(p: RunSpec, engine: Any, tokenizer: Any, rows: Rows, pad_id: int, st
         return
     out = p.run_dir / ("adapter" if cfg.lora.enabled else "export")
     t0 = time.perf_counter()
-    export_model(engine, out, tokenizer)
+    # the export held to the trained model before it is marked done (faults/export_check.py)
+    verify = export_check.prepare(cfg, engine, fixed_batch, bool(p.resolved.fp8), p.precision, cfg.train.seed)
+    export_model(engine, out, tokenizer, verify)
     if dist.rank() == 0:
         print(f"exported {out} in {time.perf_counter() - t0:.1f}s", flush=True)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.config.ds_config import ConfigError
+from toolkit.runtime.faults import export_check
 
 BASES = ("dequantized", "original")
 
@@ -85,11 +86,20 @@ def merge_adapter(adapter: Path, base: Path, out: Path, *, base_weights: str | N
         raise ConfigError(f"--quant-type must be nf4 or fp4, got {quant_type!r}")
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     rounded = dequantize_linears(model, quant_type=quant_type) if base_weights == "dequantized" else 0
-    merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    unmerged = PeftModel.from_pretrained(model, adapter)
+    probe = export_check.merge_probe(unmerged.config.vocab_size)
+    with torch.no_grad():  # what the merged files must compute: the base (as merged into) plus the adapter
+        want = unmerged(**probe).logits
+    merged = unmerged.merge_and_unload()
     merged = merged.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    expected, tied = export_check.expected_model(merged)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     merged.save_pretrained(tmp, safe_serialization=True)
+    del merged, unmerged, model
+    error = export_check.check_merged(tmp, expected, tied, probe, want, dtype)
+    if error:
+        raise export_check.ExportError(error)
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"):
         for src in (adapter / f, base / f):
             if src.is_file():

@@ -1,0 +1,351 @@
+"""An export that loads: its tensors held to the trained model's, then reloaded in plain transformers (and PEFT)
+and run on a fixed batch against the trained engine's logits, before the export is marked done.
+
+A save can end with no error and a directory that does not hold the trained model: a tensor dropped because
+transformers took it for a tied alias, a ZeRO-3 gather that missed a shard, names a loader does not know (a GRPO
+checkpoint vLLM would not load, ms-swift #9172). So, on rank 0, once the files are written into `<dir>.tmp`:
+
+- keys: every tensor the trained model holds is in the files (a tied group once), with its shape and dtype, and no
+  other; for a LoRA adapter, its trainable tensors under PEFT's saved names. A mismatch names the first few and the
+  count;
+- logits (`train.check_export=auto`, the default, where the model fits the host's free memory; `full` always):
+  the export is loaded on the CPU by transformers alone (a LoRA adapter by PEFT onto its base) and run on two rows
+  of the run's data cut to PROBE_TOKENS tokens; its logits must equal the engine's, computed on the same rows just
+  before the export, within the precision's noise (TOLERANCE).
+
+A failed check stops with one line; the files stay in `<dir>.tmp`, which is never taken for a result. Not checked
+by logits, and said so: a QLoRA adapter (its base is a 4-bit model, not a plain transformers one), float8 and
+sequence-parallel runs (their forwards are not the plain model's).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from toolkit.config.ds_config import ConfigError
+from toolkit.runtime.faults.load_report import checkpoint_index
+
+FAULT_ENV = "TOOLKIT_FAULT_EXPORT_DROP"  # tests: this tensor removed from the written files, before the check
+PROBE_TOKENS = 64
+# max |export - engine| / max |engine| on the probe's logits: fp32 agrees to float rounding; a 16-bit engine (its
+# weights, or autocast) computes in 16 bits where the reload computes the same weights in fp32
+TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 1e-2}
+SHOWN = 5
+MODES = ("auto", "full", "keys", "off")
+_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
+           "int32": "I32", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+class ExportError(ConfigError):
+    """An export that does not hold the trained model: said in one line, not marked done."""
+
+
+@dataclass
+class ExportReport:
+    kind: str  # "model", "adapter" or "merged"
+    tensors: int = 0
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    shapes: list[str] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
+    logits: dict[str, Any] = field(default_factory=dict)  # {"max_rel_diff", "tolerance"} or {"skipped": why}
+
+    def error(self, where: Path) -> str | None:
+        parts = [f"{len(keys)} tensor(s) {what}: {_names(keys)}" for what, keys in (
+            ("of the trained model missing from the files", self.missing), ("in the files but not the model's",
+                                                                             self.unexpected),
+            ("of another shape", self.shapes), ("of another dtype", self.dtypes)) if keys]
+        diff, tol = self.logits.get("max_rel_diff"), self.logits.get("tolerance")
+        if "reload_error" in self.logits:
+            parts.append(f"reloaded in plain transformers, it does not run: {self.logits['reload_error']}")
+        elif diff is not None and not diff <= tol:
+            parts.append(f"reloaded in plain transformers, its logits differ from the trained engine's by {diff:.3g} "
+                         f"of their largest (tolerance {tol:g})")
+        if not parts:
+            return None
+        return (f"train.export: the files written for {where} do not hold the trained model ({'; '.join(parts)}); "
+                f"they are left in {where.with_name(where.name + '.tmp')}, not marked done")
+
+    def line(self) -> str:
+        how = (f"logits of the reload equal the engine's (max diff {self.logits['max_rel_diff']:.2g} of the largest, "
+               f"tolerance {self.logits['tolerance']:g})" if "max_rel_diff" in self.logits
+               else f"logits not compared: {self.logits.get('skipped', 'off')}")
+        return f"export checked: {self.tensors} tensors by name, shape and dtype; {how}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "tensors": self.tensors, "missing": self.missing, "unexpected": self.unexpected,
+                "shapes": self.shapes, "dtypes": self.dtypes, "logits": self.logits}
+
+
+def _names(keys: list[str]) -> str:
+    return ", ".join(keys[:SHOWN]) + (f" and {len(keys) - SHOWN} more" if len(keys) > SHOWN else "")
+
+
+def _dtype(t: Any) -> str:
+    name = str(t.dtype).removeprefix("torch.")
+    return _DTYPES.get(name, name)
+
+
+# ----------------------------------------------------------------------------- what the files should hold
+
+
+def expected_model(module: Any) -> tuple[dict[str, tuple[list[int], str]], list[set[str]]]:
+    """name -> (shape, safetensors dtype) of the trained model's state (ZeRO-3 placeholders read by their full
+    shape), and its tied groups (names of one tensor, saved once)."""
+    shapes: dict[str, tuple[list[int], str]] = {}
+    groups: dict[int, set[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        shapes[name] = (list(getattr(p, "ds_shape", p.shape)), _dtype(p))
+        groups.setdefault(id(p), set()).add(name)
+    state = set(module.state_dict().keys())  # persistent buffers only
+    shapes |= {n: (list(b.shape), _dtype(b)) for n, b in module.named_buffers() if n in state}
+    return shapes, [g for g in groups.values() if len(g) > 1]
+
+
+def expected_adapter(module: Any) -> dict[str, tuple[list[int], str]]:
+    """The trainable tensors of a PEFT model under the names PEFT saves them by (the adapter's name taken out:
+    `lora_A.default.weight` -> `lora_A.weight`, `score.modules_to_save.default.weight` -> `score.weight`)."""
+    adapter = re.escape(getattr(module, "active_adapter", "default") or "default")
+    strip = re.compile(rf"\.modules_to_save\.{adapter}\.|\.{adapter}\.")
+    return {strip.sub(".", n): (list(getattr(p, "ds_shape", p.shape)), _dtype(p))
+            for n, p in module.named_parameters() if p.requires_grad}
+
+
+def compare(report: ExportReport, files: dict[str, tuple[list[int], str]], want: dict[str, tuple[list[int], str]],
+            tied: list[set[str]] = ()) -> None:
+    """Fill the report's key, shape and dtype lists: `files` (the written index) against `want`."""
+    report.tensors = len(files)
+    aliases = {n for g in tied if g & set(files) for n in g}  # a tied group is whole if one of its names is saved
+    report.missing = sorted(n for n in set(want) - set(files) if n not in aliases)
+    report.unexpected = sorted(set(files) - set(want))
+    for name in sorted(set(files) & set(want)):
+        (shape, dtype), (want_shape, want_dtype) = files[name], want[name]
+        if list(shape) != want_shape:
+            report.shapes.append(f"{name}: files {list(shape)}, model {want_shape}")
+        elif dtype != want_dtype:
+            report.dtypes.append(f"{name}: files {dtype}, model {want_dtype}")
+
+
+def adapter_index(path: Path) -> dict[str, tuple[list[int], str]]:
+    return checkpoint_index_of(path / "adapter_model.safetensors")
+
+
+def checkpoint_index_of(file: Path) -> dict[str, tuple[list[int], str]]:
+    found = checkpoint_index(file.parent) if file.name == "model.safetensors" else None
+    if found is not None:
+        return found
+    import json
+
+    with file.open("rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return {k: (v["shape"], v["dtype"]) for k, v in header.items() if k != "__metadata__"}
+
+
+# ----------------------------------------------------------------------------- the logits of the reload
+
+
+def probe_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    """The collated rows, labels dropped, cut to PROBE_TOKENS tokens (a CPU forward of the whole model)."""
+    return {k: v[:, :PROBE_TOKENS] for k, v in batch.items() if k != "labels" and v.dim() == 2}
+
+
+def relative_diff(logits: Any, reference: Any) -> float:
+    ref = reference.float()
+    return float((logits.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
+
+
+def fits_in_memory(files: dict[str, tuple[list[int], str]]) -> tuple[bool, str]:
+    """Whether the export, reloaded in fp32, takes at most half the host's free memory."""
+    import math
+
+    import psutil
+
+    need = 4 * sum(math.prod(shape) for shape, _ in files.values())
+    free = psutil.virtual_memory().available
+    return need <= free / 2, f"the model in fp32 ({need / 2**30:.1f} GiB) is over half the host's free memory " \
+                             f"({free / 2**30:.1f} GiB); train.check_export=full compares it anyway"
+
+
+def reload_logits(path: Path, auto: Any, inputs: dict[str, Any], base: Any = None) -> Any:
+    """The export's logits in a plain CPU model: `auto.from_pretrained(path)`, or PEFT's adapter at `path` onto
+    `base` (a callable that builds the plain base model)."""
+    import torch
+
+    from toolkit.runtime.quant import without_zero_init
+
+    with without_zero_init(True), torch.no_grad():  # one process: no ZeRO-3 partitioning of the reload
+        if base is None:
+            model = auto.from_pretrained(path, dtype=torch.float32, device_map="cpu")
+        else:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(base(), path)
+        model.eval()
+        return model(**inputs).logits
+
+
+def drop_tensor(path: Path, name: str) -> bool:
+    """The fault the check is for: `name` removed from the written safetensors files (tests)."""
+    from safetensors.torch import load_file, save_file
+
+    for file in sorted(path.glob("*.safetensors")):
+        tensors = load_file(str(file))
+        if name in tensors:
+            del tensors[name]
+            save_file(tensors, str(file), metadata={"format": "pt"})
+            return True
+    return False
+
+
+def inject(path: Path) -> None:
+    pattern = os.environ.get(FAULT_ENV)
+    if not pattern:
+        return
+    index = checkpoint_index(path) or adapter_index(path)
+    for name in sorted(index):
+        if fnmatch.fnmatchcase(name, pattern):
+            drop_tensor(path, name)
+            return
+
+
+# ----------------------------------------------------------------------------- the run's check
+
+
+def skipped_why(cfg: Any, fp8: bool) -> str | None:
+    """Why the logits are not compared for this run, or None."""
+    if cfg.train.check_export in ("keys", "off"):
+        return f"train.check_export={cfg.train.check_export}"
+    if cfg.lora.enabled and cfg.model.load_in_4bit:
+        return "a QLoRA adapter's base is a 4-bit model, not a plain transformers one (toolkit merge-adapter checks " \
+               "its merge)"
+    if fp8:
+        return "the engine computed in float8"
+    if cfg.train.sequence_parallel > 1:
+        return "the engine's forward is sharded over the sequence (train.sequence_parallel)"
+    return None
+
+
+def prepare(cfg: Any, engine: Any, batch: dict[str, Any], fp8: bool, precision: str, seed: int,
+            ) -> Callable[[Path], str | None] | None:
+    """Every rank, before the export: the engine's logits on the probe (a collective under ZeRO-3), and rank 0's
+    check of the written files (None with train.check_export=off)."""
+    import time
+
+    import torch
+
+    from toolkit.launch import dist
+    from toolkit.runtime.speed import compile as compiling
+
+    if cfg.train.check_export == "off":
+        return None
+    why = skipped_why(cfg, fp8)
+    reference, inputs = None, probe_inputs(batch)
+    if why is None:
+        engine.eval()
+        with torch.no_grad(), compiling.eager():
+            out = engine(**{k: v.to(dist.device()) for k, v in inputs.items()})
+        engine.train()
+        logits = getattr(out, "logits", None)
+        reference = logits.float().cpu() if logits is not None else None
+        why = None if reference is not None else "the engine's forward returns no logits"
+    module = engine.module
+    adapter = cfg.lora.enabled
+    want, tied = (expected_adapter(module), []) if adapter else expected_model(module)
+
+    def verify(tmp: Path) -> str | None:
+        t0 = time.perf_counter()
+        report = ExportReport("adapter" if adapter else "model")
+        inject(tmp)
+        files = adapter_index(tmp) if adapter else (checkpoint_index(tmp) or {})
+        compare(report, files, want, tied)
+        if why is not None:
+            report.logits = {"skipped": why}
+        elif not report.error(tmp.with_suffix("")):
+            fits, over = fits_in_memory(files if not adapter else {})
+            if cfg.train.check_export == "auto" and not fits:
+                report.logits = {"skipped": over}
+            else:
+                report.logits = _compare_logits(cfg, tmp, inputs, reference, precision, seed)
+        report.logits["seconds"] = round(time.perf_counter() - t0, 2)
+        import json
+
+        from toolkit.runtime.faults.checkpoint import atomic_write
+
+        out = tmp.with_suffix("")
+        atomic_write(tmp / "export_check.json", json.dumps(report.to_dict(), indent=1) + "\n")
+        error = report.error(out)
+        if error is None:
+            print(report.line(), flush=True)
+        return error
+
+    return verify
+
+
+def _compare_logits(cfg: Any, tmp: Path, inputs: dict[str, Any], reference: Any, precision: str, seed: int
+                    ) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    auto = AutoModelForSequenceClassification if cfg.model.task == "seq_cls" else AutoModelForCausalLM
+    base = None
+    if cfg.lora.enabled:
+        from toolkit.runtime.model import _random_init, is_preset, model_config
+
+        def base() -> Any:  # the base the adapter trained on: its directory, or the preset's seeded random init
+            if is_preset(cfg.model.name):
+                return _random_init(auto, model_config(cfg), seed, {"dtype": torch.float32})
+            return auto.from_pretrained(cfg.model.name, dtype=torch.float32, local_files_only=True)
+    try:
+        logits = reload_logits(tmp, auto, inputs, base)
+    except Exception as e:  # an export that does not load is what the check is for
+        return {"max_rel_diff": float("inf"), "tolerance": TOLERANCE.get(precision, 1e-4),
+                "reload_error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+    tolerance = TOLERANCE.get(precision, 1e-4)
+    if cfg.lora.enabled and precision != "fp32":
+        tolerance = TOLERANCE["bf16"]  # a 16-bit base under the adapters (autocast or DeepSpeed's bf16)
+    if logits.shape != reference.shape:
+        return {"max_rel_diff": float("inf"), "tolerance": tolerance,
+                "reload_error": f"logits of shape {list(logits.shape)}, the engine's {list(reference.shape)}"}
+    return {"max_rel_diff": relative_diff(logits, reference), "tolerance": tolerance,
+            "probe": f"{reference.shape[0]} rows x {inputs['input_ids'].shape[1]} tokens"}
+
+
+# ----------------------------------------------------------------------------- toolkit merge-adapter
+
+
+def merge_probe(vocab_size: int) -> dict[str, Any]:
+    """Two fixed rows of token ids for the merged model's check."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return {"input_ids": torch.randint(0, vocab_size, (2, 32), generator=g)}
+
+
+def check_merged(tmp: Path, expected: dict[str, tuple[list[int], str]], tied: list[set[str]], probe: dict[str, Any],
+                 want: Any, dtype: str) -> str | None:
+    """The merged files (in `tmp`) against the merged model's tensors, then reloaded in plain transformers against
+    the unmerged base + adapter's logits; the line of what differs, or None (export_check.json written either way)."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    report = ExportReport("merged")
+    inject(tmp)
+    compare(report, checkpoint_index(tmp) or {}, expected, tied)
+    if not report.error(tmp.with_suffix("")):
+        tolerance = TOLERANCE[dtype]
+        try:
+            got = reload_logits(tmp, AutoModelForCausalLM, probe)
+            report.logits = {"max_rel_diff": relative_diff(got, want), "tolerance": tolerance, "probe": "2 rows x 32"}
+        except Exception as e:  # a merge that does not load is what the check is for
+            report.logits = {"max_rel_diff": float("inf"), "tolerance": tolerance,
+                             "reload_error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+    (tmp / "export_check.json").write_text(json.dumps(report.to_dict(), indent=1) + "\n")
+    error = report.error(tmp.with_suffix(""))
+    return error.replace("train.export:", "toolkit merge-adapter:", 1) if error else None
