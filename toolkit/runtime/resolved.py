@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from toolkit.config import ds_defaults
 from toolkit.config.attention import has_sdpa
 from toolkit.config.ds_config import ConfigError, zero_stage
 from toolkit.config.models import text_config
@@ -148,6 +149,8 @@ class Resolved:
     """The optimizer section, its state dtype and the gradient clipping as the run applies them."""
     stochastic_rounding: bool = False
     """train.bf16_rounding: torchao's AdamW rounds into the bf16 masters stochastically (runtime/low_precision.py)."""
+    deepspeed_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """DeepSpeed's defaults that changed across its versions, as this run gets them (config/ds_defaults.py)."""
 
     def lines(self, kv_heads: str | None = None) -> list[str]:
         """The block a run prints at its start (and `toolkit check --explain`). kv_heads: how the varlen kernel takes
@@ -176,6 +179,8 @@ class Resolved:
         if self.objective != "sft":
             out.append(f"  objective: {self.objective_why}")
         out.append(f"  optimizer: {self.optimizer_why}")
+        if self.deepspeed_defaults:
+            out.append(f"  {ds_defaults.describe(self.deepspeed_defaults)}")
         return out
 
     def attention_note(self, kv_heads: str | None = None) -> str:
@@ -328,7 +333,8 @@ def resolve_run(cfg: Config, ds: dict[str, Any], model_config: Any, world: int, 
                     total_steps, packed, packing_why, attn, compiled, compile_why, compile_note,
                     leaves, leaves_why, tiled, tiled_why,
                     loss_on, loss_why, tiled_loss_tile(model_config.vocab_size), liger, experts, offloading, machine,
-                    *_objective(cfg), *_optimizer(cfg, ds, stage))
+                    *_objective(cfg), *_optimizer(cfg, ds, stage),
+                    deepspeed_defaults=ds_defaults.effective(ds, t.collective_timeout_s))
 
 
 def _optimizer(cfg: Config, ds: dict[str, Any], stage: int) -> tuple[str, bool]:
