@@ -98,21 +98,64 @@ def test_a_stopped_rank_ends_the_job_within_the_bound_with_the_live_stacks_and_i
         dump[-3000:]
 
 
-def _launch(run_dir: Path, tmp: Path, *extra: str) -> subprocess.Popen:
+def _launch(run_dir: Path, tmp: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "toolkit/train.py",
            "--ds", "ds_configs/zero2.json", "train.max_steps=40", "train.precision=fp32", "train.export=false",
            "memory.every=0", "metrics.tensorboard=false", f"train.run_dir={run_dir}", *extra]
-    env = os.environ | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    env = os.environ | {"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"} | (env or {})
     log = (tmp / f"{run_dir.name}-{len(list(tmp.glob('*.log')))}.log").open("w")
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _stale_lock_extensions(out: Path) -> Path:
+    """A copy of the suite's built ops (TORCH_EXTENSIONS_DIR) with FusedAdam's build lock left behind, an hour old,
+    as a build killed mid-way leaves it: torch takes the lock even to load an op that is built, so without the
+    toolkit's check (toolkit/launch/oplocks.py) every rank would wait on it forever in FileBaton.wait."""
+    import shutil
+
+    src = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    for op in ("deepspeed_shm_comm", "fused_adam"):  # what a CPU run at ZeRO-2 loads
+        shutil.copytree(src / op, out / op)  # copy2: the files keep their times
+    folder = out / "fused_adam"  # where torch builds it: TORCH_EXTENSIONS_DIR/<op>
+    old = time.time() - 3600
+    (folder / "lock").touch()
+    os.utime(folder / "lock", (old, old))  # the build's own files keep theirs: ninja rebuilds outputs whose time moved
+    return folder / "lock"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted 40-step run the SIGTERM test resumes against, started from an extensions folder that holds
+    a stale FusedAdam build lock (issue 81: a killed build's lock hung every later run on the machine)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    lock = _stale_lock_extensions(tmp / "torch_extensions")
+    job = _launch(tmp / "ref", tmp, "train.path=raw", env={"TORCH_EXTENSIONS_DIR": str(tmp / "torch_extensions")})
+    try:
+        rc = job.wait(timeout=300)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    log = "".join(f.read_text() for f in tmp.glob("*.log"))
+    assert rc == 0, log[-3000:]
+    (tmp / "lock.txt").write_text(str(lock))
+    return tmp
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(400)
+def test_a_stale_op_build_lock_is_named_and_cleared_before_the_engine_waits_on_it(reference: Path) -> None:
+    """Issue 81 item 6 on a real launch: the lock is named with its path and age, removed, and the run trains."""
+    lock = Path((reference / "lock.txt").read_text())
+    log = "".join(f.read_text() for f in reference.glob("*.log"))
+    said = [x for x in log.splitlines() if "removed a stale DeepSpeed op-build lock" in x]
+    assert len(said) == 1 and f"lock {lock} (made 60 min ago; no process on this host builds fused_adam" in said[0], said
+    assert not lock.exists() and json.loads((reference / "ref" / "status.json").read_text())["status"] == "completed"
+
+
 @pytest.mark.dist
 @pytest.mark.timeout(900)
-def test_sigterm_checkpoints_marks_preempted_and_resume_continues_the_curve(tmp_path: Path) -> None:
-    ref = tmp_path / "ref"
-    assert _launch(ref, tmp_path, "train.path=raw").wait(timeout=300) == 0
-    full = [m["loss"] for m in lines(ref / "metrics.jsonl")]
+def test_sigterm_checkpoints_marks_preempted_and_resume_continues_the_curve(tmp_path: Path, reference: Path) -> None:
+    full = [m["loss"] for m in lines(reference / "ref" / "metrics.jsonl")]
     for path in ("raw", "trainer"):
         run_dir = tmp_path / path
         job = _launch(run_dir, tmp_path, f"train.path={path}")

@@ -73,11 +73,13 @@ def init_distributed(timeout_s: int | None = None, gpu_limit_gib: float = 0.0) -
         # a machine's first run, which looked like a hang before this line existed.
         print("starting the process group (gloo); on the first CPU run on a machine DeepSpeed compiles "
               "its shared-memory comm op here (about a minute, cached for later runs)", flush=True)
-    if not (tdist.is_available() and tdist.is_initialized()):
+    if not (tdist.is_available() and tdist.is_initialized()) and local_rank() == 0:
         from toolkit.launch import oplocks
 
-        # a build killed mid-way leaves its lock, and the shared-memory op built next would wait on it forever
-        oplocks.clear_stale(say=print if local_rank() == 0 else lambda line: None)
+        # a build killed mid-way leaves its lock, and the shared-memory op built next would wait on it forever. One
+        # process per host looks (another rank removing it first left rank 0 nothing to say); the others wait on the
+        # lock in torch's FileBaton until it is gone
+        oplocks.clear_stale(say=print)
     import deepspeed
 
     kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
