@@ -224,7 +224,7 @@ class TrainConfig:
     tensor, its shape and dtype; a LoRA adapter's under PEFT's names), then reloaded in plain transformers (PEFT for an
     adapter) on the CPU and run on two rows: its logits must equal the engine's within the precision's noise. A
     failed check stops the run in one line and leaves the files in <dir>.tmp (toolkit/runtime/faults/export_check.py).
-    auto: the logits where the model in fp32 takes at most half the host's free memory; full: always; keys: names,
+    auto: the logits where the model, in the dtype it is saved in, takes at most half the host's free memory; full: always; keys: names,
     shapes and dtypes only."""
     save_probe: bool = False
     """Save the final engine's logits on two samples (probe.pt) to verify the export against."""

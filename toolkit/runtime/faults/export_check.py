@@ -34,7 +34,7 @@ from toolkit.runtime.faults.load_report import checkpoint_index
 FAULT_ENV = "TOOLKIT_FAULT_EXPORT_DROP"  # tests: this tensor removed from the written files, before the check
 PROBE_TOKENS = 64
 # max |export - engine| / max |engine| on the probe's logits: fp32 agrees to float rounding; a 16-bit engine (its
-# weights, or autocast) computes in 16 bits where the reload computes the same weights in fp32
+# weights, or autocast) and the CPU reload of its 16-bit export differ by their kernels' rounding
 TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 1e-2}
 SHOWN = 5
 MODES = ("auto", "full", "keys", "off")
@@ -160,15 +160,13 @@ def relative_diff(logits: Any, reference: Any) -> float:
     return float((logits.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
 
 
-def fits_in_memory(files: dict[str, tuple[list[int], str]]) -> tuple[bool, str]:
-    """Whether the export, reloaded in fp32, takes at most half the host's free memory."""
-    import math
-
+def fits_in_memory(need: int) -> tuple[bool, str]:
+    """Whether `need` bytes (the reload: the export, or an adapter's base, in the dtype it is saved in) take at most
+    half the host's free memory; with the line that says why not."""
     import psutil
 
-    need = 4 * sum(math.prod(shape) for shape, _ in files.values())
     free = psutil.virtual_memory().available
-    return need <= free / 2, f"the model in fp32 ({need / 2**30:.1f} GiB) is over half the host's free memory " \
+    return need <= free / 2, f"the model ({need / 2**30:.1f} GiB) is over half the host's free memory " \
                              f"({free / 2**30:.1f} GiB); train.check_export=full compares it anyway"
 
 
@@ -181,7 +179,9 @@ def reload_logits(path: Path, auto: Any, inputs: dict[str, Any], base: Any = Non
 
     with without_zero_init(True), torch.no_grad():  # one process: no ZeRO-3 partitioning of the reload
         if base is None:
-            model = auto.from_pretrained(path, dtype=torch.float32, device_map="cpu")
+            # in the dtype it was saved in: a bf16 export is read without a copy (safetensors maps it), at half
+            # the host memory of fp32, and computes in bf16 as the engine did
+            model = auto.from_pretrained(path, dtype="auto", device_map="cpu")
         else:
             from peft import PeftModel
 
@@ -231,10 +231,11 @@ def skipped_why(cfg: Any, fp8: bool) -> str | None:
     return None
 
 
-def prepare(cfg: Any, engine: Any, batch: dict[str, Any], fp8: bool, precision: str, seed: int,
+def prepare(cfg: Any, engine: Any, batch: dict[str, Any], fp8: bool, precision: str, patched: bool,
             ) -> Callable[[Path], str | None] | None:
     """Every rank, before the export: the engine's logits on the probe (a collective under ZeRO-3), and rank 0's
-    check of the written files (None with train.check_export=off)."""
+    check of the written files (None with train.check_export=off). patched: this process patched transformers'
+    classes (Liger's kernels), so the reload runs in a new process."""
     import time
 
     import torch
@@ -246,6 +247,7 @@ def prepare(cfg: Any, engine: Any, batch: dict[str, Any], fp8: bool, precision: 
         return None
     why = skipped_why(cfg, fp8)
     reference, inputs = None, probe_inputs(batch)
+    t0 = time.perf_counter()
     if why is None:
         engine.eval()
         with torch.no_grad(), compiling.eager():
@@ -254,9 +256,12 @@ def prepare(cfg: Any, engine: Any, batch: dict[str, Any], fp8: bool, precision: 
         logits = getattr(out, "logits", None)
         reference = logits.float().cpu() if logits is not None else None
         why = None if reference is not None else "the engine's forward returns no logits"
+    probe_s = time.perf_counter() - t0
     module = engine.module
     adapter = cfg.lora.enabled
     want, tied = (expected_adapter(module), []) if adapter else expected_model(module)
+    # what the reload holds: the whole model, 16-bit unless the run trained in fp32
+    size = sum(getattr(q, "ds_numel", q.numel()) for q in module.parameters()) * (4 if precision == "fp32" else 2)
 
     def verify(tmp: Path) -> str | None:
         t0 = time.perf_counter()
@@ -267,12 +272,13 @@ def prepare(cfg: Any, engine: Any, batch: dict[str, Any], fp8: bool, precision: 
         if why is not None:
             report.logits = {"skipped": why}
         elif not report.error(tmp.with_suffix("")):
-            fits, over = fits_in_memory(files if not adapter else {})
+            fits, over = fits_in_memory(size)
             if cfg.train.check_export == "auto" and not fits:
                 report.logits = {"skipped": over}
             else:
-                report.logits = _compare_logits(cfg, tmp, inputs, reference, precision, seed)
-        report.logits["seconds"] = round(time.perf_counter() - t0, 2)
+                report.logits = _compare_logits(cfg, tmp, inputs, reference, precision, patched)
+        report.logits["seconds"] = round(time.perf_counter() - t0, 2)  # the files' check and the reload
+        report.logits["engine_probe_s"] = round(probe_s, 3)  # the engine's forward on the probe, before the export
         import json
 
         from toolkit.runtime.faults.checkpoint import atomic_write
@@ -287,33 +293,104 @@ def prepare(cfg: Any, engine: Any, batch: dict[str, Any], fp8: bool, precision: 
     return verify
 
 
-def _compare_logits(cfg: Any, tmp: Path, inputs: dict[str, Any], reference: Any, precision: str, seed: int
+def _compare_logits(cfg: Any, tmp: Path, inputs: dict[str, Any], reference: Any, precision: str, patched: bool
                     ) -> dict[str, Any]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    auto = AutoModelForSequenceClassification if cfg.model.task == "seq_cls" else AutoModelForCausalLM
-    base = None
-    if cfg.lora.enabled:
-        from toolkit.runtime.model import _random_init, is_preset, model_config
-
-        def base() -> Any:  # the base the adapter trained on: its directory, or the preset's seeded random init
-            if is_preset(cfg.model.name):
-                return _random_init(auto, model_config(cfg), seed, {"dtype": torch.float32})
-            return auto.from_pretrained(cfg.model.name, dtype=torch.float32, local_files_only=True)
-    try:
-        logits = reload_logits(tmp, auto, inputs, base)
-    except Exception as e:  # an export that does not load is what the check is for
-        return {"max_rel_diff": float("inf"), "tolerance": TOLERANCE.get(precision, 1e-4),
-                "reload_error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
     tolerance = TOLERANCE.get(precision, 1e-4)
     if cfg.lora.enabled and precision != "fp32":
         tolerance = TOLERANCE["bf16"]  # a 16-bit base under the adapters (autocast or DeepSpeed's bf16)
+    run_config = tmp.parent / "config.yaml" if cfg.lora.enabled else None  # the run's, written at its start
+    try:
+        # in this process where its transformers is plain (no Liger): the import and start of a new one cost
+        # seconds
+        logits = (fresh_reload if patched else reload_here)(tmp, cfg.model.task, inputs, run_config)
+    except ReloadError as e:  # an export that does not load is what the check is for
+        return {"max_rel_diff": float("inf"), "tolerance": tolerance, "reload_error": str(e)[:300]}
     if logits.shape != reference.shape:
         return {"max_rel_diff": float("inf"), "tolerance": tolerance,
                 "reload_error": f"logits of shape {list(logits.shape)}, the engine's {list(reference.shape)}"}
     return {"max_rel_diff": relative_diff(logits, reference), "tolerance": tolerance,
             "probe": f"{reference.shape[0]} rows x {inputs['input_ids'].shape[1]} tokens"}
+
+
+class ReloadError(Exception):
+    """The export did not load or run in plain transformers: the reload's last line."""
+
+
+def fresh_reload(path: Path, task: str, inputs: dict[str, Any], run_config: Path | None = None) -> Any:
+    """The export's logits from a new Python process on the CPU: plain transformers (and PEFT), none of what this
+    run patched into its classes (Liger's kernels replace transformers' norms and activations class-wide, and
+    run on the GPU only). run_config: an adapter's run, whose base the adapter goes onto."""
+    import subprocess
+    import sys
+    import tempfile
+
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="export-check-") as work:
+        torch.save(inputs, f"{work}/inputs.pt")
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                                                 "MASTER_ADDR", "MASTER_PORT", FAULT_ENV)}
+        cmd = [sys.executable, "-m", "toolkit.runtime.faults.export_check", str(path), "--task", task, "--inputs",
+               f"{work}/inputs.pt", "--out", f"{work}/logits.pt", *(["--run-config", str(run_config)] if run_config
+                                                                      else [])]
+        out = subprocess.run(cmd, env=env | {"CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True)
+        if out.returncode != 0:
+            last = [x for x in out.stderr.splitlines() if x.strip()]
+            raise ReloadError(last[-1] if last else f"exit code {out.returncode}")
+        return torch.load(f"{work}/logits.pt")
+
+
+def _auto(task: str) -> Any:
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification if task == "seq_cls" else AutoModelForCausalLM
+
+
+def _base(auto: Any, run_config: Path | None) -> Callable[[], Any] | None:
+    """For an adapter: what builds the base it trained on (its directory, or the preset's seeded random init)."""
+    if run_config is None:
+        return None
+
+    def base() -> Any:
+        import torch
+
+        from toolkit.config.schema import load_config
+        from toolkit.runtime.model import _random_init, is_preset, model_config
+
+        cfg = load_config(str(run_config), ["lora.enabled=false"])
+        mc = model_config(cfg)
+        if is_preset(cfg.model.name):
+            return _random_init(auto, mc, cfg.train.seed, {"dtype": torch.float32})
+        return auto.from_pretrained(cfg.model.name, config=mc, dtype="auto", local_files_only=True)
+
+    return base
+
+
+def reload_here(path: Path, task: str, inputs: dict[str, Any], run_config: Path | None = None) -> Any:
+    """fresh_reload's work in this process (whose transformers classes nothing patched)."""
+    auto = _auto(task)
+    try:
+        return reload_logits(path, auto, inputs, _base(auto, run_config))
+    except Exception as e:  # any failure to load or run is the finding
+        raise ReloadError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+
+
+def _reload_main(argv: list[str] | None = None) -> int:
+    """python -m toolkit.runtime.faults.export_check EXPORT --task T --inputs IN --out OUT [--run-config YAML]"""
+    import argparse
+
+    import torch
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("path", type=Path)
+    ap.add_argument("--task", default="causal_lm")
+    ap.add_argument("--inputs", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--run-config", type=Path, help="an adapter's run config: its base is rebuilt from it")
+    args = ap.parse_args(argv)
+    auto = _auto(args.task)
+    torch.save(reload_logits(args.path, auto, torch.load(args.inputs), _base(auto, args.run_config)), args.out)
+    return 0
 
 
 # ----------------------------------------------------------------------------- toolkit merge-adapter
@@ -349,3 +426,7 @@ def check_merged(tmp: Path, expected: dict[str, tuple[list[int], str]], tied: li
     (tmp / "export_check.json").write_text(json.dumps(report.to_dict(), indent=1) + "\n")
     error = report.error(tmp.with_suffix(""))
     return error.replace("train.export:", "toolkit merge-adapter:", 1) if error else None
+
+
+if __name__ == "__main__":
+    raise SystemExit(_reload_main())

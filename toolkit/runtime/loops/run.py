@@ -383,10 +383,11 @@ def _finish(p: RunSpec, engine: Any, tokenizer: Any, rows: Rows, pad_id: int, st
     out = p.run_dir / ("adapter" if cfg.lora.enabled else "export")
     t0 = time.perf_counter()
     # the export held to the trained model before it is marked done (faults/export_check.py)
-    verify = export_check.prepare(cfg, engine, fixed_batch, bool(p.resolved.fp8), p.precision, cfg.train.seed)
+    verify = export_check.prepare(cfg, engine, fixed_batch, bool(p.resolved.fp8), p.precision,
+                                  p.resolved.liger.enabled)
     export_model(engine, out, tokenizer, verify)
     if dist.rank() == 0:
-        print(f"exported {out} in {time.perf_counter() - t0:.1f}s", flush=True)
+        print(f"exported {out} in {time.perf_counter() - t0:.2f}s", flush=True)
 
 
 @torch.no_grad()
