@@ -357,7 +357,7 @@ def test_every_stage_and_offload_completes(runs: Path, path: str, stage: str) ->
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("family", list(FAMILY_CONFIGS))
+@pytest.mark.parametrize("family", ["gemma2", "reformer", "hrm_text"])
 def test_families_without_sdpa_or_with_layers_in_cycles_train_at_the_defaults(runs: Path, family: str) -> None:
     """Gemma 2 (softcapping) and Reformer (its own LSH and local attention) have no sdpa path in transformers, which
     refuses to build them with it: at the default model.attn_implementation=sdpa the run takes eager and says why

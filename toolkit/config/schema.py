@@ -18,7 +18,13 @@ ACTIVATION_OFFLOAD = ("auto", "true", "pinned", "pageable", "false")
 @dataclass
 class ModelConfig:
     name: str = "tiny"
-    """A preset (tiny, gpt2-124m, qwen2-0.5b, llama-1b, bert-large; random init, no download) or a local HF model directory."""
+    """A preset (tiny, gpt2-124m, qwen2-0.5b, llama-1b, bert-large; random init, no download), a local HF model
+    directory, or a hub id (org/name: fetched once per node into the HF cache and pinned to its commit; docs/hub.md)."""
+    revision: str | None = None
+    """A hub id's branch, tag or commit sha (default: its default branch); the run records the sha it resolved to."""
+    trust_remote_code: bool = False
+    """Run a repository's own Python (its config's auto_map), pinned to the resolved commit. Off: such a model is
+    refused in one line before anything loads."""
     task: str = "causal_lm"
     """causal_lm (SFT: prompt tokens masked with -100) or seq_cls (sequence classification)."""
     num_labels: int = 2
@@ -73,7 +79,7 @@ class ModelConfig:
     patterns of their names, e.g. ['score.*'] or ['model.layers.*.mlp.gate.*']. Any other tensor it lacks, one it holds
     that no module has, or one of another shape stops the run before loading (toolkit/runtime/faults/load_report.py)."""
     tokenizer: str | None = None
-    """Local tokenizer directory for text data; defaults to the model directory."""
+    """Tokenizer for text data: a local directory or a hub id; defaults to the model's."""
     num_layers: int = 0
     """Presets only: build the preset with this many decoder layers (full width, random init), to measure a large
     shape's speed and memory on fewer GPUs; `toolkit plan --layers` plans the same. 0: the preset's own."""

@@ -173,6 +173,10 @@ def _read_by_module(model: str) -> bool:
     safetensors hold the model's own tensor names; another directory is loaded whole first."""
     if model in PRESETS:
         return True
+    from toolkit.hub import is_hub_id
+
+    if is_hub_id(model):  # its index is not fetched for a plan: a repository of transformers' own names is the rule
+        return True
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from toolkit.config.checkpoint import checkpoint_files, model_keys

@@ -621,10 +621,13 @@ def load_shape(model: str) -> ModelShape:
 
     if model in PRESETS:
         return preset_shape(model)
-    path = Path(model)
-    if path.is_dir():
+    from toolkit.hub import local_dir
+
+    path = local_dir(model, files="config", what="--model")  # a hub id: config.json alone, never weights
+    if path is not None:
         return dir_shape(path)
-    raise ConfigError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a local model directory")
+    raise ConfigError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}), a local model directory, nor a "
+                      "hub id (org/name)")
 
 
 _CONFIG_SHAPES: dict[tuple[str, bool], ModelShape] = {}

@@ -9,6 +9,7 @@ be really initialized, not left as whatever memory zero.Init handed out.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,44 @@ def is_preset(name: str) -> bool:
     return name in PRESETS
 
 
-def model_config(cfg: Config) -> Any:
-    """The HF config of the model, without building it: sizes for "auto", seq-length checks."""
+def model_path(cfg: Config, files: str = "model") -> Path:
+    """The local directory of model.name: the directory itself, or a hub id's pinned snapshot (toolkit/hub;
+    files="config": config.json alone, for plan and check). ConfigError for anything else."""
+    from toolkit.hub import local_dir
+
+    name = cfg.model.name
+    path = local_dir(name, cfg.model.revision, files=files, trust_remote_code=cfg.model.trust_remote_code)
+    if path is None:
+        raise ConfigError(f"model.name: {name!r} is neither a preset ({', '.join(PRESETS)}), a local model "
+                          "directory, nor a hub id (org/name)")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.name: {path} has no config.json; is it a Hugging Face model directory?")
+    return path
+
+
+def custom_code(cfg: Config, path: Path) -> bool:
+    """model.trust_remote_code as every from_pretrained takes it (always a bool: None would prompt with input()
+    on every rank); a model whose config asks for its own Python is refused without it."""
+    from toolkit.hub import has_custom_code
+
+    custom = has_custom_code(path)
+    if custom and not cfg.model.trust_remote_code:
+        raise ConfigError(f"model.name={cfg.model.name}: its config asks for the repository's own Python (auto_map); "
+                          "set model.trust_remote_code=true to run it (pinned to the resolved commit), or use a "
+                          "model transformers ships")
+    if custom and path not in _WARNED and os.environ.get("RANK", "0") == "0":
+        _WARNED.add(path)
+        print(f"warning: model.trust_remote_code=true: {cfg.model.name} runs its repository's own Python "
+              f"({path}); read it before you train on it", flush=True)
+    return bool(cfg.model.trust_remote_code)
+
+
+_WARNED: set[Path] = set()
+
+
+def model_config(cfg: Config, files: str = "model") -> Any:
+    """The HF config of the model, without building it: sizes for "auto", seq-length checks. files: what a hub
+    id fetches ("model": everything a run reads; "config": config.json alone)."""
     from transformers import CONFIG_MAPPING, AutoConfig
 
     name = cfg.model.name
@@ -41,13 +78,8 @@ def model_config(cfg: Config) -> Any:
         if cfg.model.num_layers:
             raise ConfigError(f"model.num_layers applies to presets; {name} is a directory: its config.json's "
                               "layer count is what its weights hold")
-        path = Path(name)
-        if not path.is_dir():
-            raise ConfigError(f"model.name: {name!r} is neither a preset ({', '.join(PRESETS)}) "
-                              "nor a local model directory")
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"model.name: {path} has no config.json; is it a Hugging Face model directory?")
-        mc = AutoConfig.from_pretrained(path, local_files_only=True)
+        path = model_path(cfg, files)
+        mc = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=custom_code(cfg, path))
     if cfg.model.task == "seq_cls":  # a reward model (train.objective=reward) scores a sequence with one output
         mc.num_labels = 1 if cfg.train.objective == "reward" else cfg.model.num_labels
     # No KV cache in training forwards: a forward builds one whenever config.use_cache is on, and nothing of it
@@ -79,14 +111,20 @@ def hidden_size(mc: Any) -> int:
 
 
 def build_tokenizer(cfg: Config) -> Any | None:
-    src = cfg.model.tokenizer or (None if is_preset(cfg.model.name) else cfg.model.name)
-    if src is None:
+    if cfg.model.tokenizer is None and is_preset(cfg.model.name):
         return None
     from transformers import AutoTokenizer
 
-    if not Path(src).is_dir():
-        raise ConfigError(f"model.tokenizer: {src} is not a local directory")
-    tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
+    from toolkit.hub import local_dir
+
+    if cfg.model.tokenizer is None:
+        path = model_path(cfg)
+    else:
+        path = local_dir(cfg.model.tokenizer, files="tokenizer", what="model.tokenizer")
+        if path is None:
+            raise ConfigError(f"model.tokenizer: {cfg.model.tokenizer} is neither a local directory nor a hub id")
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True,
+                                        trust_remote_code=bool(cfg.model.trust_remote_code))
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -123,21 +161,24 @@ def build_model(cfg: Config, mc: Any, frozen_bf16: bool = False, attn: str | Non
             raise ValueError("build_model: model.load_in_4bit needs the run's precision (the storage dtype)")
         four_bit = dict(dtype=quant.storage_dtype(precision), quant_type=cfg.model.bnb_4bit_quant_type,
                         device=dist.device())
-    report = None if is_preset(cfg.model.name) else load_report.check(
-        Path(cfg.model.name), auto, mc, kwargs, cfg.model.task, list(cfg.model.new_weights))
+    path = None if is_preset(cfg.model.name) else model_path(cfg)
+    if path is not None:
+        kwargs["trust_remote_code"] = custom_code(cfg, path)
+    report = None if path is None else load_report.check(
+        path, auto, mc, kwargs, cfg.model.task, list(cfg.model.new_weights))
     error = report and report.error(cfg.model.name)
     if error:  # before a weight is read: every rank reads the same index and stops alike
         raise ConfigError(error)
     with quant.without_zero_init(cfg.model.load_in_4bit):
         # a 4-bit base is quantized while it is built or read, module by module: the float model is never whole
-        files = None if is_preset(cfg.model.name) or not cfg.model.load_in_4bit else checkpoint_files(
-            cfg.model.name, model_keys(auto, mc, kwargs))
+        files = None if path is None or not cfg.model.load_in_4bit else checkpoint_files(
+            str(path), model_keys(auto, mc, kwargs))
         if cfg.model.load_in_4bit and (is_preset(cfg.model.name) or files is not None):
             model, n = quant.build_4bit(auto, mc, cfg.train.seed, kwargs, **four_bit, weights=files)
         elif is_preset(cfg.model.name):
             model = _random_init(auto, mc, cfg.train.seed, kwargs)
         else:
-            model, info = auto.from_pretrained(cfg.model.name, config=mc, local_files_only=True,
+            model, info = auto.from_pretrained(path, config=mc, local_files_only=True,
                                                output_loading_info=True, **kwargs)
             load_report.after_load(report, info, list(cfg.model.new_weights))
     if cfg.model.load_in_4bit:

@@ -19,6 +19,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from toolkit import hub
 from toolkit.config import ds_defaults
 from toolkit.config.attention import has_sdpa
 from toolkit.config.ds_config import ConfigError, zero_stage
@@ -151,6 +152,8 @@ class Resolved:
     """train.bf16_rounding: torchao's AdamW rounds into the bf16 masters stochastically (runtime/low_precision.py)."""
     deepspeed_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
     """DeepSpeed's defaults that changed across its versions, as this run gets them (config/ds_defaults.py)."""
+    hub: list[dict[str, Any]] = field(default_factory=list)
+    """Hub ids this run resolved: id, the revision asked, the commit sha, the local snapshot (toolkit/hub)."""
 
     def lines(self, kv_heads: str | None = None) -> list[str]:
         """The block a run prints at its start (and `toolkit check --explain`). kv_heads: how the varlen kernel takes
@@ -179,6 +182,10 @@ class Resolved:
         if self.objective != "sft":
             out.append(f"  objective: {self.objective_why}")
         out.append(f"  optimizer: {self.optimizer_why}")
+        for h in self.hub:
+            how = "from the cache (offline)" if h["offline"] else "from the hub"
+            out.append(f"  {h['id']}: revision {h['revision'] or 'the default branch'} = commit {h['sha']}, "
+                       f"{'config.json' if h['files'] == 'config' else h['files'] + ' files'} {how}, in {h['path']}")
         if self.deepspeed_defaults:
             out.append(f"  {ds_defaults.describe(self.deepspeed_defaults)}")
         return out
@@ -334,7 +341,8 @@ def resolve_run(cfg: Config, ds: dict[str, Any], model_config: Any, world: int, 
                     leaves, leaves_why, tiled, tiled_why,
                     loss_on, loss_why, tiled_loss_tile(model_config.vocab_size), liger, experts, offloading, machine,
                     *_objective(cfg), *_optimizer(cfg, ds, stage),
-                    deepspeed_defaults=ds_defaults.effective(ds, t.collective_timeout_s))
+                    deepspeed_defaults=ds_defaults.effective(ds, t.collective_timeout_s),
+                    hub=[h.to_dict() for h in hub.resolved()])
 
 
 def _optimizer(cfg: Config, ds: dict[str, Any], stage: int) -> tuple[str, bool]:

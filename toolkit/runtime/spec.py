@@ -43,11 +43,12 @@ class RunInputs:
     world_size: int
 
 
-def read_inputs(cfg: Config, world_size: int | None = None) -> RunInputs:
-    """world_size: the launcher's (None), or the one `toolkit check --explain` is asked about."""
+def read_inputs(cfg: Config, world_size: int | None = None, files: str = "model") -> RunInputs:
+    """world_size: the launcher's (None), or the one `toolkit check --explain` is asked about. files: what a hub id
+    fetches ("config" for check: config.json alone)."""
     from toolkit.runtime.model import model_config
 
-    return RunInputs(cfg, load_ds_config(cfg.train.ds_config), model_config(cfg),
+    return RunInputs(cfg, load_ds_config(cfg.train.ds_config), model_config(cfg, files),
                      dist.world_size() if world_size is None else world_size)
 
 
@@ -372,7 +373,7 @@ def explain(config: str | None, ds: str, overrides: list[str], world_size: int, 
         if cfg.train.micro_batch_size == "auto":
             raise ConfigError("train.micro_batch_size=auto is found by probes at launch; give a number here (toolkit "
                               "plan predicts which fit) to see the rest of the run's settings")
-        spec = build_spec(read_inputs(cfg, world_size), machine=target,
+        spec = build_spec(read_inputs(cfg, world_size, files="config"), machine=target,
                           ranks_per_node=world_size)  # one node, as a launch here
     except ConfigError as e:
         print(f"error: {e}")
