@@ -333,7 +333,9 @@ def fresh_reload(path: Path, task: str, inputs: dict[str, Any], run_config: Path
         cmd = [sys.executable, "-m", "toolkit.runtime.faults.export_check", str(path), "--task", task, "--inputs",
                f"{work}/inputs.pt", "--out", f"{work}/logits.pt", *(["--run-config", str(run_config)] if run_config
                                                                       else [])]
-        out = subprocess.run(cmd, env=env | {"CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True)
+        # offline: a hub id base is in the cache already (the run resolved it), and the check sends no request
+        out = subprocess.run(cmd, env=env | {"CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}, capture_output=True,
+                             text=True)
         if out.returncode != 0:
             last = [x for x in out.stderr.splitlines() if x.strip()]
             raise ReloadError(last[-1] if last else f"exit code {out.returncode}")

@@ -57,9 +57,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _model_dirs(model: Path, base: str | None) -> tuple[Path, Path | None]:
-    """(weights dir, adapter dir or None), checked before any process-group work."""
-    if not model.is_dir():
-        raise ConfigError(f"--model: {model} is not a directory")
+    """(weights dir, adapter dir or None), checked before any process-group work. Either may be a hub id (org/name):
+    its snapshot, fetched once per node (toolkit/hub)."""
+    from toolkit.hub import local_dir
+
+    found = local_dir(str(model), what="--model")
+    if found is None:
+        raise ConfigError(f"--model: {model} is neither a directory nor a hub id (org/name)")
+    model = found
     if (model / "adapter_config.json").is_file():
         if base is None:
             base = (
@@ -69,7 +74,7 @@ def _model_dirs(model: Path, base: str | None) -> tuple[Path, Path | None]:
             raise ConfigError(
                 f"--model: {model} is a LoRA adapter without a base_model_name_or_path; pass --base DIR"
             )
-        base_dir = Path(base)
+        base_dir = local_dir(base, what="--base") or Path(base)
         if not (base_dir / "config.json").is_file():
             raise ConfigError(f"--base: {base_dir} is not a Hugging Face model directory (no config.json)")
         return base_dir, model

@@ -39,6 +39,11 @@ def cache_dir(data_cache_dir: str | None) -> Path:
 def _weights(name: str) -> list[Any]:
     """A model directory's weight files by name, size and modification time (hashing gigabytes would cost more than
     the pass it saves); a preset's name alone (its weights are the seed's, hashed with it)."""
+    from toolkit.hub import is_hub_id, resolved
+
+    pinned = [r.sha for r in resolved() if r.id == name]
+    if is_hub_id(name) and pinned:  # a hub id: its commit says what its weights are
+        return [name, pinned[0]]
     path = Path(name)
     if not path.is_dir():
         return [name]

@@ -71,6 +71,9 @@ def merge_adapter(adapter: Path, base: Path, out: Path, *, base_weights: str | N
     if not (adapter / "adapter_config.json").is_file():
         raise ConfigError(f"{adapter} is not an adapter directory (no adapter_config.json): a LoRA run writes it to "
                           "RUN_DIR/adapter with train.export=true")
+    from toolkit.hub import local_dir
+
+    base = local_dir(str(base), what="--base") or base  # a hub id: its snapshot (toolkit/hub)
     if not base.is_dir() or (not any(base.glob("*.safetensors")) and not any(base.glob("*.bin"))):
         raise ConfigError(f"--base {base}: an HF model directory with weights (the one the run started from); a "
                           "preset built at random init has none to merge into")
