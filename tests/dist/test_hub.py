@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from _launch import write_chat
 from _net import free_port
 from conftest import write_tokenizer
 from hub_server import Hub, use_in_process
@@ -53,6 +54,11 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Hub:
     (custom / "configuration_acme.py").write_text(
         "from transformers import LlamaConfig\n\n\nclass AcmeConfig(LlamaConfig):\n    model_type = 'llama'\n")
     h.add("acme/custom", custom)
+    chat = tmp / "chat"
+    (chat / "data").mkdir(parents=True)
+    write_chat(chat / "data" / "train.jsonl")
+    (chat / "README.md").write_text("a chat dataset\n")
+    h.data_sha = h.add("acme/chat", chat, kind="dataset")  # type: ignore[attr-defined]
     for repo, code in (("acme/gated", 403), ("acme/login", 401), ("acme/busy", 429)):
         h.add(repo, model)
         h.fail[repo] = code
@@ -79,23 +85,28 @@ def test_a_run_by_id_fetches_each_file_once_per_node_pins_the_commit_and_reruns_
                                                                                          tmp_path: Path) -> None:
     home = tmp_path / "home"
     hub.requests.clear()
-    out = _launch(hub, home, tmp_path / "run", "model.revision=v1")
+    out = _launch(hub, home, tmp_path / "run", "model.revision=v1", "data.source=acme/chat", "data.seq_len=48")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     fetched = _files_fetched(hub)
     assert fetched and set(fetched.values()) == {1}, hub.requests  # two ranks, one node: each file once
     assert "model.safetensors" in fetched and "tokenizer.json" in fetched
-    assert [p for m, p in hub.requests if "/api/" in p] == [f"/api/models/{ID}/revision/v1",  # once, not per rank
-                                                             f"/api/models/{ID}/tree/{hub.sha}"], hub.requests
+    assert "train.jsonl" in fetched  # the dataset's file, once too
+    assert sorted(p for m, p in hub.requests if "/api/" in p) == sorted([  # once, not per rank
+        f"/api/models/{ID}/revision/v1", f"/api/models/{ID}/tree/{hub.sha}",
+        "/api/datasets/acme/chat/revision/main", f"/api/datasets/acme/chat/tree/{hub.data_sha}"]), hub.requests
     record = json.loads((tmp_path / "run" / "resolved.json").read_text())["hub"]
-    assert [(h["id"], h["revision"], h["sha"], h["offline"]) for h in record] == [(ID, "v1", hub.sha, False)]
+    assert sorted((h["id"], h["revision"], h["sha"], h["offline"], h["files"]) for h in record) == [
+        ("acme/chat", None, hub.data_sha, False, "dataset"), (ID, "v1", hub.sha, False, "model")]
     assert f"{ID}: revision v1 = commit {hub.sha}, model files from the hub" in out.stdout
 
     hub.requests.clear()
-    again = _launch(hub, home, tmp_path / "offline", "model.revision=v1", offline=True)
+    again = _launch(hub, home, tmp_path / "offline", "model.revision=v1", "data.source=acme/chat", "data.seq_len=48",
+                    offline=True)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert hub.requests == []  # the rerun sends nothing
     record = json.loads((tmp_path / "offline" / "resolved.json").read_text())["hub"]
-    assert record[0]["sha"] == hub.sha and record[0]["offline"] is True
+    assert {h["sha"] for h in record} == {hub.sha, hub.data_sha} and all(h["offline"] for h in record)
+    assert "data.source: reusing the tokenized cache" in again.stdout  # the same commit: tokenized once
 
 
 @pytest.mark.dist
@@ -221,3 +232,24 @@ def test_a_hand_made_cache_works_offline(tmp_path: Path, here) -> None:
 
     cfg = load_config(None, ["model.name=acme/local", "model.revision=v2"])
     assert model_config(cfg).hidden_size == 64 and build_tokenizer(cfg) is not None
+
+
+def test_a_dataset_by_id_is_its_splits_file_and_a_new_commit_is_another_file(hub: Hub, here, tmp_path: Path) -> None:
+    """The tokenize-once cache keys a file by its path and times: the snapshot's path holds the commit, so a new
+    commit of the dataset is read (and tokenized) again, the same one reuses its cache."""
+    from toolkit.hub.datasets import local_source
+
+    here()
+    first = local_source("acme/chat", "train", None, "data.source")
+    assert first.endswith(f"/snapshots/{hub.data_sha}/data/train.jsonl")
+    changed = tmp_path / "chat2"
+    (changed / "data").mkdir(parents=True)
+    write_chat(changed / "data" / "train.jsonl")
+    (changed / "data" / "test.jsonl").write_text((changed / "data" / "train.jsonl").read_text())
+    sha = hub.add("acme/chat2", changed, kind="dataset")
+    here()
+    assert local_source("acme/chat2", "test", None, "data.eval_source").endswith(f"/{sha}/data/test.jsonl")
+    from toolkit.config.ds_config import ConfigError
+
+    with pytest.raises(ConfigError, match="no file of split 'validation'"):
+        local_source("acme/chat2", "validation", None, "data.source")

@@ -99,8 +99,15 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     source: str = "synthetic"
-    """synthetic (embedded, learnable) or a local .jsonl / .json / .parquet / .txt file, tokenized once into
-    data.cache_dir and memory-mapped by every rank (later launches reuse it)."""
+    """synthetic (embedded, learnable), a local .jsonl / .json / .parquet / .txt file, or a hub dataset id (org/name:
+    its data.split file, fetched once per node and pinned; docs/hub.md), tokenized once into data.cache_dir and
+    memory-mapped by every rank (later launches reuse it)."""
+    split: str = "train"
+    """A hub dataset's split (data.source); data.eval_source by id reads its own split named by data.eval_split."""
+    eval_split: str = "test"
+    """The split a hub dataset id in data.eval_source reads."""
+    revision: str | None = None
+    """A hub dataset's branch, tag or commit sha (data.source and data.eval_source)."""
     format: str = "auto"
     """auto (from the columns: messages, else prompt+response, else text), prompt_response (prompt masked
     from the loss), text (all tokens trained on; long documents split into seq_len samples) or messages

@@ -35,6 +35,7 @@ from toolkit.config.ds_config import ConfigError
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$")
 MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.jinja", "*.txt", "tokenizer*"]
+DATA_FILES = ["*.jsonl", "*.json", "*.parquet", "*.txt", "*.md"]
 CODE_FILES = ["*.py"]
 POLL_S = 0.2
 
@@ -159,29 +160,30 @@ def _fetch(repo: str, revision: str | None, files: str, trust_remote_code: bool,
     from huggingface_hub import constants
 
     offline = bool(constants.HF_HUB_OFFLINE)
-    patterns = {"config": ["config.json"], "tokenizer": [p for p in MODEL_FILES if p != "*.safetensors"]}.get(
-        files, MODEL_FILES) + (CODE_FILES if trust_remote_code else [])
+    patterns = {"config": ["config.json"], "tokenizer": [p for p in MODEL_FILES if p != "*.safetensors"],
+                "dataset": DATA_FILES}.get(files, MODEL_FILES) + (CODE_FILES if trust_remote_code else [])
+    kind = "dataset" if files == "dataset" else "model"
     with _errors(repo, revision, offline, what):
         # huggingface_hub turns the revision into its commit (one request), fetches that commit's files and
         # writes the revision's ref into the cache (an offline rerun finds it): the snapshot's folder is the sha
-        path = _cached(repo, revision, patterns) if offline else _download(repo, revision, patterns)
+        path = _cached(repo, revision, patterns, kind) if offline else _download(repo, revision, patterns, kind)
     path = Path(path)
     if files == "model":
         _check_weights(path, repo, what)
     return Resolution(repo, revision, path.name, str(path), offline, files)
 
 
-def _download(repo: str, revision: str | None, patterns: list[str]) -> str:
+def _download(repo: str, revision: str | None, patterns: list[str], kind: str = "model") -> str:
     from huggingface_hub import snapshot_download
 
     if patterns == ["config.json"]:
         from huggingface_hub import hf_hub_download
 
         return str(Path(hf_hub_download(repo, "config.json", revision=revision)).parent)
-    return snapshot_download(repo, revision=revision, allow_patterns=patterns)
+    return snapshot_download(repo, repo_type=kind, revision=revision, allow_patterns=patterns)
 
 
-def _cached(repo: str, revision: str | None, patterns: list[str]) -> str:
+def _cached(repo: str, revision: str | None, patterns: list[str], kind: str = "model") -> str:
     """Offline: the snapshot the cache maps `revision` to (a ref file, or the sha itself)."""
     from huggingface_hub import snapshot_download, try_to_load_from_cache
 
@@ -192,7 +194,8 @@ def _cached(repo: str, revision: str | None, patterns: list[str]) -> str:
 
             raise LocalEntryNotFoundError(f"{repo}: config.json is not in the cache")
         return str(Path(found).parent)
-    return snapshot_download(repo, revision=revision, allow_patterns=patterns, local_files_only=True)
+    return snapshot_download(repo, repo_type=kind, revision=revision, allow_patterns=patterns,
+                             local_files_only=True)
 
 
 def _check_weights(path: Path, repo: str, what: str) -> None:

@@ -46,8 +46,12 @@ class RunInputs:
 def read_inputs(cfg: Config, world_size: int | None = None, files: str = "model") -> RunInputs:
     """world_size: the launcher's (None), or the one `toolkit check --explain` is asked about. files: what a hub id
     fetches ("config" for check: config.json alone)."""
+    from toolkit.hub.datasets import local_source
     from toolkit.runtime.model import model_config
 
+    d = cfg.data  # a hub dataset id: its split's file in the pinned snapshot, read from here on as a local file is
+    d.source = local_source(d.source, d.split, d.revision, "data.source")
+    d.eval_source = local_source(d.eval_source, d.eval_split, d.revision, "data.eval_source")
     return RunInputs(cfg, load_ds_config(cfg.train.ds_config), model_config(cfg, files),
                      dist.world_size() if world_size is None else world_size)
 
