@@ -148,7 +148,8 @@ def test_a_stale_op_build_lock_is_named_and_cleared_before_the_engine_waits_on_i
     lock = Path((reference / "lock.txt").read_text())
     log = "".join(f.read_text() for f in reference.glob("*.log"))
     said = [x for x in log.splitlines() if "removed a stale DeepSpeed op-build lock" in x]
-    assert len(said) == 1 and f"lock {lock} (made 60 min ago; no process on this host builds fused_adam" in said[0], said
+    assert len(said) == 1 and re.search(rf"lock {re.escape(str(lock))} \(made 6\d min ago; no process on this host "
+                                        "builds fused_adam", said[0]), said  # an hour, plus the launch's start
     assert not lock.exists() and json.loads((reference / "ref" / "status.json").read_text())["status"] == "completed"
 
 
