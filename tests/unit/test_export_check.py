@@ -56,3 +56,17 @@ def test_an_export_that_does_not_load_is_a_reload_error_in_one_line(tmp_path: Pa
     with pytest.raises(export_check.ReloadError) as e:
         getattr(export_check, reload)(tmp_path / "m", "causal_lm", {"input_ids": torch.arange(8).view(1, 8)})
     assert "\n" not in str(e.value) and str(e.value)
+
+
+def test_names_a_family_converts_while_saving_are_held_by_their_element_count() -> None:
+    """transformers writes fused experts back per expert (the layout the checkpoint came in): the fused tensors are
+    then missing by name, and whole by their elements; a tensor dropped among them is not."""
+    want = {"experts.gate_up_proj": ([2, 8, 4], "F32"), "norm.weight": ([4], "F32")}
+    files = {f"experts.{e}.{p}.weight": ([4, 4], "F32") for e in range(2) for p in ("gate_proj", "up_proj")}
+    report = export_check.ExportReport("model")
+    export_check.compare(report, files | {"norm.weight": ([4], "F32")}, want, converts=True)
+    assert report.error(Path("export")) is None and report.converted == 4
+    report = export_check.ExportReport("model")
+    del files["experts.1.up_proj.weight"]
+    export_check.compare(report, files | {"norm.weight": ([4], "F32")}, want, converts=True)
+    assert report.missing == ["experts.gate_up_proj"] and len(report.unexpected) == 3

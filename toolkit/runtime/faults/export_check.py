@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.config.ds_config import ConfigError
-from toolkit.runtime.faults.load_report import checkpoint_index
+from toolkit.runtime.faults.load_report import checkpoint_index, converts_names
 
 FAULT_ENV = "TOOLKIT_FAULT_EXPORT_DROP"  # tests: this tensor removed from the written files, before the check
 PROBE_TOKENS = 64
@@ -55,6 +55,7 @@ class ExportReport:
     shapes: list[str] = field(default_factory=list)
     dtypes: list[str] = field(default_factory=list)
     logits: dict[str, Any] = field(default_factory=dict)  # {"max_rel_diff", "tolerance"} or {"skipped": why}
+    converted: int = 0  # file tensors under names the family converts while saving (held by their element count)
 
     def error(self, where: Path) -> str | None:
         parts = [f"{len(keys)} tensor(s) {what}: {_names(keys)}" for what, keys in (
@@ -76,11 +77,13 @@ class ExportReport:
         how = (f"logits of the reload equal the engine's (max diff {self.logits['max_rel_diff']:.2g} of the largest, "
                f"tolerance {self.logits['tolerance']:g})" if "max_rel_diff" in self.logits
                else f"logits not compared: {self.logits.get('skipped', 'off')}")
-        return f"export checked: {self.tensors} tensors by name, shape and dtype; {how}"
+        converted = (f" ({self.converted} under the names the family converts while saving, held by their element "
+                     "count)" if self.converted else "")
+        return f"export checked: {self.tensors} tensors by name, shape and dtype{converted}; {how}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "tensors": self.tensors, "missing": self.missing, "unexpected": self.unexpected,
-                "shapes": self.shapes, "dtypes": self.dtypes, "logits": self.logits}
+                "shapes": self.shapes, "dtypes": self.dtypes, "converted": self.converted, "logits": self.logits}
 
 
 def _names(keys: list[str]) -> str:
@@ -118,12 +121,22 @@ def expected_adapter(module: Any) -> dict[str, tuple[list[int], str]]:
 
 
 def compare(report: ExportReport, files: dict[str, tuple[list[int], str]], want: dict[str, tuple[list[int], str]],
-            tied: list[set[str]] = ()) -> None:
-    """Fill the report's key, shape and dtype lists: `files` (the written index) against `want`."""
+            tied: list[set[str]] = (), converts: bool = False) -> None:
+    """Fill the report's key, shape and dtype lists: `files` (the written index) against `want`. converts: the
+    family's names are converted while saving (transformers writes fused experts back per expert, the layout the
+    checkpoint came in): the tensors that differ by name must then hold as many elements on each side."""
+    import math
+
     report.tensors = len(files)
     aliases = {n for g in tied if g & set(files) for n in g}  # a tied group is whole if one of its names is saved
     report.missing = sorted(n for n in set(want) - set(files) if n not in aliases)
     report.unexpected = sorted(set(files) - set(want))
+    if converts and report.missing and report.unexpected:
+        held = sum(math.prod(want[n][0]) for n in report.missing)
+        written = sum(math.prod(files[n][0]) for n in report.unexpected)
+        if held == written:  # the converted tensors, all there; the logits of the reload are the proof
+            report.converted = len(report.unexpected)
+            report.missing, report.unexpected = [], []
     for name in sorted(set(files) & set(want)):
         (shape, dtype), (want_shape, want_dtype) = files[name], want[name]
         if list(shape) != want_shape:
@@ -260,6 +273,7 @@ def prepare(cfg: Any, engine: Any, batch: dict[str, Any], fp8: bool, precision: 
     module = engine.module
     adapter = cfg.lora.enabled
     want, tied = (expected_adapter(module), []) if adapter else expected_model(module)
+    converts = not adapter and converts_names(module)
     # what the reload holds: the whole model, 16-bit unless the run trained in fp32
     size = sum(getattr(q, "ds_numel", q.numel()) for q in module.parameters()) * (4 if precision == "fp32" else 2)
 
@@ -268,7 +282,7 @@ def prepare(cfg: Any, engine: Any, batch: dict[str, Any], fp8: bool, precision: 
         report = ExportReport("adapter" if adapter else "model")
         inject(tmp)
         files = adapter_index(tmp) if adapter else (checkpoint_index(tmp) or {})
-        compare(report, files, want, tied)
+        compare(report, files, want, tied, converts)
         if why is not None:
             report.logits = {"skipped": why}
         elif not report.error(tmp.with_suffix("")):

@@ -173,7 +173,7 @@ def _check(path: Path, auto: Any, mc: Any, kwargs: dict[str, Any], task: str, ne
             report.expected[name] = "unused head: the causal LM's head, which a seq_cls model does not have"
         else:
             report.unexpected.append(name)
-    if (report.missing or report.unexpected) and _converts(model):
+    if (report.missing or report.unexpected) and converts_names(model):
         # names the family's own conversions may map (per-expert tensors fused into one, renamed layouts): held to
         # transformers' report after the load instead (a fused-experts MoE read from a per-expert checkpoint)
         return LoadReport("transformers", tensors=len(index))
@@ -186,7 +186,7 @@ def _check(path: Path, auto: Any, mc: Any, kwargs: dict[str, Any], task: str, ne
     return report
 
 
-def _converts(model: Any) -> bool:
+def converts_names(model: Any) -> bool:
     """Whether transformers converts checkpoint names for this model while loading (its family's own weight
     conversions, not the legacy renames every model gets)."""
     try:
