@@ -393,7 +393,7 @@ def test_standalone_bad_input_is_one_line(tmp_path: Path) -> None:
         )
     )
     cases = [
-        (["--model", str(tmp_path / "missing"), "--prompts", str(prompts)], "is not a directory"),
+        (["--model", str(tmp_path / "missing"), "--prompts", str(prompts)], "is neither a directory nor a hub id"),
         (["--model", str(model), "--prompts", str(bad)], "not JSON"),
         (["--model", str(model), "--prompts", str(tmp_path / "none.jsonl")], "is not a file"),
     ]

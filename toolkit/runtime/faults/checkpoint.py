@@ -18,6 +18,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from toolkit.config.ds_config import ConfigError
 from toolkit.config.schema import Config, save_config
 from toolkit.launch import dist
 from toolkit.runtime.faults import integrity
@@ -97,10 +98,12 @@ def export_model(engine: Any, out_dir: Path, tokenizer: Any | None = None,
             tmp.rename(out_dir)
     error = dist.broadcast_object(error)
     if error is not None:
-        from toolkit.runtime.faults.export_check import ExportError
-
         raise ExportError(error)
     return out_dir
+
+
+class ExportError(ConfigError):
+    """An export that does not hold the trained model (faults/export_check.py): said in one line, not marked done."""
 
 
 # ----------------------------------------------------------------------------- atomic checkpoints

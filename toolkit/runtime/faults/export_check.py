@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from toolkit.config.ds_config import ConfigError
+from toolkit.runtime.faults.checkpoint import atomic_write
 from toolkit.runtime.faults.load_report import checkpoint_index, converts_names
 
 FAULT_ENV = "TOOLKIT_FAULT_EXPORT_DROP"  # tests: this tensor removed from the written files, before the check
@@ -40,10 +40,6 @@ SHOWN = 5
 MODES = ("auto", "full", "keys", "off")
 _DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
            "int32": "I32", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
-
-
-class ExportError(ConfigError):
-    """An export that does not hold the trained model: said in one line, not marked done."""
 
 
 @dataclass
@@ -294,8 +290,6 @@ def prepare(cfg: Any, engine: Any, batch: dict[str, Any], fp8: bool, precision: 
         report.logits["seconds"] = round(time.perf_counter() - t0, 2)  # the files' check and the reload
         report.logits["engine_probe_s"] = round(probe_s, 3)  # the engine's forward on the probe, before the export
         import json
-
-        from toolkit.runtime.faults.checkpoint import atomic_write
 
         out = tmp.with_suffix("")
         atomic_write(tmp / "export_check.json", json.dumps(report.to_dict(), indent=1) + "\n")

@@ -20,6 +20,7 @@ from typing import Any
 
 from toolkit.config.ds_config import ConfigError
 from toolkit.runtime.faults import export_check
+from toolkit.runtime.faults.checkpoint import ExportError
 
 BASES = ("dequantized", "original")
 
@@ -102,7 +103,7 @@ def merge_adapter(adapter: Path, base: Path, out: Path, *, base_weights: str | N
     del merged, unmerged, model
     error = export_check.check_merged(tmp, expected, tied, probe, want, dtype)
     if error:
-        raise export_check.ExportError(error)
+        raise ExportError(error)
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"):
         for src in (adapter / f, base / f):
             if src.is_file():
