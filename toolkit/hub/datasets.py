@@ -38,7 +38,7 @@ def split_file(root: Path, split: str, what: str, repo: str) -> Path:
 def local_source(source: str | None, split: str, revision: str | None, what: str) -> str | None:
     """`source` as corpus reads it: a hub dataset id becomes its split's file in the pinned snapshot; anything else
     is returned as it is."""
-    if source is None or source == "synthetic" or not is_hub_id(source):
-        return source
+    if source is None or source == "synthetic" or not is_hub_id(source) or Path(source).suffix in SUFFIXES:
+        return source  # a file name (data/train.jsonl that is not there) stays a file: its own error says so
     snap = resolve(source, revision, files="dataset", what=what)
     return str(split_file(Path(snap.path), split, what, source))
