@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.runtime.faults.checkpoint import atomic_write
-from toolkit.runtime.faults.load_report import checkpoint_index, converts_names
+from toolkit.runtime.faults.load_report import checkpoint_index, converts_names, file_index
 
 FAULT_ENV = "TOOLKIT_FAULT_EXPORT_DROP"  # tests: this tensor removed from the written files, before the check
 PROBE_TOKENS = 64
@@ -142,18 +142,8 @@ def compare(report: ExportReport, files: dict[str, tuple[list[int], str]], want:
 
 
 def adapter_index(path: Path) -> dict[str, tuple[list[int], str]]:
-    return checkpoint_index_of(path / "adapter_model.safetensors")
-
-
-def checkpoint_index_of(file: Path) -> dict[str, tuple[list[int], str]]:
-    found = checkpoint_index(file.parent) if file.name == "model.safetensors" else None
-    if found is not None:
-        return found
-    import json
-
-    with file.open("rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    return {k: (v["shape"], v["dtype"]) for k, v in header.items() if k != "__metadata__"}
+    """A PEFT adapter directory's tensors, from its safetensors header."""
+    return file_index(path / "adapter_model.safetensors")
 
 
 # ----------------------------------------------------------------------------- the logits of the reload

@@ -95,11 +95,16 @@ def checkpoint_index(path: Path) -> dict[str, tuple[list[int], str]] | None:
         return None
     found: dict[str, tuple[list[int], str]] = {}
     for name in files:
-        with (path / name).open("rb") as f:  # the format: 8 bytes little-endian header size, then JSON
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
-        found |= {k: (v["shape"], v["dtype"]) for k, v in header.items() if k != "__metadata__"}
+        found |= file_index(path / name)
     return found
+
+
+def file_index(file: Path) -> dict[str, tuple[list[int], str]]:
+    """name -> (shape, safetensors dtype) of one safetensors file, from its header alone."""
+    with file.open("rb") as f:  # the format: 8 bytes little-endian header size, then JSON
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    return {k: (v["shape"], v["dtype"]) for k, v in header.items() if k != "__metadata__"}
 
 
 def expected_tensors(auto: Any, mc: Any, kwargs: dict[str, Any]) -> tuple[dict[str, tuple[list[int], bool]],
